@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Shared set-up, sourced by demo.sh and test.sh: make .venv if missing, install torch==2.13.0
+# only when torch is absent (a bare `torch` requirement would pull CUDA wheels), then the project.
+# Idempotent: a second run reuses .venv and skips what is already installed.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  echo "[env] creating .venv"
+  "$PY" -m venv .venv
+fi
+VPY="$ROOT/.venv/bin/python"
+if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
+  echo "[env] installing torch==2.13.0"
+  "$VPY" -m pip install -q torch==2.13.0
+fi
+stamp=".venv/.rollouts-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "[env] installing rollouts and its dev extras"
+  "$VPY" -m pip install -q -e ".[dev,plot]" 2>&1 | grep -v "is ignored: it is neither" || true
+  "$VPY" -c "import rollouts, torch, transformers, trio, httpx, hypercorn, pytest_trio" 
+  touch "$stamp"
+fi
+export PATH="$ROOT/.venv/bin:$PATH"

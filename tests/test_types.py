@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+import trio
+
+from rollouts.types import (
+    ImmediateTrainFuture,
+    RolloutBatch,
+    Sample,
+    Status,
+    TrainBatch,
+    TrainFuture,
+    sample_from_dict,
+    sample_to_dict,
+)
+
+
+def _sample(**kw) -> Sample:
+    base = dict(
+        index=0,
+        group_index=0,
+        prompt="p",
+        tokens=(5, 6, 7, 8),
+        loss_mask=(0, 0, 1, 1),
+        response_length=2,
+        rollout_logprobs=(-0.1, -0.2),
+        status=Status.COMPLETED,
+        weight_versions=("1", "2"),
+    )
+    base.update(kw)
+    return Sample(**base)
+
+
+def test_sample_invariants() -> None:
+    s = _sample()
+    assert s.prompt_tokens == (5, 6)
+    assert s.response_tokens == (7, 8)
+    assert s.weight_version == "2"
+    with pytest.raises(AssertionError, match=r"len\(self.tokens\)=4 != len\(self.loss_mask\)=3"):
+        _sample(loss_mask=(0, 1, 1))
+    with pytest.raises(AssertionError, match="rollout_logprobs"):
+        _sample(rollout_logprobs=(-0.1,))
+    with pytest.raises(AssertionError, match="response_length"):
+        _sample(response_length=5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.reward = 1.0  # type: ignore[misc]
+
+
+def test_sample_dict_round_trip() -> None:
+    s = _sample(prompt=({"role": "user", "content": "x"},), reward=(1.0, 0.5), label="4")
+    assert sample_from_dict(sample_to_dict(s)) == s
+
+
+def test_rollout_batch_groups() -> None:
+    a, b = _sample(), _sample(group_index=1)
+    batch = RolloutBatch(groups=((a,), (b,)))
+    assert batch.samples == (a, b)
+    with pytest.raises(AssertionError, match="mixes group_index"):
+        RolloutBatch(groups=((a, b),))
+
+
+def test_train_batch_select_keeps_global_normalisers() -> None:
+    ids = tuple(torch.arange(n) for n in (3, 4, 5))
+    mask = tuple(torch.ones(n) for n in (3, 4, 5))
+    batch = TrainBatch(input_ids=ids, loss_mask=mask, advantages=mask, num_global_tokens=12.0)
+    sub = batch.select([2, 0])
+    assert len(sub) == 2
+    assert sub.input_ids[0].shape == (5,)
+    assert sub.num_global_tokens == 12.0
+    with pytest.raises(AssertionError, match="advantages"):
+        TrainBatch(input_ids=ids, loss_mask=mask, advantages=mask[:2])
+
+
+async def test_train_future_awaited_under_trio() -> None:
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = TrainFuture(pool.submit(lambda: (time.sleep(0.2), 42)[1]))
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not future.done():
+                ticks += 1
+                await trio.sleep(0.01)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            assert await future == 42
+        assert ticks > 3  # the event loop kept running while the work ran in a thread
+    assert await ImmediateTrainFuture("x") == "x"
+    assert ImmediateTrainFuture(3).result() == 3
+
+
+async def test_train_future_propagates_errors() -> None:
+    import concurrent.futures
+
+    def boom() -> None:
+        raise RuntimeError("step failed")
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = TrainFuture(pool.submit(boom))
+        with pytest.raises(RuntimeError, match="step failed"):
+            await future
