@@ -1,0 +1,135 @@
+"""The InferenceEngine Protocol: the only way the loop talks to an inference server.
+
+SGLang, vLLM and the built-in server are all reached through it; the loop never knows which.
+Records are frozen; the clients translate them to and from each server's wire format
+(`../shared/reference/engine-protocols.md`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from rollouts.types import Status
+
+
+class FinishReason(enum.Enum):
+    """Why generation ended, one enum for every engine."""
+
+    STOP = "stop"  # EOS, a stop string or a stop token id
+    LENGTH = "length"  # max_new_tokens or the context length
+    ABORT = "abort"  # aborted (pause in abort mode, abort_request, surplus over-sampling)
+    ERROR = "error"
+
+    def to_status(self) -> Status:
+        """The Sample status this finish reason gives (slime's mapping)."""
+        return {
+            FinishReason.STOP: Status.COMPLETED,
+            FinishReason.LENGTH: Status.TRUNCATED,
+            FinishReason.ABORT: Status.ABORTED,
+            FinishReason.ERROR: Status.FAILED,
+        }[self]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingParams:
+    """Sampling parameters of one request (SGLang names; the vLLM client renames them)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = all
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    no_stop_trim: bool = True  # keep a matched stop string in the output (slime sends true)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        assert self.max_new_tokens >= 0, f"{self.max_new_tokens=} must be >= 0"
+        assert self.temperature >= 0.0, f"{self.temperature=} must be >= 0"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Completion:
+    """One generated continuation: exact token ids and the logprob of each sampled token."""
+
+    output_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: FinishReason
+    weight_version: str
+    prompt_tokens: int
+    completion_tokens: int
+    text: str = ""
+    matched_stop: int | str | None = None
+
+    def __post_init__(self) -> None:
+        assert len(self.output_ids) == len(self.logprobs), (
+            f"{len(self.output_ids)=} != {len(self.logprobs)=}"
+        )
+        assert self.completion_tokens == len(self.output_ids), (
+            f"{self.completion_tokens=} != {len(self.output_ids)=}"
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class EngineLoad:
+    """How busy an engine is (running + waiting requests)."""
+
+    running: int
+    waiting: int
+
+    @property
+    def total(self) -> int:
+        return self.running + self.waiting
+
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """A generation server reached over HTTP. Every call is bounded by a timeout."""
+
+    url: str
+
+    async def generate(
+        self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None
+    ) -> Completion:
+        """Generate one continuation of `input_ids`; an abort returns the partial output."""
+        ...
+
+    async def update_weights_from_disk(self, path: str, version: str) -> None:
+        """Load HF-format weights from `path`; afterwards the engine serves `version`."""
+        ...
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Stop generating: "abort" in-flight requests, "wait" for them, or "keep" them."""
+        ...
+
+    async def resume(self) -> None:
+        """Undo `pause`."""
+        ...
+
+    async def abort_all(self) -> None:
+        """Abort every in-flight request (they return partial output, finish reason ABORT)."""
+        ...
+
+    async def health(self) -> bool:
+        """True when the engine answers its health route with 200."""
+        ...
+
+    async def weight_version(self) -> str:
+        """The weight version the engine serves now."""
+        ...
+
+    async def load(self) -> EngineLoad:
+        """Running and waiting request counts."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close the HTTP client."""
+        ...
