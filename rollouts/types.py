@@ -11,7 +11,7 @@ import concurrent.futures
 import dataclasses
 import enum
 from collections.abc import Generator, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import trio
 
@@ -199,6 +199,33 @@ class TrainBatch:
             if isinstance(value, tuple) and value:
                 updates[f.name] = tuple(value[i] for i in indices)
         return dataclasses.replace(self, **updates)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ModelOutputs:
+    """What a backend's forward pass gives a loss function, per sequence, aligned with input_ids.
+
+    `logprobs[i][t]` = log p(token t | tokens < t) (position 0 is 0); `entropy[i][t]` is the
+    entropy of the distribution that predicted token t; `values[i][t]` the critic's value there.
+    """
+
+    logprobs: tuple[Any, ...]
+    entropy: tuple[Any, ...] = ()
+    values: tuple[Any, ...] = ()
+
+
+class LossFn(Protocol):
+    """The seam between algorithms and backends.
+
+    Returns the loss of a micro-batch ALREADY normalised by the batch's global counts
+    (`TrainBatch.num_global_tokens` etc.), so a backend just sums gradients over micro-batches;
+    and metrics that are additive over micro-batches (each also normalised globally), so the
+    backend sums them to get the batch's value.
+    """
+
+    def __call__(
+        self, outputs: ModelOutputs, batch: TrainBatch
+    ) -> tuple[Any, dict[str, float]]: ...
 
 
 class TrainFuture(Generic[T]):
