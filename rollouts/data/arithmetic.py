@@ -1,0 +1,106 @@
+"""The CPU demo's synthetic task: two-number addition in a short worked format.
+
+A problem "47+38" is answered as "7+8=15 4+3+1=8 Answer: 85": the digits are added column by
+column with the carry, then the final answer follows the "Answer:" marker that the verifier reads.
+SFT teaches the format on worked conversations; RL with the exact-match verifier sharpens it.
+Files are written as ordinary JSONL datasets, so the demo goes through the same loaders as any
+user's data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+from rollouts.data.loaders import write_jsonl
+
+ANSWER_MARKER = "Answer:"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Problem:
+    """One addition problem with its worked solution."""
+
+    question: str
+    answer: str
+    worked: str
+
+
+def worked_solution(a: int, b: int) -> str:
+    """Column-by-column addition with carries, ending in 'Answer: <a+b>'."""
+    assert a >= 0 and b >= 0, f"{a=} {b=} must be non-negative"
+    steps = []
+    carry = 0
+    x, y = a, b
+    while x or y or not steps:
+        dx, dy = x % 10, y % 10
+        total = dx + dy + carry
+        steps.append(f"{dx}+{dy}+{carry}={total}" if steps else f"{dx}+{dy}={total}")
+        carry = total // 10
+        x, y = x // 10, y // 10
+    return " ".join(steps) + f" {ANSWER_MARKER} {a + b}"
+
+
+def make_problem(rng: random.Random, digits: int) -> Problem:
+    """A random problem with two `digits`-digit operands."""
+    low, high = 10 ** (digits - 1), 10**digits - 1
+    a, b = rng.randint(low, high), rng.randint(low, high)
+    return Problem(question=f"{a}+{b}", answer=str(a + b), worked=worked_solution(a, b))
+
+
+def make_problems(n: int, digits: int, seed: int, exclude: set[str] | None = None) -> list[Problem]:
+    """`n` distinct problems (none of whose questions are in `exclude`), seeded."""
+    assert n >= 1, f"{n=} must be >= 1"
+    assert n <= (9 * 10 ** (digits - 1)) ** 2 // 2, f"{n=} too many for {digits=}"
+    rng = random.Random(seed)
+    seen = set(exclude or ())
+    out: list[Problem] = []
+    while len(out) < n:
+        p = make_problem(rng, digits)
+        if p.question not in seen:
+            seen.add(p.question)
+            out.append(p)
+    return out
+
+
+def write_demo_datasets(
+    out_dir: str | Path,
+    *,
+    digits: int = 2,
+    n_sft: int = 4000,
+    n_rl: int = 4000,
+    n_eval: int = 200,
+    seed: int = 0,
+) -> dict[str, Path]:
+    """Write sft.jsonl (worked conversations), train.jsonl (RL prompts) and eval.jsonl.
+
+    The eval problems are disjoint from both training sets, so accuracy is held-out.
+    """
+    out = Path(out_dir)
+    evals = make_problems(n_eval, digits, seed + 1)
+    held = {p.question for p in evals}
+    sft = make_problems(n_sft, digits, seed + 2, exclude=held)
+    rl = make_problems(n_rl, digits, seed + 3, exclude=held)
+    paths = {name: out / f"{name}.jsonl" for name in ("sft", "train", "eval")}
+    write_jsonl(
+        paths["sft"],
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": p.question},
+                    {"role": "assistant", "content": p.worked},
+                ]
+            }
+            for p in sft
+        ],
+    )
+    for name, problems in (("train", rl), ("eval", evals)):
+        write_jsonl(
+            paths[name],
+            [
+                {"messages": [{"role": "user", "content": p.question}], "label": p.answer}
+                for p in problems
+            ],
+        )
+    return paths

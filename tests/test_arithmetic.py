@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from rollouts.data.arithmetic import make_problems, worked_solution, write_demo_datasets
+from rollouts.data.loaders import load_conversations, load_prompts
+
+
+def test_worked_solution_carries() -> None:
+    assert worked_solution(47, 38) == "7+8=15 4+3+1=8 Answer: 85"
+    assert worked_solution(95, 17) == "5+7=12 9+1+1=11 Answer: 112"
+    assert worked_solution(0, 0) == "0+0=0 Answer: 0"
+
+
+def test_problems_are_distinct_and_seeded() -> None:
+    a = make_problems(50, 2, seed=3)
+    assert len({p.question for p in a}) == 50
+    assert a == make_problems(50, 2, seed=3)
+    assert all(int(p.answer) == sum(map(int, p.question.split("+"))) for p in a)
+
+
+def test_demo_datasets_load_and_eval_is_held_out(tmp_path: Path) -> None:
+    paths = write_demo_datasets(tmp_path, n_sft=100, n_rl=100, n_eval=20)
+    sft = load_conversations(paths["sft"])
+    train = load_prompts(paths["train"])
+    evals = load_prompts(paths["eval"])
+    assert len(sft) == 100 and len(train) == 100 and len(evals) == 20
+    held = {e.prompt[0]["content"] for e in evals}
+    assert not held & {t.prompt[0]["content"] for t in train}
+    assert not held & {c[0]["content"] for c in sft}
+    assert sft[0][1]["content"].endswith("Answer: " + str(eval(sft[0][0]["content"])))
