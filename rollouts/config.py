@@ -116,6 +116,7 @@ class DataConfig(_Section):
     messages_key: str = "messages"
     shuffle: bool = True
     eval_size: int = 0  # 0 = the whole eval set
+    prepare: str = ""  # dotted path to `fn(data_config) -> None` writing missing data files
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -274,6 +275,14 @@ class AlgorithmConfig(_Section):
     mini_batch_size: int = 0  # groups per mini-batch; 0 = the whole batch
     pair_beta: float = 0.1
     schedule: str = ""  # dotted path to `step -> AlgorithmConfig`
+    tis_level: str = "token"  # "token" | "sequence"
+    kl_target: float = 0.0  # > 0: adaptive KL coefficient towards this KL (kl_in = "reward")
+    kl_horizon: int = 10000  # steps of the adaptive KL controller
+    kl_cap: float = 0.0  # > 0: clamp per-token KL at this value
+    kl_ignore_ref_above: float = 1.0  # < 1: no KL on tokens the reference gives p > this
+    value_coef: float = 0.5  # weight of the critic's loss (advantage = "gae")
+    value_clip: float = 0.2  # clip range of the critic's prediction around old values
+    ref_update_fn: str = ""  # dotted path, for ref_update = "user"
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -282,7 +291,27 @@ class AlgorithmConfig(_Section):
         _one_of(p, "algorithm.loss_agg", self.loss_agg, AGG_MODES)
         _one_of(p, "algorithm.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _one_of(p, "algorithm.kl_in", self.kl_in, ("loss", "reward"))
-        _one_of(p, "algorithm.ref_update", self.ref_update, ("none", "copy", "ema", "periodic"))
+        _one_of(
+            p, "algorithm.ref_update", self.ref_update, ("none", "copy", "ema", "periodic", "user")
+        )
+        _check(
+            p,
+            self.ref_update != "user" or bool(self.ref_update_fn),
+            "algorithm.ref_update_fn: must name a function when algorithm.ref_update = 'user'",
+        )
+        _one_of(p, "algorithm.tis_level", self.tis_level, ("token", "sequence"))
+        _check(p, self.kl_target >= 0.0, "algorithm.kl_target: must be >= 0 (0 = fixed kl_coef)")
+        _check(p, self.kl_horizon >= 1, "algorithm.kl_horizon: must be >= 1")
+        _check(p, self.kl_cap >= 0.0, "algorithm.kl_cap: must be >= 0 (0 = no cap)")
+        _check(p, 0.0 < self.kl_ignore_ref_above <= 1.0, "algorithm.kl_ignore_ref_above: (0, 1]")
+        _check(p, self.value_coef >= 0.0, "algorithm.value_coef: must be >= 0")
+        _check(p, self.value_clip > 0.0, "algorithm.value_clip: must be > 0")
+        _check(
+            p,
+            self.policy_loss != "gspo" or self.loss_agg == "seq-mean-token-mean",
+            f"algorithm.loss_agg = {self.loss_agg!r}: GSPO is defined with "
+            "'seq-mean-token-mean'; set algorithm.loss_agg = 'seq-mean-token-mean'",
+        )
         _check(p, 0.0 <= self.clip_eps_low < 1.0, "algorithm.clip_eps_low: must be in [0, 1)")
         _check(p, self.clip_eps_high >= 0.0, "algorithm.clip_eps_high: must be >= 0")
         _check(
@@ -345,6 +374,9 @@ class TrainingConfig(_Section):
     eval_every: int = 0  # 0 = only at the start and the end
     max_consecutive_nonfinite: int = 3
     logprob_chunk_size: int = 1024
+    micro_batch_layout: str = "pad"  # "pad" (length-bucketed, right-padded) | "pack" (one row)
+    weight_sync_dir: str = ""  # weights-only copies for engines; "" = /dev/shm (else a temp dir)
+    weight_sync_attempts: int = 3  # tries per engine before a sync fails
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -360,6 +392,8 @@ class TrainingConfig(_Section):
         _check(p, self.eval_every >= 0, "training.eval_every: must be >= 0")
         _check(p, self.max_consecutive_nonfinite >= 1, "training.max_consecutive_nonfinite: >= 1")
         _check(p, self.logprob_chunk_size >= 1, "training.logprob_chunk_size: must be >= 1")
+        _one_of(p, "training.micro_batch_layout", self.micro_batch_layout, ("pad", "pack"))
+        _check(p, self.weight_sync_attempts >= 1, "training.weight_sync_attempts: must be >= 1")
         return p
 
 

@@ -1,0 +1,219 @@
+"""Advantage estimators: GRPO, Dr.GRPO, RLOO, REINFORCE, REINFORCE++ (baseline), GAE.
+
+Input: groups of scored Samples (one group = the samples of one prompt). Output: one float tensor
+per sample, aligned with `sample.tokens` (length len(tokens)), zero wherever `loss_mask` is 0.
+Definitions follow /work/shared/reference/algorithms.md. Token-level rewards (an outcome score at
+the last trained token, minus an optional per-token KL penalty) drive the per-token estimators;
+observation (tool output) tokens have loss_mask 0 and are skipped: they are not steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from rollouts.algorithms.aggregation import masked_whiten
+from rollouts.config import AlgorithmConfig
+from rollouts.types import Sample, Status
+
+GRPO_EPS = 1e-6  # verl / slime / SkyRL
+Groups = Sequence[Sequence[Sample]]
+PerToken = tuple[tuple[torch.Tensor, ...], ...]  # [group][sample] -> [len(tokens)]
+
+
+def scalar_reward(sample: Sample) -> float:
+    """The sample's reward as a float; vector rewards must be aggregated first (rewards module)."""
+    assert sample.status is not Status.FAILED, f"sample {sample.index} FAILED: never trained on"
+    if sample.reward is None or isinstance(sample.reward, tuple):
+        raise ValueError(
+            f"sample {sample.index} (group {sample.group_index}) has reward {sample.reward!r}: "
+            "advantages need a float; score it first and aggregate vector rewards "
+            "(rollouts.rewards.computers.aggregate_vector)"
+        )
+    return float(sample.reward)
+
+
+def mask_of(sample: Sample) -> torch.Tensor:
+    """The sample's loss mask as a float tensor [len(tokens)]."""
+    return torch.tensor(sample.loss_mask, dtype=torch.float32)
+
+
+def outcome_token_rewards(
+    groups: Groups, penalties: PerToken | None = None, scores: Sequence[Sequence[float]] = ()
+) -> PerToken:
+    """Per-token rewards: the score at the last trained token, minus `penalties` (e.g. beta * KL).
+
+    `scores` overrides the samples' rewards (same nesting). A sample with no trained token gets
+    all zeros.
+    """
+    out = []
+    for g, group in enumerate(groups):
+        row = []
+        for i, sample in enumerate(group):
+            mask = mask_of(sample)
+            rewards = torch.zeros_like(mask)
+            trained = mask.nonzero().flatten()
+            if len(trained):
+                score = scores[g][i] if scores else scalar_reward(sample)
+                rewards[trained[-1]] = score
+            if penalties is not None:
+                assert penalties[g][i].shape == mask.shape, f"{penalties[g][i].shape=}"
+                rewards = rewards - penalties[g][i] * mask
+            row.append(rewards)
+        out.append(tuple(row))
+    return tuple(out)
+
+
+def grpo_scores(scores_G: torch.Tensor, norm_by_std: bool = True) -> torch.Tensor:
+    """GRPO advantages of one group, as verl `compute_grpo_outcome_advantage`.
+
+    A_i = (s_i - mean) / (std + 1e-6), std unbiased (N-1); without std (Dr.GRPO) A_i = s_i - mean.
+    A group of one has mean 0 and std 1 (so A = s / (1 + 1e-6), or s without std).
+    """
+    assert scores_G.ndim == 1, f"{scores_G.shape=}"
+    assert len(scores_G) >= 1, "a group must hold at least one sample"
+    if len(scores_G) == 1:
+        mean, std = torch.zeros(()), torch.ones(())
+    else:
+        mean, std = scores_G.mean(), scores_G.std(unbiased=True)
+    return (scores_G - mean) / (std + GRPO_EPS) if norm_by_std else scores_G - mean
+
+
+def rloo_scores(scores_G: torch.Tensor) -> torch.Tensor:
+    """RLOO: A_i = s_i - mean of the OTHER samples of the group; a group of one keeps A = s."""
+    assert scores_G.ndim == 1, f"{scores_G.shape=}"
+    n = len(scores_G)
+    if n == 1:
+        return scores_G.clone()
+    return scores_G - (scores_G.sum() - scores_G) / (n - 1)
+
+
+def discounted_returns(rewards_T: torch.Tensor, mask_T: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Reward-to-go over trained tokens only: G_t = r_t + gamma * G_next (untrained tokens -> 0)."""
+    assert rewards_T.shape == mask_T.shape, f"{rewards_T.shape=} != {mask_T.shape=}"
+    out = torch.zeros_like(rewards_T)
+    running = 0.0
+    for t in reversed(mask_T.nonzero().flatten().tolist()):
+        running = float(rewards_T[t]) + gamma * running
+        out[t] = running
+    return out
+
+
+def gae(
+    rewards_T: torch.Tensor, values_T: torch.Tensor, mask_T: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over trained tokens (verl `compute_gae_advantage_return`, observation tokens skipped).
+
+    delta_t = r_t + gamma * V_next - V_t ; A_t = delta_t + gamma * lam * A_next, where "next" is
+    the next TRAINED token (V = 0 after the last). Returns (advantages, returns = A + V),
+    unwhitened.
+    """
+    assert rewards_T.shape == values_T.shape == mask_T.shape, f"{rewards_T.shape=}"
+    adv = torch.zeros_like(rewards_T)
+    next_value, next_adv = 0.0, 0.0
+    for t in reversed(mask_T.nonzero().flatten().tolist()):
+        delta = float(rewards_T[t]) + gamma * next_value - float(values_T[t])
+        next_adv = delta + gamma * lam * next_adv
+        next_value = float(values_T[t])
+        adv[t] = next_adv
+    return adv, (adv + values_T) * mask_T
+
+
+def _whiten_all(per_token: PerToken, groups: Groups) -> PerToken:
+    """Whiten every trained token of the batch together (one mean and std for the batch)."""
+    masks = [mask_of(s) for group in groups for s in group]
+    flat = torch.cat([a for row in per_token for a in row]) if masks else torch.zeros(0)
+    white = masked_whiten(flat, torch.cat(masks)) if masks else flat
+    out, start = [], 0
+    for row in per_token:
+        new_row = []
+        for a in row:
+            new_row.append(white[start : start + len(a)])
+            start += len(a)
+        out.append(tuple(new_row))
+    return tuple(out)
+
+
+def _broadcast(groups: Groups, seq_adv: Sequence[torch.Tensor]) -> PerToken:
+    return tuple(
+        tuple(float(seq_adv[g][i]) * mask_of(s) for i, s in enumerate(group))
+        for g, group in enumerate(groups)
+    )
+
+
+def _seq_scores(token_rewards: PerToken) -> list[torch.Tensor]:
+    """A sequence's score is the sum of its token rewards (verl: token_level_rewards.sum(-1))."""
+    return [torch.tensor([float(r.sum()) for r in row]) for row in token_rewards]
+
+
+def compute_gae(
+    groups: Groups, values: PerToken, config: AlgorithmConfig, token_rewards: PerToken | None = None
+) -> tuple[PerToken, PerToken]:
+    """GAE advantages (whitened over the batch's trained tokens) and returns, for a critic."""
+    rewards = token_rewards if token_rewards is not None else outcome_token_rewards(groups)
+    adv, ret = [], []
+    for g, group in enumerate(groups):
+        pairs = [
+            gae(rewards[g][i], values[g][i].float(), mask_of(s), config.gamma, config.lam)
+            for i, s in enumerate(group)
+        ]
+        adv.append(tuple(a for a, _ in pairs))
+        ret.append(tuple(r for _, r in pairs))
+    return _whiten_all(tuple(adv), groups), tuple(ret)
+
+
+def compute_advantages(
+    groups: Groups,
+    config: AlgorithmConfig,
+    *,
+    token_rewards: PerToken | None = None,
+    values: PerToken | None = None,
+) -> PerToken:
+    """Per-token advantages of every sample, by `config.advantage`.
+
+    grpo (config.norm_adv_by_std), dr_grpo (no std), rloo: sequence scores broadcast over trained
+    tokens. reinforce: discounted reward-to-go (gamma), no baseline. reinforce_pp: group mean
+    subtracted from the score, reward-to-go, then whitened over the batch's trained tokens (with
+    gamma = 1 and outcome rewards: verl's REINFORCE++-baseline). gae: needs `values` (critic);
+    use `compute_gae` to also get the returns. `token_rewards` default: `outcome_token_rewards`.
+    """
+    assert all(len(group) >= 1 for group in groups), "every group must hold a sample"
+    rewards = token_rewards if token_rewards is not None else outcome_token_rewards(groups)
+    kind = config.advantage
+    if kind in ("grpo", "dr_grpo"):
+        norm = config.norm_adv_by_std and kind == "grpo"
+        return _broadcast(groups, [grpo_scores(s, norm) for s in _seq_scores(rewards)])
+    if kind == "rloo":
+        return _broadcast(groups, [rloo_scores(s) for s in _seq_scores(rewards)])
+    if kind == "reinforce":
+        return _reward_to_go(groups, rewards, config.gamma)
+    if kind == "reinforce_pp":
+        means = [float(s.mean()) for s in _seq_scores(rewards)]
+        centred = tuple(
+            tuple(
+                rewards[g][i] + _last_token_value(mask_of(s), -means[g])
+                for i, s in enumerate(group)
+            )
+            for g, group in enumerate(groups)
+        )
+        return _whiten_all(_reward_to_go(groups, centred, config.gamma), groups)
+    assert kind == "gae", f"{kind=}"
+    if values is None:
+        raise ValueError("algorithm.advantage = 'gae' needs critic values: pass values=")
+    return compute_gae(groups, values, config, rewards)[0]
+
+
+def _reward_to_go(groups: Groups, rewards: PerToken, gamma: float) -> PerToken:
+    return tuple(
+        tuple(discounted_returns(rewards[g][i], mask_of(s), gamma) for i, s in enumerate(group))
+        for g, group in enumerate(groups)
+    )
+
+
+def _last_token_value(mask: torch.Tensor, value: float) -> torch.Tensor:
+    out = torch.zeros_like(mask)
+    trained = mask.nonzero().flatten()
+    if len(trained):
+        out[trained[-1]] = value
+    return out

@@ -1,0 +1,85 @@
+"""Build a `TrainBatch` from scored Samples and their per-token advantages.
+
+Every per-token field is aligned with `sample.tokens`: position t holds the value for token t
+(logprob of token t given tokens < t). The engine's `rollout_logprobs` (one per response token)
+land on the response positions, prompt positions get 0. The global normalisers (trained tokens,
+trained sequences, Dr.GRPO's T_max) are computed here over the WHOLE batch, before any split into
+micro-batches or data-parallel shards, and `TrainBatch.select` keeps them on every part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from rollouts.algorithms.aggregation import global_counts
+from rollouts.types import Sample, Status, TrainBatch
+
+TRAINABLE = (Status.COMPLETED, Status.TRUNCATED)
+
+
+def rollout_logprobs_tensor(sample: Sample) -> torch.Tensor:
+    """The engine's logprobs aligned with `sample.tokens` (prompt positions 0)."""
+    assert len(sample.rollout_logprobs) == sample.response_length, (
+        f"sample {sample.index}: {len(sample.rollout_logprobs)=} != {sample.response_length=}"
+    )
+    out = torch.zeros(len(sample.tokens), dtype=torch.float32)
+    if sample.response_length:
+        out[sample.prompt_length :] = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
+    return out
+
+
+def make_train_batch(
+    samples: Sequence[Sample],
+    advantages: Sequence[torch.Tensor],
+    *,
+    max_response_length: int = 0,
+    returns: Sequence[torch.Tensor] = (),
+    old_values: Sequence[torch.Tensor] = (),
+    metadata: Mapping[str, Any] | None = None,
+) -> TrainBatch:
+    """A `TrainBatch` of `samples` (flat, in order) with their per-token `advantages`.
+
+    `advantages[i]` is aligned with `samples[i].tokens` (what `compute_advantages` returns,
+    flattened). `max_response_length` is Dr.GRPO's constant T_max (e.g. the sampling budget
+    max_new_tokens); 0 = the longest response here. `rollout_logprobs` are included when every
+    sample has them. `old_logprobs` / `ref_logprobs` are filled in later by the backend
+    (`dataclasses.replace(batch, old_logprobs=...)`); the normalisers do not depend on them.
+    """
+    assert len(samples) == len(advantages), f"{len(samples)=} != {len(advantages)=}"
+    assert not returns or len(returns) == len(samples), f"{len(returns)=} != {len(samples)=}"
+    input_ids, masks, advs = [], [], []
+    for sample, adv in zip(samples, advantages, strict=True):
+        assert sample.status in TRAINABLE, (
+            f"sample {sample.index} has status {sample.status.value}: only completed or truncated "
+            "samples are trained on (drop FAILED / ABORTED ones first)"
+        )
+        assert adv.shape == (len(sample.tokens),), f"{adv.shape=} != ({len(sample.tokens)},)"
+        input_ids.append(torch.tensor(sample.tokens, dtype=torch.long))
+        mask = torch.tensor(sample.loss_mask, dtype=torch.float32)
+        masks.append(mask)
+        advs.append(adv.float() * mask)
+    with_rollout = bool(samples) and all(
+        s.rollout_logprobs or not s.response_length for s in samples
+    )
+    longest = max((s.response_length for s in samples), default=0)
+    counts = global_counts(masks, max_response_length or longest)
+    return TrainBatch(
+        input_ids=tuple(input_ids),
+        loss_mask=tuple(masks),
+        advantages=tuple(advs),
+        rollout_logprobs=tuple(rollout_logprobs_tensor(s) for s in samples) if with_rollout else (),
+        returns=tuple(r.float() for r in returns),
+        old_values=tuple(v.float() for v in old_values),
+        num_global_tokens=counts.num_tokens,
+        num_global_seqs=counts.num_seqs,
+        max_response_length=counts.max_response_length,
+        metadata=dict(metadata or {}),
+    )
+
+
+def flatten(groups: Sequence[Sequence[Any]]) -> list[Any]:
+    """Groups -> one flat list in order (samples, or the per-sample advantages of the groups)."""
+    return [item for group in groups for item in group]

@@ -1,0 +1,137 @@
+"""KL estimators (k1, abs, k2, k3), KL helpers, and KL in the reward (fixed or adaptive).
+
+Estimators take per-token logprobs of the sampled tokens, d = logp - logp_ref, and follow verl's
+`kl_penalty` (see /work/shared/reference/algorithms.md). Sampled from the policy, k1 and k3 are
+unbiased estimates of the reverse KL(pi || ref); k3 is the low-variance one. `full_kl` gives the
+exact per-token KL from logits, in either direction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+
+from rollouts.config import KL_ESTIMATORS, AlgorithmConfig
+
+K3_CLAMP = 10.0
+EXP_CLAMP = 20.0
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL estimate by name, as verl `kl_penalty`.
+
+    k1 ("kl"): d ; abs: |d| ; k2 ("mse"): 0.5 d^2 ;
+    k3 ("low_var_kl"): x = clamp(-d, -20, 20); clamp(exp(x) - x - 1, -10, 10).
+    """
+    assert logp.shape == ref_logp.shape, f"{logp.shape=} != {ref_logp.shape=}"
+    assert estimator in KL_ESTIMATORS, f"{estimator=} not in {KL_ESTIMATORS}"
+    d = logp.float() - ref_logp.float()
+    if estimator == "k1":
+        return d
+    if estimator == "abs":
+        return d.abs()
+    if estimator == "k2":
+        return 0.5 * d * d
+    x = torch.clamp(-d, -EXP_CLAMP, EXP_CLAMP)
+    return torch.clamp(torch.exp(x) - x - 1.0, -K3_CLAMP, K3_CLAMP)
+
+
+def truncate_kl(
+    kl: torch.Tensor, ref_logp: torch.Tensor, *, cap: float = 0.0, ignore_ref_above: float = 1.0
+) -> torch.Tensor:
+    """The truncated variant: zero where the reference is confident, cap per-token KL.
+
+    Tokens the reference gives p_ref > `ignore_ref_above` carry no KL (1.0 = keep all); `cap` > 0
+    clamps each token's KL to [-cap, cap] (0 = no cap).
+    """
+    assert kl.shape == ref_logp.shape, f"{kl.shape=} != {ref_logp.shape=}"
+    assert 0.0 < ignore_ref_above <= 1.0, f"{ignore_ref_above=} must be in (0, 1]"
+    if ignore_ref_above < 1.0:
+        kl = torch.where(ref_logp.float() > math.log(ignore_ref_above), torch.zeros_like(kl), kl)
+    if cap > 0.0:
+        kl = torch.clamp(kl, -cap, cap)
+    return kl
+
+
+def config_kl(logp: torch.Tensor, ref_logp: torch.Tensor, config: AlgorithmConfig) -> torch.Tensor:
+    """Per-token KL with the config's estimator, cap and confident-reference truncation."""
+    kl = kl_estimate(logp, ref_logp, config.kl_estimator)
+    return truncate_kl(kl, ref_logp, cap=config.kl_cap, ignore_ref_above=config.kl_ignore_ref_above)
+
+
+def full_kl(logits_p: torch.Tensor, logits_q: torch.Tensor) -> torch.Tensor:
+    """Exact KL(p || q) per position from logits [..., V] -> [...].
+
+    Reverse KL of the policy: full_kl(policy, ref); forward KL: full_kl(ref, policy).
+    """
+    assert logits_p.shape == logits_q.shape, f"{logits_p.shape=} != {logits_q.shape=}"
+    logp = torch.log_softmax(logits_p.float(), dim=-1)
+    logq = torch.log_softmax(logits_q.float(), dim=-1)
+    return (logp.exp() * (logp - logq)).sum(dim=-1)
+
+
+def reverse_kl(policy_logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    """KL(policy || ref) per position (mode-seeking; what k1/k3 estimate from samples)."""
+    return full_kl(policy_logits, ref_logits)
+
+
+def forward_kl(policy_logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    """KL(ref || policy) per position (mass-covering)."""
+    return full_kl(ref_logits, policy_logits)
+
+
+def batch_kl(kl: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> float:
+    """Mean per-token KL over all trained tokens of a batch (0.0 when none)."""
+    assert len(kl) == len(masks), f"{len(kl)=} != {len(masks)=}"
+    count = sum(float(m.sum()) for m in masks)
+    total = sum(float((k.float() * m).sum()) for k, m in zip(kl, masks, strict=True))
+    return total / count if count else 0.0
+
+
+def kl_reward_penalties(
+    old_logprobs: Sequence[torch.Tensor],
+    ref_logprobs: Sequence[torch.Tensor],
+    masks: Sequence[torch.Tensor],
+    config: AlgorithmConfig,
+    coef: float,
+) -> tuple[tuple[torch.Tensor, ...], float]:
+    """KL in the reward: per-token penalties coef * kl(logp_old, logp_ref), and the batch KL.
+
+    Subtract them from the token rewards (`advantages.outcome_token_rewards(groups, penalties)`);
+    feed the batch KL to `AdaptiveKL.update` when the coefficient is adaptive.
+    """
+    assert coef >= 0.0, f"{coef=} must be >= 0"
+    triples = zip(old_logprobs, ref_logprobs, masks, strict=True)
+    kls = [config_kl(old, ref, config) * mask for old, ref, mask in triples]
+    return tuple(coef * k for k in kls), batch_kl(kls, masks)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class AdaptiveKL:
+    """KL coefficient of the reward: fixed (target = 0) or adaptive towards a target KL.
+
+    The adaptive rule of Ziegler et al. (2019), as verl `AdaptiveKLController`:
+    err = clamp(kl / target - 1, -0.2, 0.2); coef *= 1 + err * n_steps / horizon.
+    """
+
+    coef: float
+    target: float = 0.0
+    horizon: int = 10000
+
+    def __post_init__(self) -> None:
+        assert self.coef >= 0.0, f"{self.coef=} must be >= 0"
+        assert self.horizon >= 1, f"{self.horizon=} must be >= 1"
+
+    @classmethod
+    def from_config(cls, config: AlgorithmConfig) -> AdaptiveKL:
+        return cls(coef=config.kl_coef, target=config.kl_target, horizon=config.kl_horizon)
+
+    def update(self, current_kl: float, n_steps: int = 1) -> AdaptiveKL:
+        """The next controller after observing `current_kl` over `n_steps` steps."""
+        if self.target <= 0.0:
+            return self
+        err = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        return dataclasses.replace(self, coef=self.coef * (1.0 + err * n_steps / self.horizon))

@@ -1,0 +1,54 @@
+"""Off-policy correction against the engine's rollout logprobs: TIS weights and the mismatch.
+
+The inference engine samples with slightly different numerics than the trainer (verl #2996), so
+`logp_old` (trainer, before the update) and `logp_rollout` (engine) differ. Truncated importance
+sampling multiplies each token's policy-gradient loss by w = min(exp(logp_old - logp_rollout), C),
+DETACHED (a weight, not a path for gradients). The mismatch metric is reported every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from rollouts.algorithms.losses import LOG_RATIO_CLAMP
+
+
+def tis_weights(
+    old_logp_BT: torch.Tensor,
+    rollout_logp_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    cap: float,
+    level: str = "token",
+) -> torch.Tensor:
+    """Detached truncated IS weights [B, T] (as the reference sheet's TIS).
+
+    token: w_t = min(exp(clamp(old_t - rollout_t, -20, 20)), cap).
+    sequence: w_i = min(exp(clamp(sum_t M (old_t - rollout_t), -20, 20)), cap), on every token.
+    Untrained positions get weight 0 (they are masked out of the loss anyway).
+    """
+    assert old_logp_BT.shape == rollout_logp_BT.shape == mask_BT.shape, f"{old_logp_BT.shape=}"
+    assert cap >= 1.0, f"{cap=} must be >= 1"
+    assert level in ("token", "sequence"), f"{level=} must be 'token' or 'sequence'"
+    diff = (old_logp_BT.detach().float() - rollout_logp_BT.float()) * mask_BT
+    if level == "sequence":
+        diff = diff.sum(dim=-1, keepdim=True).expand_as(diff)
+    log_w = torch.clamp(diff, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (torch.clamp(torch.exp(log_w), max=cap) * mask_BT).detach()
+
+
+def logprob_mismatch(
+    old_logprobs: Sequence[torch.Tensor],
+    rollout_logprobs: Sequence[torch.Tensor],
+    masks: Sequence[torch.Tensor],
+) -> float:
+    """mean |logp_old - logp_rollout| over all trained tokens of a batch (0.0 when none)."""
+    assert len(old_logprobs) == len(rollout_logprobs) == len(masks), f"{len(masks)=}"
+    total, count = 0.0, 0.0
+    for old, rollout, mask in zip(old_logprobs, rollout_logprobs, masks, strict=True):
+        assert old.shape == rollout.shape == mask.shape, f"{old.shape=} {rollout.shape=}"
+        total += float(((old.float() - rollout.float()).abs() * mask).sum())
+        count += float(mask.sum())
+    return total / count if count else 0.0

@@ -1,0 +1,182 @@
+"""make_loss_fn / make_train_batch: the LossFn seam, global normalisation, accumulation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from rollouts.algorithms.batch import make_train_batch
+from rollouts.algorithms.loss_fn import make_loss_fn
+from rollouts.config import AGG_MODES, AlgorithmConfig
+from rollouts.types import ModelOutputs, Sample, Status, TrainBatch
+
+
+def sample(tokens, mask, response_length, rollout=(), index=0, status=Status.COMPLETED):
+    return Sample(
+        index=index,
+        group_index=0,
+        prompt="p",
+        tokens=tuple(tokens),
+        loss_mask=tuple(mask),
+        response_length=response_length,
+        rollout_logprobs=tuple(rollout),
+        reward=1.0,
+        status=status,
+    )
+
+
+def small_batch(rollout=((0.0, 0.0), (0.0,))) -> TrainBatch:
+    samples = [
+        sample([5, 6, 7], [0, 1, 1], 2, rollout[0]),
+        sample([5, 8], [0, 1], 1, rollout[1], index=1),
+    ]
+    adv = [torch.tensor([0.0, 1.0, 1.0]), torch.tensor([0.0, -1.0])]
+    return make_train_batch(samples, adv)
+
+
+def test_make_train_batch_aligns_and_counts():
+    samples = [
+        sample([1, 2, 3, 4], [0, 0, 1, 1], 2, (-0.5, -0.25)),
+        sample([1, 2, 3], [0, 0, 0], 1, (-1.0,), index=1),  # all masked
+    ]
+    adv = [torch.tensor([9.0, 9.0, 1.0, 2.0]), torch.zeros(3)]
+    batch = make_train_batch(samples, adv, max_response_length=16)
+    assert batch.input_ids[0].tolist() == [1, 2, 3, 4]
+    assert batch.advantages[0].tolist() == [0.0, 0.0, 1.0, 2.0]  # masked positions zeroed
+    assert batch.rollout_logprobs[0].tolist() == [0.0, 0.0, -0.5, -0.25]
+    assert batch.rollout_logprobs[1].tolist() == [0.0, 0.0, -1.0]
+    # N = 2 trained tokens, B = 1 sequence with any, T_max as given
+    assert (batch.num_global_tokens, batch.num_global_seqs) == (2.0, 1.0)
+    assert batch.max_response_length == 16
+    assert make_train_batch(samples, adv).max_response_length == 2  # longest response
+    micro = batch.select([1])
+    assert micro.num_global_tokens == 2.0  # select keeps the global normalisers
+    failed = dataclasses.replace(samples[0], status=Status.FAILED)
+    with pytest.raises(AssertionError, match="failed"):
+        make_train_batch([failed], adv[:1])
+
+
+def outputs_for(logps, entropy=()):
+    return ModelOutputs(logprobs=tuple(torch.tensor(x) for x in logps), entropy=entropy)
+
+
+def test_ppo_token_mean_hand_values():
+    batch = small_batch()
+    logps = [[0.0, math.log(1.5), math.log(0.5)], [0.0, math.log(4.0)]]
+    old = (torch.zeros(3), torch.zeros(2))
+    batch = dataclasses.replace(batch, old_logprobs=old)
+    loss, metrics = make_loss_fn(AlgorithmConfig())(outputs_for(logps), batch)
+    # per-token losses (see test_losses): -1.2 (A=1, r=1.5), -0.5 (A=1, r=.5), 3 (A=-1, r=4 dual)
+    # token-mean over N = 3: (-1.2 - .5 + 3) / 3 = 1.3 / 3
+    assert loss.item() == pytest.approx(1.3 / 3, rel=1e-6)
+    assert metrics["pg_loss"] == pytest.approx(1.3 / 3, rel=1e-6)
+    assert metrics["clipfrac"] == pytest.approx(1 / 3)
+    assert metrics["dual_clipfrac"] == pytest.approx(1 / 3)
+    assert metrics["clipfrac_high"] == pytest.approx(1 / 3)
+    assert metrics["ratio_mean"] == pytest.approx((1.5 + 0.5 + 4) / 3)
+    # ppo_kl = mean(old - logp) = -(log 1.5 + log .5 + log 4) / 3 = -log 3 / 3
+    assert metrics["ppo_kl"] == pytest.approx(-math.log(3) / 3, rel=1e-6)
+    # the rollout logprobs are 0 like old: mismatch 0
+    assert metrics["logprob_mismatch"] == 0.0
+
+
+def test_tis_in_the_loss_is_detached_and_truncated():
+    # no old_logprobs: old = logp.detach() = 0 -> ratio 1; rollout -log 1.5, -log 3 -> w 1.5, 2
+    batch = small_batch(rollout=((-math.log(1.5), -math.log(3.0)), (0.0,)))
+    logp = [torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True)]
+    loss_fn = make_loss_fn(AlgorithmConfig(tis=True, tis_cap=2.0))
+    loss, metrics = loss_fn(ModelOutputs(logprobs=tuple(logp)), batch)
+    # per-token -A r w: -1.5, -2, +1 -> / N=3
+    assert loss.item() == pytest.approx((-1.5 - 2.0 + 1.0) / 3, rel=1e-6)
+    assert metrics["tis_weight_mean"] == pytest.approx((1.5 + 2 + 1) / 3)
+    assert metrics["tis_truncated_frac"] == pytest.approx(1 / 3)
+    loss.backward()
+    # gradient -A w / N (weights detached); with w attached to logp it would be doubled
+    assert logp[0].grad.tolist() == pytest.approx([0.0, -0.5, -2 / 3], rel=1e-6)
+    assert logp[1].grad.tolist() == pytest.approx([0.0, 1 / 3], rel=1e-6)
+
+
+def test_entropy_and_kl_terms():
+    batch = small_batch()
+    ref = (torch.tensor([0.0, math.log(0.5), 0.0]), torch.tensor([0.0, 0.0]))
+    batch = dataclasses.replace(batch, ref_logprobs=ref)
+    entropy = (torch.tensor([9.0, 1.0, 2.0]), torch.tensor([9.0, 3.0]))
+    config = AlgorithmConfig(entropy_coef=0.1, kl_coef=0.5, kl_estimator="k1")
+    loss, metrics = make_loss_fn(config)(outputs_for([[0.0] * 3, [0.0] * 2], entropy), batch)
+    # pg: ratio 1 -> -A: (-1 - 1 + 1) / 3 = -1/3 ; entropy (1 + 2 + 3) / 3 = 2
+    # k1 = logp - ref = log 2, 0, 0 -> mean log2 / 3
+    expected = -1 / 3 - 0.1 * 2.0 + 0.5 * math.log(2) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert metrics["entropy"] == pytest.approx(2.0)
+    assert metrics["kl"] == pytest.approx(math.log(2) / 3, rel=1e-6)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        make_loss_fn(config)(outputs_for([[0.0] * 3, [0.0] * 2], entropy), small_batch())
+    with pytest.raises(ValueError, match="entropy"):
+        make_loss_fn(config)(outputs_for([[0.0] * 3, [0.0] * 2]), batch)
+
+
+def random_batch(seed: int) -> tuple[TrainBatch, list[torch.Tensor]]:
+    """8 sequences of different lengths (one all masked) with random advantages and logprobs."""
+    gen = torch.Generator().manual_seed(seed)
+    samples, adv, old, ref, params = [], [], [], [], []
+    for i in range(8):
+        n = 4 + i
+        prompt = 2
+        mask = [0] * prompt + [1] * (n - prompt)
+        if i == 3:
+            mask = [0] * n  # an all-masked row
+        if i == 5:
+            mask[prompt + 1] = 0  # an observation token
+        rollout = (-torch.rand(n - prompt, generator=gen)).tolist()
+        samples.append(sample(list(range(n)), mask, n - prompt, rollout, index=i))
+        adv.append(torch.randn(n, generator=gen))
+        old.append(-torch.rand(n, generator=gen))
+        ref.append(-torch.rand(n, generator=gen))
+        params.append((-torch.rand(n, generator=gen) - 0.05).requires_grad_(True))
+    batch = make_train_batch(samples, adv, max_response_length=12)
+    batch = dataclasses.replace(batch, old_logprobs=tuple(old), ref_logprobs=tuple(ref))
+    return batch, params
+
+
+def grads(loss_fn, batch, params, micro_batches):
+    for p in params:
+        p.grad = None
+    total_metrics: dict[str, float] = {}
+    for indices in micro_batches:
+        micro = batch.select(indices)
+        entropy = tuple(-params[i] * 0.5 for i in indices)  # any differentiable stand-in
+        outputs = ModelOutputs(logprobs=tuple(params[i] for i in indices), entropy=entropy)
+        loss, metrics = loss_fn(outputs, micro)
+        loss.backward()
+        for k, v in metrics.items():
+            total_metrics[k] = total_metrics.get(k, 0.0) + v
+    return [p.grad.clone() for p in params], total_metrics
+
+
+COMBOS = [(p, m) for p in ("ppo", "reinforce") for m in AGG_MODES]
+COMBOS.append(("gspo", "seq-mean-token-mean"))  # GSPO is defined with this mode only
+
+
+@pytest.mark.parametrize(("policy", "mode"), COMBOS)
+def test_gradient_accumulation_equals_full_batch(policy, mode):
+    batch, params = random_batch(seed=1)
+    config = AlgorithmConfig(
+        policy_loss=policy,
+        loss_agg=mode,
+        entropy_coef=0.01,
+        kl_coef=0.1,
+        tis=True,
+        clip_eps_high=0.28,
+    )
+    loss_fn = make_loss_fn(config)
+    full, full_metrics = grads(loss_fn, batch, params, [list(range(8))])
+    micro, micro_metrics = grads(loss_fn, batch, params, [[0, 1], [2, 3], [4, 5], [6, 7]])
+    for a, b in zip(full, micro, strict=True):
+        assert torch.allclose(a, b, atol=1e-6), (a, b)
+    assert any(float(g.abs().sum()) > 0 for g in full)
+    assert full_metrics.keys() == micro_metrics.keys()
+    for key, value in full_metrics.items():
+        assert micro_metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
