@@ -1,0 +1,100 @@
+"""The module a backend trains: an HF causal LM that returns per-token logprobs, not logits.
+
+`TokenLogprobModel.forward` runs the decoder once, gathers the hidden states that predict each
+target token, and applies the LM head in chunks of `chunk_size` tokens (recomputed in the backward
+pass when there are several chunks), so a large vocabulary never holds [tokens, vocab] logits for
+the whole micro-batch at once. It is also the FSDP2 root module, so one forward call all-gathers
+everything it needs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from rollouts.training.backends.batching import MicroBatchTensors
+
+
+def _chunk_stats(
+    head: nn.Module, hidden_N_H: torch.Tensor, targets_N: torch.Tensor, want_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of each target and (optionally) the entropy of its predicting distribution."""
+    logits_N_V = head(hidden_N_H).float()
+    lse_N = torch.logsumexp(logits_N_V, dim=-1)
+    logprobs_N = logits_N_V.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1) - lse_N
+    if not want_entropy:
+        return logprobs_N, torch.zeros_like(logprobs_N)
+    probs_N_V = F.softmax(logits_N_V, dim=-1)
+    entropy_N = lse_N - (probs_N_V * logits_N_V).sum(-1)
+    return logprobs_N, entropy_N
+
+
+def token_stats(
+    head: nn.Module,
+    hidden_N_H: torch.Tensor,
+    targets_N: torch.Tensor,
+    chunk_size: int,
+    want_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_chunk_stats` over chunks of `chunk_size` rows; chunks are recomputed in backward."""
+    assert hidden_N_H.shape[0] == targets_N.shape[0], f"{hidden_N_H.shape=} {targets_N.shape=}"
+    assert chunk_size >= 1, f"{chunk_size=}"
+    n = hidden_N_H.shape[0]
+    if n <= chunk_size:
+        return _chunk_stats(head, hidden_N_H, targets_N, want_entropy)
+    outs = []
+    for s in range(0, n, chunk_size):
+        h, t = hidden_N_H[s : s + chunk_size], targets_N[s : s + chunk_size]
+        if torch.is_grad_enabled():
+            outs.append(checkpoint(_chunk_stats, head, h, t, want_entropy, use_reentrant=False))
+        else:
+            outs.append(_chunk_stats(head, h, t, want_entropy))
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+
+class TokenLogprobModel(nn.Module):
+    """Wraps an HF causal LM (`lm`) to return flat next-token logprobs (and entropy)."""
+
+    def __init__(self, lm: nn.Module, chunk_size: int) -> None:
+        super().__init__()
+        assert chunk_size >= 1, f"{chunk_size=}"
+        self.lm = lm
+        self.chunk_size = chunk_size
+
+    def forward(
+        self, mb: MicroBatchTensors, want_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat [N] logprobs and entropies of every next-token prediction listed in `mb`."""
+        decoder = self.lm.get_decoder()
+        out = decoder(
+            input_ids=mb.input_ids_R_L,
+            position_ids=mb.position_ids_R_L,
+            attention_mask=None,
+            use_cache=False,
+        )
+        hidden_R_L_H = out.last_hidden_state
+        hidden_N_H = hidden_R_L_H[mb.pred_rows, mb.pred_cols]
+        targets_N = mb.input_ids_R_L[mb.pred_rows, mb.pred_cols + 1]
+        head = self.lm.get_output_embeddings()
+        return token_stats(head, hidden_N_H, targets_N, self.chunk_size, want_entropy)
+
+
+def split_per_sequence(flat_N: torch.Tensor, split_sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    """Flat predictions -> one [T_i] tensor per sequence, position 0 set to 0."""
+    assert flat_N.shape[0] == sum(split_sizes), f"{flat_N.shape=} != {sum(split_sizes)=}"
+    zero = flat_N.new_zeros(1)
+    return [torch.cat([zero, part]) for part in torch.split(flat_N, list(split_sizes))]
+
+
+def move_to(mb: MicroBatchTensors, device: torch.device) -> MicroBatchTensors:
+    """The same micro-batch with its tensors on `device`."""
+    pos = mb.position_ids_R_L
+    return MicroBatchTensors(
+        input_ids_R_L=mb.input_ids_R_L.to(device, non_blocking=True),
+        position_ids_R_L=None if pos is None else pos.to(device, non_blocking=True),
+        pred_rows=mb.pred_rows.to(device, non_blocking=True),
+        pred_cols=mb.pred_cols.to(device, non_blocking=True),
+        split_sizes=mb.split_sizes,
+    )

@@ -1,0 +1,72 @@
+"""The TrainingBackend Protocol: the only way a loop trains a model.
+
+Work that touches the model runs on the backend's own worker thread and comes back as a
+`TrainFuture`, so a trio loop can submit a step and keep serving rollouts. Under FSDP every rank
+calls the same methods, in the same order, with the same (whole) batch; the backend splits it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from rollouts.types import LossFn, TrainBatch, TrainFuture
+
+Metrics = dict[str, float]
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row had a NaN/inf loss or gradient."""
+
+
+@runtime_checkable
+class TrainingBackend(Protocol):
+    """One model, its optimizer and schedule, on one device or sharded over ranks."""
+
+    rank: int
+    world_size: int
+
+    def forward_backward(
+        self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False
+    ) -> TrainFuture[Metrics]:
+        """Accumulate the gradient of `loss_fn` over `batch` (micro-batched); summed metrics."""
+        ...
+
+    def optim_step(self) -> TrainFuture[Metrics]:
+        """Clip, step the optimizer and the schedule, zero the gradients (skip if non-finite)."""
+        ...
+
+    def compute_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
+        """Per-sequence logprobs (no grad, CPU float32), aligned with `batch.input_ids`."""
+        ...
+
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """The full HF state dict on CPU (on rank 0; other ranks get {})."""
+        ...
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copy a full HF state dict into the model (every rank passes the full dict)."""
+        ...
+
+    def save_checkpoint(self, path: Path) -> TrainFuture[None]:
+        """Write model (HF), tokenizer, optimizer, scheduler and counters into directory `path`."""
+        ...
+
+    def load_checkpoint(self, path: Path) -> TrainFuture[None]:
+        """Restore what `save_checkpoint` wrote."""
+        ...
+
+    def save_weights(self, path: Path) -> TrainFuture[None]:
+        """Write only what an engine needs to reload (HF safetensors + config + tokenizer)."""
+        ...
+
+    def barrier(self) -> None:
+        """Wait for every rank (a no-op on one device)."""
+        ...
+
+    def close(self) -> None:
+        """Stop the worker thread (and, under FSDP, the process group)."""
+        ...

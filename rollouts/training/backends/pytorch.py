@@ -1,0 +1,158 @@
+"""PyTorchBackend: the TrainingBackend on one device (CPU or one GPU).
+
+All model work runs on one worker thread (a single-thread executor), in submission order, and
+comes back as a `TrainFuture`. Checkpoint files: `model/` (HF safetensors + config + tokenizer),
+`optimizer.pt`, `scheduler.pt`, `backend.json`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from rollouts.training.backends.core import BackendSettings, LocalCollective, TrainerCore
+from rollouts.training.backends.model import TokenLogprobModel
+from rollouts.training.backends.protocol import Metrics
+from rollouts.types import LossFn, TrainBatch, TrainFuture
+
+T = TypeVar("T")
+MODEL_DIR = "model"
+
+
+def gather_local(out: dict[int, torch.Tensor], lengths: list[int]) -> tuple[torch.Tensor, ...]:
+    """One device: every sequence was computed here."""
+    assert len(out) == len(lengths), f"{len(out)=} != {len(lengths)=}"
+    return tuple(out[i] for i in range(len(lengths)))
+
+
+def save_hf(lm: Any, tokenizer: Any, path: Path, state_dict: dict[str, Any] | None) -> None:
+    """HF-format model files (+ tokenizer) that transformers, vLLM and SGLang load."""
+    path.mkdir(parents=True, exist_ok=True)
+    lm.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    assert (path / "config.json").is_file(), f"save_pretrained wrote no config.json in {path}"
+
+
+def load_hf_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the HF safetensors files in `path` (sharded or not), on CPU."""
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files (not an HF model directory)")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(f))
+    return weights
+
+
+class PyTorchBackend:
+    """A model, AdamW and its schedule on one device; see `TrainingBackend`."""
+
+    rank = 0
+    world_size = 1
+
+    def __init__(
+        self,
+        *,
+        lm: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        settings: BackendSettings,
+        device: torch.device,
+        tokenizer: Any = None,
+    ) -> None:
+        self.lm = lm
+        self.tokenizer = tokenizer
+        self.device = device
+        model = TokenLogprobModel(lm, settings.logprob_chunk_size)
+        self.core = TrainerCore(
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            settings=settings,
+            device=device,
+            collective=LocalCollective(),
+        )
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train")
+
+    def _submit(self, fn: Callable[..., T], *args: Any) -> TrainFuture[T]:
+        return TrainFuture(self._executor.submit(fn, *args))
+
+    def forward_backward(
+        self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False
+    ) -> TrainFuture[Metrics]:
+        """Accumulate gradients of `loss_fn` over `batch`; see `TrainingBackend`."""
+        return self._submit(self.core.forward_backward, batch, loss_fn, entropy)
+
+    def optim_step(self) -> TrainFuture[Metrics]:
+        """Clip to `max_grad_norm`, step AdamW and the schedule (or skip a non-finite step)."""
+        params = [p for p in self.lm.parameters() if p.requires_grad]
+        max_norm = self.core.settings.max_grad_norm
+
+        def clip() -> torch.Tensor:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+        return self._submit(self.core.optim_step, clip)
+
+    def compute_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
+        """Per-sequence logprobs under the current weights (no grad)."""
+        return self._submit(self.core.compute_logprobs, batch, gather_local)
+
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of the full HF state dict."""
+
+        def work() -> dict[str, torch.Tensor]:
+            return {k: v.detach().to("cpu", copy=True) for k, v in self.lm.state_dict().items()}
+
+        return self._submit(work).result()
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copy `weights` into the model in place (optimizer references stay valid)."""
+        self._submit(self._load_weights, weights).result()
+
+    def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        missing, unexpected = self.lm.load_state_dict(dict(weights), strict=False)
+        tied = set(getattr(self.lm, "_tied_weights_keys", None) or {})
+        missing = [k for k in missing if k not in tied]
+        if missing or unexpected:
+            raise KeyError(f"load_weights: {missing=} {unexpected=} (a different model?)")
+
+    def save_weights(self, path: Path) -> TrainFuture[None]:
+        """HF safetensors + config + tokenizer in `path`, for engines to reload."""
+        return self._submit(save_hf, self.lm, self.tokenizer, Path(path), None)
+
+    def save_checkpoint(self, path: Path) -> TrainFuture[None]:
+        """Model, tokenizer, optimizer, scheduler and counters into directory `path`."""
+        return self._submit(self._save_checkpoint, Path(path))
+
+    def _save_checkpoint(self, path: Path) -> None:
+        save_hf(self.lm, self.tokenizer, path / MODEL_DIR, None)
+        torch.save(self.core.optimizer.state_dict(), path / "optimizer.pt")
+        torch.save(self.core.scheduler.state_dict(), path / "scheduler.pt")
+        (path / "backend.json").write_text(json.dumps(self.core.state_dict()))
+
+    def load_checkpoint(self, path: Path) -> TrainFuture[None]:
+        """Restore model, optimizer, scheduler and counters from `path`."""
+        return self._submit(self._load_checkpoint, Path(path))
+
+    def _load_checkpoint(self, path: Path) -> None:
+        self._load_weights(load_hf_weights(path / MODEL_DIR))
+        optim = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
+        self.core.optimizer.load_state_dict(optim)
+        self.core.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+        self.core.load_state_dict(json.loads((path / "backend.json").read_text()))
+
+    def barrier(self) -> None:
+        """One device: nothing to wait for."""
+        return None
+
+    def close(self) -> None:
+        """Finish queued work and stop the worker thread."""
+        self._executor.shutdown(wait=True)

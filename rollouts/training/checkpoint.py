@@ -1,0 +1,187 @@
+"""Checkpoints: `step_NNNNNN/` directories written atomically, found and resumed.
+
+Layout of one checkpoint (the backend writes the model part):
+    step_000012/
+      model/            HF safetensors + config + tokenizer (transformers, vLLM, SGLang load it)
+      optimizer.pt | optimizer/ (DCP, under FSDP), scheduler.pt, backend.json
+      rng_rank{R}.pt    python, numpy, torch (and CUDA) RNG states of each rank
+      extra_state.json  the caller's JSON-safe state (DataBuffer.state_dict(), partial samples)
+      manifest.json     written last: step, weight version, every file with its size
+Everything is written into `.tmp-step_NNNNNN/` and renamed, so a crash never leaves a directory
+named `step_*` that is incomplete; `find_latest_checkpoint` also checks the manifest's files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rollouts.training.backends.protocol import TrainingBackend
+
+MANIFEST = "manifest.json"
+EXTRA_STATE = "extra_state.json"
+FORMAT = 1
+STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointState:
+    """What a loop gets back from a resumed checkpoint."""
+
+    path: Path
+    step: int
+    weight_version: str
+    extra_state: dict[str, Any]
+
+
+def checkpoint_name(step: int) -> str:
+    """`step_000012` for step 12."""
+    assert step >= 0, f"{step=} must be >= 0"
+    return f"step_{step:06d}"
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, numpy and torch RNG states, as lists and tensors (safe to load weights_only)."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of `rng_state`."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _file_sizes(path: Path) -> dict[str, int]:
+    return {
+        str(f.relative_to(path)): f.stat().st_size
+        for f in sorted(path.rglob("*"))
+        if f.is_file() and f.name != MANIFEST
+    }
+
+
+def _write_json(path: Path, data: Any) -> None:
+    with open(path, "w") as fh:
+        json.dump(data, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def is_complete(path: Path) -> bool:
+    """A manifest that parses and names files that are all there with their sizes."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+        return all((path / rel).stat().st_size == size for rel, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first (incomplete ones are ignored)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found) if p.is_dir() and is_complete(p)]
+
+
+def find_latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under `root`, or None."""
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def _publish(tmp: Path, final: Path, keep_last: int) -> None:
+    """Rename `tmp` to `final` (replacing an older one of the same step) and prune (rank 0)."""
+    if final.exists():
+        old = final.with_name(f".old-{final.name}-{time.time_ns()}")
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+    for stale in list_checkpoints(final.parent)[:-keep_last]:
+        shutil.rmtree(stale)
+
+
+def save_checkpoint(
+    backend: TrainingBackend,
+    root: str | Path,
+    *,
+    step: int,
+    weight_version: str,
+    extra_state: dict[str, Any] | None = None,
+    keep_last: int = 2,
+) -> Path:
+    """Write `root/step_NNNNNN` atomically and keep the last `keep_last`; every rank calls it."""
+    assert keep_last >= 1, f"{keep_last=}"
+    root = Path(root)
+    final = root / checkpoint_name(step)
+    tmp = root / f".tmp-{final.name}"
+    if backend.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for leftover in root.glob(".tmp-step_*"):  # from a crashed save: never complete
+            shutil.rmtree(leftover)
+        tmp.mkdir()
+    backend.barrier()
+    backend.save_checkpoint(tmp).result()
+    torch.save(rng_state(), tmp / f"rng_rank{backend.rank}.pt")
+    backend.barrier()
+    if backend.rank == 0:
+        _write_json(tmp / EXTRA_STATE, extra_state or {})
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "weight_version": weight_version,
+            "world_size": backend.world_size,
+            "created_unix": time.time(),
+            "files": _file_sizes(tmp),
+        }
+        _write_json(tmp / MANIFEST, manifest)
+        _publish(tmp, final, keep_last)
+    backend.barrier()
+    return final
+
+
+def load_checkpoint(backend: TrainingBackend, path: str | Path) -> CheckpointState:
+    """Restore model, optimizer, schedule, counters and RNG from `path`; every rank calls it."""
+    path = Path(path)
+    if not is_complete(path):
+        raise FileNotFoundError(f"{path}: not a complete checkpoint (no valid {MANIFEST})")
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest["format"] == FORMAT, f"{path}: checkpoint format {manifest['format']}"
+    backend.load_checkpoint(path).result()
+    rng_file = path / f"rng_rank{backend.rank}.pt"
+    if not rng_file.is_file():  # resumed with more ranks than were saved
+        rng_file = path / "rng_rank0.pt"
+    set_rng_state(torch.load(rng_file, weights_only=True))
+    return CheckpointState(
+        path=path,
+        step=int(manifest["step"]),
+        weight_version=str(manifest["weight_version"]),
+        extra_state=json.loads((path / EXTRA_STATE).read_text()),
+    )

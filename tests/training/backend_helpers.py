@@ -1,0 +1,43 @@
+"""Shared helpers of the backend tests: a tiny batch, a local NLL loss, a tiny config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollouts.config import Config, ModelConfig, OptimConfig, TrainingConfig
+from rollouts.types import ModelOutputs, TrainBatch
+
+
+def nll_loss(outputs: ModelOutputs, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    """Masked token-sum NLL normalised by the WHOLE batch's token count (token-mean overall)."""
+    total = sum(
+        -(lp * mask.to(lp.dtype)).sum()
+        for lp, mask in zip(outputs.logprobs, batch.loss_mask, strict=True)
+    )
+    loss = total / batch.num_global_tokens
+    return loss, {"nll": float(loss.detach())}
+
+
+def make_batch(lengths: list[int], seed: int = 0, vocab: int = 200) -> TrainBatch:
+    """Random token sequences; every token but the first is trained."""
+    g = torch.Generator().manual_seed(seed)
+    ids = tuple(torch.randint(3, vocab, (n,), generator=g) for n in lengths)
+    masks = tuple(torch.cat([torch.zeros(1), torch.ones(n - 1)]) for n in lengths)
+    return TrainBatch(
+        input_ids=ids,
+        loss_mask=masks,
+        num_global_tokens=float(sum(n - 1 for n in lengths)),
+        num_global_seqs=float(len(lengths)),
+    )
+
+
+def tiny_config(model_dir: Path, **training: Any) -> Config:
+    """A CPU config for the tiny model (fp32, one warmup step, cosine to half the lr)."""
+    return Config(
+        model=ModelConfig(path=str(model_dir)),
+        optim=OptimConfig(lr=1e-2, warmup_steps=1, min_lr_ratio=0.5, max_grad_norm=1.0),
+        training=TrainingConfig(device="cpu", rl_steps=10, **training),
+    )

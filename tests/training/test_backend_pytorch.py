@@ -1,0 +1,130 @@
+"""PyTorchBackend on CPU with the tiny model: overfitting, micro-batching, logprobs, guards."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollouts.training.backends.batching import padding_fraction, plan_micro_batches
+from rollouts.training.backends.factories import create_pytorch_backend, warmup_cosine_factor
+from rollouts.training.backends.protocol import NonFiniteError, TrainingBackend
+from rollouts.types import ModelOutputs, TrainBatch
+from tests.training.backend_helpers import make_batch, nll_loss, tiny_config
+
+LENGTHS = [5, 9, 3, 12, 7, 7]
+
+
+def test_plans_cover_every_sequence_once_and_respect_the_budget() -> None:
+    for layout in ("pad", "pack"):
+        plans = plan_micro_batches(LENGTHS, 16, layout)
+        seen = sorted(i for p in plans for i in p.indices)
+        assert seen == list(range(len(LENGTHS)))
+        assert all(p.padded_tokens <= 16 or len(p.indices) == 1 for p in plans)
+    assert padding_fraction(plan_micro_batches(LENGTHS, 16, "pack"), LENGTHS) == 0.0
+    pad = plan_micro_batches([4, 4, 2, 2], 8, "pad")
+    assert [p.indices for p in pad] == [(0, 1), (2, 3)]
+    assert padding_fraction(plan_micro_batches([4, 2], 8, "pad"), [4, 2]) == pytest.approx(0.25)
+
+
+def test_schedule_warms_up_then_decays_to_the_floor() -> None:
+    factors = [warmup_cosine_factor(s, 2, 10, 0.1) for s in range(12)]
+    assert factors[:3] == [0.5, 1.0, 1.0]
+    assert factors[10] == pytest.approx(0.1)
+    assert all(a >= b for a, b in itertools.pairwise(factors[1:]))
+
+
+def test_backend_overfits_a_tiny_batch_and_reports_padding(tiny_model_dir: Path) -> None:
+    backend = create_pytorch_backend(
+        tiny_config(tiny_model_dir, micro_batch_tokens=24), total_steps=40
+    )
+    assert isinstance(backend, TrainingBackend)
+    batch = make_batch(LENGTHS)
+    losses = []
+    for _ in range(40):
+        metrics = backend.forward_backward(batch, nll_loss).result()
+        step = backend.optim_step().result()
+        losses.append(metrics["loss"])
+    backend.close()
+    assert losses[-1] <= 0.1 * losses[0], f"{losses[0]=} {losses[-1]=}"
+    assert metrics["nll"] == pytest.approx(metrics["loss"])
+    assert metrics["num_micro_batches"] > 1  # gradient accumulation ran
+    expected = padding_fraction(plan_micro_batches(LENGTHS, 24, "pad"), LENGTHS)
+    assert metrics["padding_fraction"] == pytest.approx(expected)
+    assert 0.0 < metrics["padding_fraction"] < 0.5
+    assert metrics["num_tokens"] == sum(LENGTHS)
+    assert step["grad_norm"] > 0 and step["skipped"] == 0.0 and step["optim_steps"] == 40
+
+
+def _reference_logprobs(lm: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        logits = lm(ids[None]).logits[0].float().log_softmax(-1)
+    return torch.cat([torch.zeros(1), logits[:-1].gather(-1, ids[1:, None])[:, 0]])
+
+
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+def test_logprobs_do_not_depend_on_the_micro_batch(tiny_model_dir: Path, layout: str) -> None:
+    batch = make_batch(LENGTHS, seed=1)
+    config = tiny_config(tiny_model_dir, micro_batch_layout=layout, logprob_chunk_size=5)
+    by_budget = []
+    for budget in (12, 25, 1000):
+        backend = create_pytorch_backend(
+            dataclasses.replace(
+                config, training=dataclasses.replace(config.training, micro_batch_tokens=budget)
+            )
+        )
+        by_budget.append(backend.compute_logprobs(batch).result())
+        lm = backend.lm
+        backend.close()
+    for ids, lp in zip(batch.input_ids, by_budget[0], strict=True):
+        assert lp.shape == ids.shape and lp[0] == 0.0
+        torch.testing.assert_close(lp, _reference_logprobs(lm, ids), atol=1e-5, rtol=1e-5)
+    for other in by_budget[1:]:
+        for a, b in zip(by_budget[0], other, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_entropy_is_computed_when_asked(tiny_model_dir: Path) -> None:
+    backend = create_pytorch_backend(tiny_config(tiny_model_dir, logprob_chunk_size=4))
+    seen: dict[str, ModelOutputs] = {}
+
+    def loss_fn(outputs: ModelOutputs, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
+        seen["out"] = outputs
+        return nll_loss(outputs, batch)
+
+    backend.forward_backward(make_batch([6, 4]), loss_fn, entropy=True).result()
+    backend.close()
+    out = seen["out"]
+    vocab = backend.lm.config.vocab_size
+    for lp, ent in zip(out.logprobs, out.entropy, strict=True):
+        assert ent.shape == lp.shape and ent[0] == 0.0
+        assert (ent[1:] > 0).all() and (ent[1:] <= math.log(vocab) + 1e-4).all()
+
+
+def test_nonfinite_steps_are_skipped_then_stop_the_run(tiny_model_dir: Path) -> None:
+    backend = create_pytorch_backend(tiny_config(tiny_model_dir, max_consecutive_nonfinite=2))
+    before = backend.get_weights()
+    batch = make_batch([5, 4])
+
+    def nan_loss(outputs: ModelOutputs, b: TrainBatch) -> tuple[torch.Tensor, dict]:
+        loss, metrics = nll_loss(outputs, b)
+        return loss * float("nan"), metrics
+
+    metrics = backend.forward_backward(batch, nan_loss).result()
+    assert metrics["nonfinite_micro_batches"] == 1.0
+    step = backend.optim_step().result()
+    assert step["skipped"] == 1.0 and step["steps_skipped_total"] == 1.0
+    after = backend.get_weights()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    backend.forward_backward(batch, nll_loss).result()
+    assert backend.optim_step().result()["skipped"] == 0.0  # a good step resets the count
+    backend.forward_backward(batch, nan_loss).result()
+    backend.optim_step().result()
+    backend.forward_backward(batch, nan_loss).result()
+    with pytest.raises(NonFiniteError, match="max_consecutive_nonfinite = 2"):
+        backend.optim_step().result()
+    backend.close()
