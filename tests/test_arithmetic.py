@@ -29,3 +29,24 @@ def test_demo_datasets_load_and_eval_is_held_out(tmp_path: Path) -> None:
     assert not held & {t.prompt[0]["content"] for t in train}
     assert not held & {c[0]["content"] for c in sft}
     assert sft[0][1]["content"].endswith("Answer: " + str(eval(sft[0][0]["content"])))
+
+
+def test_prepare_hook_writes_where_the_config_points(tmp_path: Path) -> None:
+    import pytest
+
+    from rollouts.config import DataConfig
+    from rollouts.data.arithmetic import prepare_addition_data
+
+    d = tmp_path / "data"
+    data = DataConfig(
+        sft_path=str(d / "sft.jsonl"),
+        train_path=str(d / "train.jsonl"),
+        eval_path=str(d / "eval.jsonl"),
+    )
+    prepare_addition_data(data)
+    assert len(load_prompts(d / "eval.jsonl")) == 200
+    before = (d / "train.jsonl").stat().st_mtime_ns
+    prepare_addition_data(data)  # existing files are kept
+    assert (d / "train.jsonl").stat().st_mtime_ns == before
+    with pytest.raises(ValueError, match="DIR/sft.jsonl"):
+        prepare_addition_data(DataConfig(sft_path="a/x.jsonl", train_path="a/train.jsonl"))

@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import random
 from pathlib import Path
+from typing import Any
 
+from rollouts.config import DataConfig
 from rollouts.data.loaders import write_jsonl
 
 ANSWER_MARKER = "Answer:"
@@ -83,24 +85,37 @@ def write_demo_datasets(
     sft = make_problems(n_sft, digits, seed + 2, exclude=held)
     rl = make_problems(n_rl, digits, seed + 3, exclude=held)
     paths = {name: out / f"{name}.jsonl" for name in ("sft", "train", "eval")}
-    write_jsonl(
-        paths["sft"],
-        [
-            {
-                "messages": [
-                    {"role": "user", "content": p.question},
-                    {"role": "assistant", "content": p.worked},
-                ]
-            }
-            for p in sft
-        ],
-    )
-    for name, problems in (("train", rl), ("eval", evals)):
-        write_jsonl(
-            paths[name],
-            [
-                {"messages": [{"role": "user", "content": p.question}], "label": p.answer}
-                for p in problems
-            ],
-        )
+    write_jsonl(paths["sft"], [_conversation(p) for p in sft])
+    write_jsonl(paths["train"], [_prompt_row(p) for p in rl])
+    write_jsonl(paths["eval"], [_prompt_row(p) for p in evals])
     return paths
+
+
+def _conversation(p: Problem) -> dict[str, Any]:
+    return {
+        "messages": [
+            {"role": "user", "content": p.question},
+            {"role": "assistant", "content": p.worked},
+        ]
+    }
+
+
+def _prompt_row(p: Problem) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": p.question}], "label": p.answer}
+
+
+def prepare_addition_data(data: DataConfig) -> None:
+    """`data.prepare` hook of the demo configs: write the datasets where the config points.
+
+    The three paths must share one directory and be named sft/train/eval.jsonl; files that
+    exist already are left as they are (so a resumed run reads the same data).
+    """
+    paths = {"sft": data.sft_path, "train": data.train_path, "eval": data.eval_path}
+    dirs = {str(Path(p).parent) for p in paths.values()}
+    if len(dirs) != 1 or any(Path(p).name != f"{k}.jsonl" for k, p in paths.items()):
+        raise ValueError(
+            "data.prepare = addition needs data.sft_path, data.train_path and data.eval_path "
+            f"as DIR/sft.jsonl, DIR/train.jsonl, DIR/eval.jsonl; got {paths}"
+        )
+    if not all(Path(p).is_file() for p in paths.values()):
+        write_demo_datasets(dirs.pop())

@@ -72,6 +72,8 @@ CONSOLE_KEYS = (
     ("reward/mean", "reward", "{:.3f}"),
     ("eval/accuracy", "acc", "{:.3f}"),
     ("train/loss", "loss", "{:.4f}"),
+    ("sft/loss", "loss", "{:.4f}"),
+    ("sft/eval_loss", "eval_loss", "{:.4f}"),
     ("train/kl", "kl", "{:.4f}"),
     ("train/entropy", "ent", "{:.3f}"),
     ("train/grad_norm", "gnorm", "{:.2f}"),
