@@ -1,0 +1,34 @@
+"""The Environment Protocol: what a multi-turn agent loop steps through.
+
+An environment answers the model's actions with observations. It never computes rewards: those
+are computed after collection, over the whole group, by the reward function (which can read what
+the environment left in `Sample.metadata["env_info"]`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+from rollouts.types import Sample
+
+# info keys an environment may set that the agent loop understands
+ROLE_KEY = "role"  # role of the observation message ("user" by default, "tool" for tool output)
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """A stateful episode. `reset` starts it; `step` takes the model's text and answers.
+
+    `reset()` returns the first observation ("" = none: the prompt alone starts the episode).
+    `step(action)` returns `(observation, done, info)`; `observation` is appended to the
+    conversation (role `info.get("role", "user")`) unless `done` and it is empty.
+    """
+
+    def reset(self) -> str: ...
+
+    def step(self, action: str) -> tuple[str, bool, Mapping[str, Any]]: ...
+
+
+EnvFactory = Callable[[Sample], Environment]
+"""Builds a fresh environment for one sample (it may read `sample.prompt` and `sample.label`)."""

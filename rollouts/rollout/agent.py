@@ -1,0 +1,171 @@
+"""The multi-turn agent loop, token in, token out: a generate function like any other.
+
+Each turn: render the generation header (mask 0), let the engine sample (tokens kept exactly as
+sampled, mask 1, logprobs kept), append what the template adds after the turn (mask 0), step the
+environment with the turn's text, append its observation (mask 0). Stops on: the environment
+says done, `max_turns`, `max_total_tokens`, or an engine finish that is not STOP. An ABORTED
+multi-turn sample restarts from its prompt when resumed (its message state is not kept).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from rollouts.data.sft import encode
+from rollouts.envs.builtin import SingleTurnEnvironment
+from rollouts.envs.protocol import ROLE_KEY, Environment
+from rollouts.inference.protocol import Completion, FinishReason
+from rollouts.rollout.generate import DONE_STATUSES
+from rollouts.rollout.protocol import GenerateContext
+from rollouts.rollout.trajectory import ChatRenderer
+from rollouts.types import Message, Sample, Status
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Trajectory:
+    """Mutable state of one episode (local to one call of `generate_multi_turn`)."""
+
+    renderer: ChatRenderer
+    messages: list[dict[str, Any]]
+    max_tokens: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    mask: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[str] = dataclasses.field(default_factory=list)
+    infos: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def add_fixed(self, text: str) -> bool:
+        """Template or environment text: encoded, never trained. False if it does not fit."""
+        ids = encode(self.renderer.tokenizer, text) if text else []
+        if self.tokens and len(self.tokens) + len(ids) > self.max_tokens:
+            return False
+        self.tokens += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        return True
+
+    def add_generated(self, completion: Completion, text: str) -> None:
+        """The model's tokens exactly as sampled: trained, with the engine's logprobs."""
+        self.tokens += completion.output_ids
+        self.mask += [1] * len(completion.output_ids)
+        self.logprobs += completion.logprobs
+        self.renderer.generated(text)
+        if not self.versions or self.versions[-1] != completion.weight_version:
+            self.versions.append(completion.weight_version)
+
+
+def initial_messages(sample: Sample) -> list[dict[str, Any]]:
+    """The prompt as chat messages (a text prompt becomes one user message)."""
+    if isinstance(sample.prompt, str):
+        return [{"role": "user", "content": sample.prompt}]
+    return [dict(m) for m in sample.prompt]
+
+
+def turn_text(tokenizer: Any, completion: Completion) -> tuple[str, str]:
+    """(decoded turn as sampled, its message content: without a final EOS string)."""
+    text = tokenizer.decode(list(completion.output_ids), skip_special_tokens=False)
+    eos = tokenizer.eos_token or ""
+    content = text[: -len(eos)] if eos and text.endswith(eos) else text
+    return text, content
+
+
+def _status_of(reason: FinishReason) -> Status | None:
+    return None if reason is FinishReason.STOP else reason.to_status()
+
+
+async def _model_turn(
+    traj: _Trajectory, ctx: GenerateContext, turn: int
+) -> tuple[str, Status | None]:
+    """One sampled assistant turn; returns (content, a final status or None to go on)."""
+    left = ctx.max_total_tokens - len(traj.tokens)
+    max_new = min(ctx.sampling.max_new_tokens, left)
+    if max_new <= 0:
+        return "", Status.TRUNCATED
+    params = dataclasses.replace(ctx.sampling, max_new_tokens=max_new)
+    completion = await ctx.engine.generate(tuple(traj.tokens), params, rid=f"{ctx.rid}-t{turn}")
+    text, content = turn_text(ctx.tokenizer, completion)
+    traj.add_generated(completion, text)
+    traj.messages.append({"role": "assistant", "content": content})
+    status = _status_of(completion.finish_reason)
+    if status is None:  # a finished turn: the template's text after it (e.g. "\n"), untrained
+        tail = traj.renderer.extend(traj.messages, False, f"turn {turn} (assistant)")
+        status = None if traj.add_fixed(tail) else Status.TRUNCATED
+    return content, status
+
+
+def _observe(traj: _Trajectory, observation: str, info: Mapping[str, Any], turn: int) -> bool:
+    """Append the observation and the next generation header; False if they do not fit."""
+    role = str(info.get(ROLE_KEY, "user"))
+    traj.messages.append({"role": role, "content": observation})
+    text = traj.renderer.extend(traj.messages, False, f"turn {turn} ({role})")
+    text += traj.renderer.extend(traj.messages, True, f"turn {turn + 1} header")
+    if traj.add_fixed(text):
+        return True
+    traj.messages.pop()  # the messages stay the exact trajectory of the tokens
+    return False
+
+
+async def generate_multi_turn(sample: Sample, ctx: GenerateContext) -> Sample:
+    """The agent loop as a generate function (see the module docstring)."""
+    if sample.status in DONE_STATUSES:
+        return sample
+    env: Environment = (ctx.env_factory or SingleTurnEnvironment)(sample)
+    traj = _Trajectory(
+        renderer=ChatRenderer(ctx.tokenizer),
+        messages=initial_messages(sample),
+        max_tokens=ctx.max_total_tokens,
+    )
+    first = env.reset()
+    if first:
+        traj.messages.append({"role": "user", "content": first})
+    traj.add_fixed(traj.renderer.extend(traj.messages, True, "the prompt"))
+    prompt_len = len(traj.tokens)
+    status, stop = Status.COMPLETED, "max_turns"
+    for turn in range(ctx.max_turns):
+        content, final = await _model_turn(traj, ctx, turn)
+        if final is not None:
+            status, stop = final, final.value
+            break
+        observation, done, info = env.step(content)
+        traj.infos.append(dict(info))
+        if done:
+            stop = "env_done"
+            break
+        if turn + 1 == ctx.max_turns:
+            break
+        if not _observe(traj, observation, info, turn):
+            status, stop = Status.TRUNCATED, "max_total_tokens"
+            break
+    return _to_sample(sample, traj, prompt_len, status, stop)
+
+
+def _to_sample(
+    sample: Sample, traj: _Trajectory, prompt_len: int, status: Status, stop: str
+) -> Sample:
+    assert len(traj.tokens) == len(traj.mask), f"{len(traj.tokens)=} != {len(traj.mask)=}"
+    assert not any(traj.mask[:prompt_len]), "a prompt token is marked trained"
+    metadata: dict[str, Any] = {
+        **sample.metadata,
+        "messages": traj.messages,
+        "turns": sum(m["role"] == "assistant" for m in traj.messages),
+        "stop_reason": stop,
+        "env_info": traj.infos[-1] if traj.infos else {},
+        "env_infos": traj.infos,
+    }
+    return dataclasses.replace(
+        sample,
+        tokens=tuple(traj.tokens),
+        loss_mask=tuple(traj.mask),
+        response_length=len(traj.tokens) - prompt_len,
+        rollout_logprobs=tuple(traj.logprobs[prompt_len:]),
+        weight_versions=tuple(traj.versions),
+        status=status,
+        metadata=metadata,
+    )
+
+
+def messages_of(sample: Sample) -> list[Message]:
+    """The message trajectory the agent loop recorded for `sample`."""
+    return list(sample.metadata.get("messages", []))

@@ -1,0 +1,306 @@
+"""AsyncRolloutManager: over-sampled, filtered, abortable batch generation under trio.
+
+One `generate_batch` call: take groups from the DataBuffer (partial groups first), run them
+concurrently (a CapacityLimiter bounds samples in flight), score each finished group, pass it
+through the group filters, and once `batch_size` groups are kept abort the rest on the engines.
+Aborted groups go back to the DataBuffer's partial pool and resume in a later batch. How many
+groups to submit, and when the batch is done or short, is decided by `planning` (pure).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import trio
+
+from rollouts.config import RolloutConfig
+from rollouts.data.buffer import DataBuffer
+from rollouts.envs import resolve_env_factory
+from rollouts.envs.protocol import EnvFactory
+from rollouts.inference.protocol import InferenceEngine
+from rollouts.plugins import call_maybe_async, load_function
+from rollouts.rewards.protocol import RewardFn
+from rollouts.rollout.agent import generate_multi_turn
+from rollouts.rollout.batch import (
+    ShortBatchError,
+    build_batch_metadata,
+    convert_to_batch,
+    short_batch_message,
+    with_reward,
+)
+from rollouts.rollout.filters import resolve_filters, run_filters
+from rollouts.rollout.generate import (
+    DONE_STATUSES,
+    fail_sample,
+    generate_single_turn,
+    sampling_params_from_config,
+)
+from rollouts.rollout.planning import Outcome, RoundState, batch_outcome, groups_to_submit
+from rollouts.rollout.protocol import GenerateContext, GenerateFn, GroupFilter
+from rollouts.types import RolloutBatch, Sample, Status
+
+Group = tuple[Sample, ...]
+ABORT_INTERVAL_S = 0.05  # how often surplus requests are aborted again while draining
+ABORT_TIMEOUT_S = 5.0
+
+
+class ShortBatchWarning(RuntimeWarning):
+    """A batch came out smaller than `rollout.batch_size` (on_short_batch = "warn")."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class GroupResult:
+    """A group back from generation (and scoring), with the engine work it took."""
+
+    group: Group
+    gen_time_s: float
+    gen_tokens: int
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _BatchRun:
+    """Mutable bookkeeping of one `generate_batch` call (never outlives it)."""
+
+    state: RoundState
+    batch_id: str
+    reward: Callable[..., Any]
+    limiter: trio.CapacityLimiter
+    send: trio.MemorySendChannel[GroupResult]
+    aborting: bool = False
+    kept: list[Group] = dataclasses.field(default_factory=list)
+    partial: list[Group] = dataclasses.field(default_factory=list)
+    dropped: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    errors: list[str] = dataclasses.field(default_factory=list)
+    counts: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    gen_time_s: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+
+
+def reset_sample(sample: Sample) -> Sample:
+    """A sample back to PENDING with nothing generated (restart from the prompt)."""
+    return dataclasses.replace(
+        sample,
+        tokens=(),
+        loss_mask=(),
+        response_length=0,
+        rollout_logprobs=(),
+        reward=None,
+        weight_versions=(),
+        status=Status.PENDING,
+    )
+
+
+def is_unfinished(group: Sequence[Sample]) -> bool:
+    """A group with a sample that was aborted or never started."""
+    return any(s.status in (Status.ABORTED, Status.PENDING) for s in group)
+
+
+class AsyncRolloutManager:
+    """Generates RolloutBatches from a DataBuffer through an InferenceEngine (or EnginePool)."""
+
+    def __init__(
+        self,
+        data_buffer: DataBuffer,
+        config: RolloutConfig,
+        engines: InferenceEngine,
+        *,
+        tokenizer: Any,
+        generate_fn: str | Callable[..., Any] | None = None,
+        reward_fn: str | Callable[..., Any] | None = None,
+        filters: Sequence[str | GroupFilter] | None = None,
+        env_factory: str | EnvFactory | None = None,
+    ) -> None:
+        self.buffer = data_buffer
+        self.config = config
+        self.engines = engines
+        self.tokenizer = tokenizer
+        env = env_factory if env_factory is not None else config.env
+        self.env_factory = resolve_env_factory(env) if env else None
+        multi_turn = self.env_factory is not None or config.max_turns > 1
+        default = generate_multi_turn if multi_turn else generate_single_turn
+        self.generate_fn = load_function(generate_fn or config.generate_fn or default, GenerateFn)
+        reward = reward_fn or config.reward_fn
+        self.reward_fn = load_function(reward, RewardFn) if reward else None
+        self.filters = resolve_filters(config.filters if filters is None else filters)
+        self.sampling = sampling_params_from_config(config)
+        self.batches_made = 0
+
+    async def generate_batch(self, reward_fn: Callable[..., Any] | None = None) -> RolloutBatch:
+        """One batch of `batch_size` kept groups of `n_samples_per_prompt` (see module doc)."""
+        reward = load_function(reward_fn, RewardFn) if reward_fn else self.reward_fn
+        if reward is None:
+            raise ValueError("generate_batch needs a reward_fn (argument or rollout.reward_fn)")
+        start = time.perf_counter()
+        send, recv = trio.open_memory_channel[GroupResult](self.config.max_concurrency)
+        run = _BatchRun(
+            state=RoundState(target=self.config.batch_size),
+            batch_id=f"b{self.batches_made}-{uuid.uuid4().hex[:8]}",
+            reward=reward,
+            limiter=trio.CapacityLimiter(self.config.max_concurrency),
+            send=send,
+        )
+        async with send, recv, trio.open_nursery() as nursery:
+            self._submit(run, nursery)
+            while run.state.in_flight > 0:
+                result = await recv.receive()
+                run.state = dataclasses.replace(run.state, in_flight=run.state.in_flight - 1)
+                self._absorb(run, result)
+                if run.aborting:
+                    continue
+                if batch_outcome(run.state, self.config.max_over_sampling_rounds) is Outcome.DONE:
+                    run.aborting = True
+                    nursery.start_soon(self._abort_until_cancelled)
+                else:
+                    self._submit(run, nursery)
+            nursery.cancel_scope.cancel()  # stops the abort loop; no sample task is left
+        return self._finish(run, time.perf_counter() - start)
+
+    def _submit(self, run: _BatchRun, nursery: trio.Nursery) -> None:
+        n = groups_to_submit(
+            run.state, self.config.over_sampling_factor, self.config.max_over_sampling_rounds
+        )
+        if n == 0:
+            return
+        groups = self.buffer.get_groups(n, self.config.n_samples_per_prompt)
+        run.state = dataclasses.replace(
+            run.state,
+            in_flight=run.state.in_flight + len(groups),
+            rounds=run.state.rounds + 1,
+            exhausted=len(groups) < n,
+        )
+        run.counts["submitted_groups"] += len(groups)
+        run.counts["resumed_samples"] += sum(s.status is Status.ABORTED for g in groups for s in g)
+        for group in groups:
+            nursery.start_soon(self._run_group, run, group, run.send.clone())
+
+    async def _run_group(
+        self, run: _BatchRun, group: Group, send: trio.MemorySendChannel[GroupResult]
+    ) -> None:
+        samples = list(group)
+        times = [0.0] * len(samples)
+        async with trio.open_nursery() as nursery:
+            for i in range(len(samples)):
+                nursery.start_soon(self._run_sample, run, samples, times, i)
+        gen_tokens = sum(
+            max(new.response_length - old.response_length, 0)
+            for old, new in zip(group, samples, strict=True)
+        )
+        scored = (
+            tuple(samples) if is_unfinished(samples) else await self._score(samples, run.reward)
+        )
+        async with send:
+            await send.send(GroupResult(group=scored, gen_time_s=sum(times), gen_tokens=gen_tokens))
+
+    async def _run_sample(
+        self, run: _BatchRun, samples: list[Sample], times: list[float], i: int
+    ) -> None:
+        sample = samples[i]
+        async with run.limiter:
+            if run.aborting or sample.status in DONE_STATUSES:
+                return  # not started (stays PENDING / ABORTED) or finished in an earlier batch
+            ctx = GenerateContext(
+                engine=self.engines,
+                tokenizer=self.tokenizer,
+                sampling=self.sampling,
+                rid=f"{run.batch_id}-g{sample.group_index}-s{i}",
+                max_total_tokens=self.config.max_total_tokens,
+                max_turns=self.config.max_turns,
+                env_factory=self.env_factory,
+                mask_off_policy_partial=self.config.mask_off_policy_partial,
+            )
+            t0 = time.perf_counter()
+            try:
+                with trio.fail_after(self.config.generate_timeout_s):
+                    out = await call_maybe_async(self.generate_fn, sample, ctx)
+                if not isinstance(out, Sample) or out.status is Status.PENDING:
+                    raise TypeError(
+                        f"returned {type(out).__name__} (status "
+                        f"{getattr(out, 'status', None)}); expected a finished Sample"
+                    )
+            except Exception as e:
+                out = fail_sample(sample, f"generate_fn raised {type(e).__name__}: {e}")
+            times[i] = time.perf_counter() - t0
+            samples[i] = out
+
+    async def _score(self, samples: list[Sample], reward: Callable[..., Any]) -> Group:
+        out = []
+        for s in samples:
+            if s.status is Status.FAILED:
+                out.append(s)
+                continue
+            try:
+                with trio.fail_after(self.config.reward_timeout_s):
+                    value = await call_maybe_async(reward, s)
+            except Exception as e:
+                out.append(fail_sample(s, f"reward_fn raised {type(e).__name__}: {e}"))
+                continue
+            out.append(with_reward(s, value))
+        return tuple(out)
+
+    async def _abort_until_cancelled(self) -> None:
+        """Abort surplus requests, and again while draining (a request may land after one)."""
+        while True:
+            try:
+                with trio.fail_after(ABORT_TIMEOUT_S):
+                    await self.engines.abort_all()
+            except Exception as e:
+                warnings.warn(
+                    f"abort_all failed: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=1
+                )
+            await trio.sleep(ABORT_INTERVAL_S)
+
+    def _absorb(self, run: _BatchRun, result: GroupResult) -> None:
+        group = result.group
+        run.counts["generated_tokens"] += result.gen_tokens
+        run.gen_time_s["total"] += result.gen_time_s
+        failed = [s for s in group if s.status is Status.FAILED]
+        run.counts["failed_samples"] += len(failed)
+        run.errors += [str(s.metadata.get("error", "")) for s in failed][: 10 - len(run.errors)]
+        if is_unfinished(group):
+            run.counts["aborted_samples"] += sum(s.status is Status.ABORTED for s in group)
+            run.counts["unstarted_samples"] += sum(s.status is Status.PENDING for s in group)
+            if not self.config.partial_rollouts:
+                run.gen_time_s["discarded"] += result.gen_time_s
+                group = tuple(reset_sample(s) for s in group)
+            run.partial.append(group)
+            return
+        verdict = run_filters(group, self.filters)
+        if verdict.keep and len(run.kept) < run.state.target:
+            run.kept.append(group)
+            run.state = dataclasses.replace(run.state, kept=len(run.kept))
+            return
+        run.dropped["surplus" if verdict.keep else verdict.reason] += 1
+        run.gen_time_s["discarded"] += result.gen_time_s
+
+    def _finish(self, run: _BatchRun, elapsed_s: float) -> RolloutBatch:
+        self.buffer.add_partial_groups(run.partial)
+        self.batches_made += 1
+        short = len(run.kept) < self.config.batch_size
+        message = short_batch_message(
+            len(run.kept), self.config.batch_size, run.state.rounds, run.dropped
+        )
+        if short and self.config.on_short_batch == "error":
+            raise ShortBatchError(message + f"; errors: {run.errors[:3]}")
+        if short:
+            warnings.warn(message, ShortBatchWarning, stacklevel=2)
+        total = run.gen_time_s["total"]
+        meta = build_batch_metadata(
+            run.kept,
+            dropped=run.dropped,
+            elapsed_s=elapsed_s,
+            generated_tokens=run.counts["generated_tokens"],
+            rounds=run.state.rounds,
+            short_batch=short,
+            partial_groups_saved=len(run.partial),
+            errors=run.errors,
+            gen_time_s=total,
+            discarded_gen_time_s=run.gen_time_s["discarded"],
+            discarded_fraction=run.gen_time_s["discarded"] / total if total > 0 else 0.0,
+            **{k: v for k, v in run.counts.items() if k != "generated_tokens"},
+        )
+        return convert_to_batch(run.kept, meta)

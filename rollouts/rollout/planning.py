@@ -1,0 +1,101 @@
+"""Pure decisions of the rollout manager: how many groups to submit, when a batch is done,
+and whether a sample is too stale to train on.
+
+The manager owns no policy of its own: it feeds its counters to these functions and does what
+they say, so every decision is tested without a server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Sequence
+
+from rollouts.types import Sample
+
+
+class Outcome(enum.Enum):
+    """Where a batch stands after a group finished."""
+
+    CONTINUE = "continue"  # wait for in-flight groups (or submit more)
+    DONE = "done"  # enough groups kept: abort the rest
+    SHORT = "short"  # nothing in flight, no round left (or no data): a short batch
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RoundState:
+    """Counters of one batch: groups kept so far, in flight, submission waves made."""
+
+    target: int
+    kept: int = 0
+    in_flight: int = 0
+    rounds: int = 0
+    exhausted: bool = False  # the data source gave fewer groups than asked
+
+    def __post_init__(self) -> None:
+        assert self.target >= 1, f"{self.target=} must be >= 1"
+        assert self.kept >= 0, f"{self.kept=} must be >= 0"
+        assert self.in_flight >= 0, f"{self.in_flight=} must be >= 0"
+
+
+def groups_to_submit(state: RoundState, over_sampling_factor: float, max_rounds: int) -> int:
+    """Groups to submit now (a new wave), or 0.
+
+    A wave starts only when even keeping every in-flight group would leave the batch short; it
+    asks for the missing groups times the over-sampling factor, minus what is in flight.
+    """
+    assert over_sampling_factor >= 1.0, f"{over_sampling_factor=} must be >= 1"
+    missing = state.target - state.kept
+    if missing <= state.in_flight or state.rounds >= max_rounds or state.exhausted:
+        return 0
+    return max(math.ceil(missing * over_sampling_factor) - state.in_flight, 1)
+
+
+def batch_outcome(state: RoundState, max_rounds: int) -> Outcome:
+    """DONE when enough groups are kept; SHORT when nothing more can come; else CONTINUE."""
+    if state.kept >= state.target:
+        return Outcome.DONE
+    if state.in_flight > 0:
+        return Outcome.CONTINUE
+    if state.rounds >= max_rounds or state.exhausted:
+        return Outcome.SHORT
+    return Outcome.CONTINUE
+
+
+def version_number(version: str) -> int:
+    """A weight version as an int; the engines' initial "default" (or "") is version 0."""
+    if version in ("", "default"):
+        return 0
+    try:
+        return int(version)
+    except ValueError as e:
+        raise ValueError(
+            f"weight version {version!r} is not an integer: staleness needs numbered versions "
+            "(the weight sync sets str(step))"
+        ) from e
+
+
+def sample_staleness(weight_versions: Sequence[str], current_version: str) -> int:
+    """Policy versions between the oldest part of a sample and the current policy."""
+    assert weight_versions, "a generated sample has at least one weight version"
+    oldest = min(version_number(v) for v in weight_versions)
+    return version_number(current_version) - oldest
+
+
+def is_fresh_enough(sample: Sample, current_version: str, max_staleness: int) -> bool:
+    """True when every part of `sample` is at most `max_staleness` versions old."""
+    assert max_staleness >= 0, f"{max_staleness=} must be >= 0"
+    return sample_staleness(sample.weight_versions, current_version) <= max_staleness
+
+
+def split_stale_groups(
+    groups: Sequence[Sequence[Sample]], current_version: str, max_staleness: int
+) -> tuple[list[tuple[Sample, ...]], list[tuple[Sample, ...]]]:
+    """(fresh groups, stale groups): a group is stale when any of its samples is."""
+    fresh: list[tuple[Sample, ...]] = []
+    stale: list[tuple[Sample, ...]] = []
+    for group in groups:
+        ok = all(is_fresh_enough(s, current_version, max_staleness) for s in group)
+        (fresh if ok else stale).append(tuple(group))
+    return fresh, stale

@@ -1,0 +1,238 @@
+"""Pure rollout functions: filters, planning, staleness, batch building, request preparation."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from rollouts.config import RolloutConfig, SamplingConfig
+from rollouts.data.buffer import DataBuffer
+from rollouts.inference.protocol import Completion, FinishReason, SamplingParams
+from rollouts.rollout import filters as F
+from rollouts.rollout.batch import (
+    ShortBatchError,
+    apply_sample_transforms,
+    build_batch_metadata,
+    compute_response_lengths,
+    convert_to_batch,
+    extract_sample_fields,
+    generate_rollout_batches,
+    length_histogram,
+)
+from rollouts.rollout.generate import apply_completion, prepare_request
+from rollouts.rollout.planning import (
+    Outcome,
+    RoundState,
+    batch_outcome,
+    groups_to_submit,
+    sample_staleness,
+    split_stale_groups,
+)
+from rollouts.types import PromptItem, Sample, Status
+
+
+def done(reward=None, response=(5, 6), status=Status.COMPLETED, versions=("1",), g=0) -> Sample:
+    tokens = (1, 2, *response)
+    return Sample(
+        index=0,
+        group_index=g,
+        prompt="p",
+        tokens=tokens,
+        loss_mask=(0, 0) + (1,) * len(response),
+        response_length=len(response),
+        reward=reward,
+        status=status,
+        weight_versions=versions,
+    )
+
+
+def test_filters_keep_and_drop_with_reasons() -> None:
+    same = [done(1.0), done(1.0)]
+    varied = [done(0.0, (5,)), done(1.0, (6,))]
+    assert F.check_reward_nonzero_std(same) == F.FilterResult(keep=False, reason="zero_reward_std")
+    assert F.check_reward_nonzero_std(varied).keep
+    assert F.check_reward_nonzero_std([done((1.0, 0.0)), done((1.0, 2.0))]).keep  # vector
+    assert not F.check_min_reward([done(-1.0), done(0.0)]).keep
+    assert F.check_min_reward([done(-1.0), done(1.5)], min_reward=0.25).keep
+    assert F.check_response_diversity(varied).keep
+    assert F.check_response_diversity(same * 2, 0.5).reason == "low_diversity"
+    assert F.check_reasonable_length([done(1.0, ())]).reason == "too_short"
+    cut = [done(1.0, status=Status.TRUNCATED)] * 2
+    assert F.check_reasonable_length(cut).reason == "too_many_truncated"
+    assert F.check_quality_and_diversity(same).reason == "zero_reward_std"
+    assert F.check_quality_and_diversity(varied).keep
+
+
+def test_run_filters_order_failed_first_and_bool_filters() -> None:
+    failed = [done(1.0), done(status=Status.FAILED)]
+    assert F.run_filters(failed, []).reason == "failed"
+    assert F.run_filters([done(1.0), done(status=Status.ABORTED)], []).reason == "unfinished"
+
+    def no_ones(group):
+        return all(s.reward != 1.0 for s in group)
+
+    assert F.run_filters([done(1.0), done(0.0)], [no_ones]).reason == "no_ones"
+    fs = F.resolve_filters(["check_reward_nonzero_std", functools.partial(F.check_min_reward)])
+    assert F.run_filters([done(1.0), done(0.0)], fs).keep
+    with pytest.raises(Exception, match="nope"):
+        F.resolve_filters(["rollouts.rollout.filters.nope"])
+
+
+def test_planning_waves_and_outcomes() -> None:
+    s = RoundState(target=4)
+    assert groups_to_submit(s, 1.5, 3) == 6
+    s = dataclasses.replace(s, in_flight=6, rounds=1)
+    assert groups_to_submit(s, 1.5, 3) == 0  # in flight could still fill the batch
+    s = dataclasses.replace(s, in_flight=2, kept=1)  # 3 dropped: 2 in flight cannot fill 3
+    assert groups_to_submit(s, 1.5, 3) == 3  # ceil(3 * 1.5) - 2
+    assert batch_outcome(s, 3) is Outcome.CONTINUE
+    assert batch_outcome(dataclasses.replace(s, kept=4), 3) is Outcome.DONE
+    spent = dataclasses.replace(s, in_flight=0, rounds=3)
+    assert groups_to_submit(spent, 1.5, 3) == 0
+    assert batch_outcome(spent, 3) is Outcome.SHORT
+    assert batch_outcome(dataclasses.replace(s, in_flight=0, exhausted=True), 9) is Outcome.SHORT
+
+
+def test_staleness() -> None:
+    assert sample_staleness(("default",), "2") == 2
+    assert sample_staleness(("3", "5"), "5") == 2  # the oldest part counts
+    fresh, stale = split_stale_groups([[done(versions=("4",))], [done(versions=("1",))]], "5", 1)
+    assert len(fresh) == 1
+    assert len(stale) == 1
+    with pytest.raises(ValueError, match="not an integer"):
+        sample_staleness(("v1",), "2")
+
+
+def test_batch_fields_metadata_and_histogram() -> None:
+    samples = [done(1.0, (5,)), done(0.0, (5, 6, 7))]
+    assert compute_response_lengths(samples) == [1, 3]
+    fields = extract_sample_fields(samples)
+    assert fields["loss_masks"][1] == [0, 0, 1, 1, 1]
+    assert fields["rewards"] == [1.0, 0.0]
+    assert length_histogram([1, 3, 3], num_bins=3) == {"edges": [1, 2, 3, 4], "counts": [1, 0, 2]}
+    meta = build_batch_metadata(
+        [tuple(samples)], dropped={"x": 2}, elapsed_s=2.0, generated_tokens=10
+    )
+    assert meta["dropped_groups"] == 2
+    assert meta["tokens_per_s"] == 5.0
+    batch = convert_to_batch([samples], meta)
+    assert len(batch.samples) == 2
+    with pytest.raises(AssertionError, match="status"):
+        convert_to_batch([[done(status=Status.ABORTED)]], {})
+
+
+def test_apply_sample_transforms_raising_reward_is_failed_not_zero() -> None:
+    def reward(s):
+        if s.response_length == 3:
+            raise RuntimeError("verifier crashed")
+        return float(s.response_length)
+
+    groups = [[done(None, (5,)), done(None, (5, 6))], [done(None, (5,)), done(None, (5, 6, 7))]]
+    kept, dropped = apply_sample_transforms(
+        groups, reward_fn=reward, filter_fn=F.check_reward_nonzero_std
+    )
+    assert [s.reward for s in kept[0]] == [1.0, 2.0]
+    assert dropped == {"failed": 1}
+    kept, dropped = apply_sample_transforms(groups[:1], reward_fn=lambda s: "high")
+    assert dropped == {"failed": 1}
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir: Path):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def completion(ids, reason=FinishReason.ABORT, version="1") -> Completion:
+    return Completion(
+        output_ids=tuple(ids),
+        logprobs=tuple(-1.0 for _ in ids),
+        finish_reason=reason,
+        weight_version=version,
+        prompt_tokens=0,
+        completion_tokens=len(ids),
+    )
+
+
+@pytest.mark.parametrize("mask_off_policy", [False, True])
+def test_partial_sample_resumes_from_prompt_plus_partial_tokens(tok, mask_off_policy) -> None:
+    params = SamplingParams(max_new_tokens=8)
+    fresh = Sample(index=0, group_index=0, prompt="ab")
+    ids, max_new = prepare_request(fresh, tok, params, 1024)
+    assert (ids, max_new) == (tuple(tok("ab")["input_ids"]), 8)
+    partial = apply_completion(fresh, ids, completion([7, 8, 9]), mask_off_policy)
+    assert partial.status is Status.ABORTED
+    assert partial.weight_versions == ("1",)
+    ids2, max_new2 = prepare_request(partial, tok, params, 1024)
+    assert ids2 == partial.tokens
+    assert max_new2 == 5
+    final = apply_completion(
+        partial, ids2, completion([10, 11], FinishReason.STOP, "2"), mask_off_policy
+    )
+    assert final.tokens == (*ids, 7, 8, 9, 10, 11)
+    assert final.response_length == 5
+    assert final.rollout_logprobs == (-1.0,) * 5
+    assert final.weight_versions == ("1", "2")
+    assert final.status is Status.COMPLETED
+    old = (0, 0, 0) if mask_off_policy else (1, 1, 1)
+    assert final.loss_mask == (0, 0, *old, 1, 1)
+    assert final.metadata["resumed_at"] == [3]
+    assert prepare_request(partial, tok, params, len(partial.tokens) + 2)[1] == 2
+
+
+def test_sync_path_over_samples_until_the_batch_is_full() -> None:
+    items = [PromptItem(index=i, prompt=f"p{i}") for i in range(10)]
+    buffer = DataBuffer(items, shuffle=False)
+
+    def generate(s: Sample) -> Sample:
+        if s.index == 3:
+            raise RuntimeError("boom")
+        n = 1 + s.index % 2 + len(s.metadata.get("k", ""))
+        return dataclasses.replace(
+            s,
+            tokens=(1,) * (n + 1),
+            loss_mask=(0,) + (1,) * n,
+            response_length=n,
+            status=Status.COMPLETED,
+        )
+
+    config = RolloutConfig(
+        batch_size=2,
+        n_samples_per_prompt=2,
+        over_sampling_factor=1.0,
+        max_over_sampling_rounds=4,
+        sampling=SamplingConfig(),
+    )
+    batches = generate_rollout_batches(
+        buffer, generate, config, reward_fn=lambda s: 1.0, num_batches=2
+    )
+    first = next(batches)
+    assert len(first.groups) == 2
+    second = next(batches)
+    assert second.metadata["drop_reasons"] == {"failed": 1}
+    filtered = generate_rollout_batches(
+        buffer,
+        generate,
+        config,
+        reward_fn=lambda s: 1.0,
+        filters=[F.check_reward_nonzero_std],
+        num_batches=1,
+    )
+    config_err = dataclasses.replace(config, on_short_batch="error")
+    with pytest.raises(ShortBatchError, match="0/2 groups kept after 4"):
+        next(
+            generate_rollout_batches(
+                buffer,
+                generate,
+                config_err,
+                reward_fn=lambda s: 1.0,
+                filters=[F.check_reward_nonzero_std],
+                num_batches=1,
+            )
+        )
+    short = next(filtered)
+    assert short.metadata["short_batch"] is True
+    assert short.metadata["rounds"] == 4
