@@ -1,0 +1,108 @@
+"""Time-bounded scoring of finished samples with a user reward function.
+
+A reward function that raises, times out, or returns something that is not a reward (None, a
+string, NaN) marks that sample FAILED with the error in `metadata["error"]`: it is counted and
+never trained on, never a silent 0 (verl PR #5635). Sync functions run in a worker thread under
+`trio.fail_after` (abandoned on timeout: a hung verifier cannot hang the loop); async ones are
+awaited under the same bound. Records are never mutated: `dataclasses.replace` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import trio
+
+from rollouts.plugins import is_async_callable
+from rollouts.types import Reward, Sample, Status
+
+SCORABLE = (Status.COMPLETED, Status.TRUNCATED)
+
+
+def as_reward(value: Any) -> Reward:
+    """`value` as a Reward (float, or tuple of floats); raise TypeError/ValueError otherwise."""
+    if isinstance(value, bool) or value is None:
+        raise TypeError(f"returned {value!r}: expected a float or a tuple of floats")
+    if isinstance(value, (int, float)):
+        out: Reward = float(value)
+        items = (out,)
+    elif isinstance(value, (tuple, list)) and value:
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            raise TypeError(f"returned {value!r}: a vector reward must hold only floats")
+        out = tuple(float(v) for v in value)
+        items = out
+    else:
+        raise TypeError(f"returned {value!r}: expected a float or a tuple of floats")
+    if not all(math.isfinite(v) for v in items):
+        raise ValueError(f"returned a non-finite reward {value!r}")
+    return out
+
+
+def failed(sample: Sample, error: str) -> Sample:
+    """The sample marked FAILED, its reward cleared and the error kept in metadata."""
+    return dataclasses.replace(
+        sample, status=Status.FAILED, reward=None, metadata={**sample.metadata, "error": error}
+    )
+
+
+async def _call(reward_fn: Callable[[Sample], Any], sample: Sample) -> Any:
+    if is_async_callable(reward_fn):
+        return await reward_fn(sample)
+    return await trio.to_thread.run_sync(
+        functools.partial(reward_fn, sample), abandon_on_cancel=True
+    )
+
+
+async def score_sample(
+    sample: Sample, reward_fn: Callable[[Sample], Any], timeout_s: float
+) -> Sample:
+    """The sample with its reward, or FAILED (error in metadata) on raise, timeout or bad value.
+
+    Samples that are not COMPLETED or TRUNCATED (failed, aborted, pending) come back unchanged.
+    """
+    assert timeout_s > 0, f"{timeout_s=} must be > 0"
+    if sample.status not in SCORABLE:
+        return sample
+    try:
+        with trio.fail_after(timeout_s):
+            value = await _call(reward_fn, sample)
+    except trio.TooSlowError:
+        return failed(sample, f"reward_fn timed out after {timeout_s} s")
+    except Exception as e:  # a user function: any error is that sample's error
+        return failed(sample, f"reward_fn raised {type(e).__name__}: {e}")
+    try:
+        return dataclasses.replace(sample, reward=as_reward(value))
+    except (TypeError, ValueError) as e:
+        return failed(sample, f"reward_fn {e}")
+
+
+async def score_group(
+    group: Sequence[Sample],
+    reward_fn: Callable[[Sample], Any],
+    timeout_s: float,
+    limiter: trio.CapacityLimiter | None = None,
+) -> tuple[Sample, ...]:
+    """Score every sample of a group concurrently (at most `limiter` at once), in order."""
+    out: list[Sample | None] = [None] * len(group)
+
+    async def one(i: int, sample: Sample) -> None:
+        if limiter is None:
+            out[i] = await score_sample(sample, reward_fn, timeout_s)
+            return
+        async with limiter:
+            out[i] = await score_sample(sample, reward_fn, timeout_s)
+
+    async with trio.open_nursery() as nursery:
+        for i, sample in enumerate(group):
+            nursery.start_soon(one, i, sample)
+    assert all(s is not None for s in out), "a sample was not scored"
+    return tuple(s for s in out if s is not None)
+
+
+def count_failed(samples: Sequence[Sample]) -> int:
+    """How many samples are FAILED (report it every step)."""
+    return sum(1 for s in samples if s.status is Status.FAILED)
