@@ -47,3 +47,64 @@ class ScriptedEngine:
 
     async def load(self) -> EngineLoad:
         return EngineLoad(running=self.running, waiting=0)
+
+
+class RandomEngine:
+    """Random tokens, one per trio checkpoint; `abort_all` cuts live requests short.
+
+    `eos_prob` makes some samples stop early, so groups differ in length.
+    """
+
+    url = "fake://random"
+
+    def __init__(self, eos_id: int, seed: int = 0, eos_prob: float = 0.1, version: str = "0"):
+        import random
+
+        self.rng = random.Random(seed)
+        self.eos_id = eos_id
+        self.eos_prob = eos_prob
+        self.version = version
+        self.live: dict[int, bool] = {}  # request number -> aborted
+        self.count = 0
+        self.tokens_generated = 0
+
+    async def generate(
+        self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None
+    ) -> Completion:
+        key = self.count
+        self.count += 1
+        self.live[key] = False
+        out: list[int] = []
+        reason = FinishReason.LENGTH
+        try:
+            while len(out) < sampling.max_new_tokens:
+                await trio.sleep(0.001)  # decode time: lets aborts arrive mid-request
+                if self.live[key]:
+                    reason = FinishReason.ABORT
+                    break
+                token = (
+                    self.eos_id if self.rng.random() < self.eos_prob else self.rng.randrange(3, 90)
+                )
+                out.append(token)
+                if token == self.eos_id:
+                    reason = FinishReason.STOP
+                    break
+        finally:
+            del self.live[key]
+        self.tokens_generated += len(out)
+        return Completion(
+            output_ids=tuple(out),
+            logprobs=tuple(-1.0 for _ in out),
+            finish_reason=reason,
+            weight_version=self.version,
+            prompt_tokens=len(input_ids),
+            completion_tokens=len(out),
+        )
+
+    async def abort_all(self) -> None:
+        for key in self.live:
+            self.live[key] = True
+        await trio.lowlevel.checkpoint()
+
+    async def load(self) -> EngineLoad:
+        return EngineLoad(running=len(self.live), waiting=0)
