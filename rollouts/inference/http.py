@@ -1,0 +1,159 @@
+"""The HTTP layer of the engine clients: bounded calls, bounded retries, errors that say why.
+
+httpx.AsyncClient under trio with a small connection pool. Every call is inside
+`trio.fail_after`. Connection failures (and 503, the server saying "not now") are retried with
+bounded exponential backoff; a 4xx is never retried and is raised with the server's message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import httpx
+import trio
+
+
+class EngineError(RuntimeError):
+    """An engine call failed."""
+
+
+class EngineRequestError(EngineError):
+    """The engine refused the request (4xx, or another non-retryable status): not retried."""
+
+    def __init__(self, status: int, message: str, url: str) -> None:
+        self.status, self.message = status, message
+        super().__init__(f"{url}: HTTP {status}: {message}")
+
+
+class EngineUnavailable(EngineError):
+    """The engine could not be reached (or kept answering 503) after the bounded retries."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class HttpOptions:
+    """Timeouts, retries and pool size of one client."""
+
+    timeout_s: float = 300.0  # whole call, generation included
+    connect_timeout_s: float = 5.0
+    max_retries: int = 3
+    backoff_s: float = 0.1  # first retry delay; doubles each retry
+    max_backoff_s: float = 2.0
+    max_connections: int = 16
+
+    def __post_init__(self) -> None:
+        assert self.timeout_s > 0, f"{self.timeout_s=}"
+        assert self.max_retries >= 0, f"{self.max_retries=}"
+        assert 1 <= self.max_connections <= 64, f"{self.max_connections=}"
+
+
+def backoff_delays(options: HttpOptions) -> list[float]:
+    """The delays before each retry: exponential, capped, `max_retries` of them."""
+    return [
+        min(options.backoff_s * 2**i, options.max_backoff_s) for i in range(options.max_retries)
+    ]
+
+
+def error_message(response: httpx.Response) -> str:
+    """The server's error message: {"error": {"message"}}, {"message"}, {"detail"} or the text."""
+    try:
+        body = response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return response.text[:2000] or response.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        for key in ("message", "detail", "error"):
+            if key in body:
+                return str(body[key])
+    return str(body)[:2000]
+
+
+class EngineHttp:
+    """One engine's HTTP client (base URL, API key, retries)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str = "",
+        options: HttpOptions | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.options = options or HttpOptions()
+        o = self.options
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(
+            base_url=self.url,
+            headers=headers,
+            timeout=httpx.Timeout(o.timeout_s, connect=o.connect_timeout_s),
+            limits=httpx.Limits(
+                max_connections=o.max_connections, max_keepalive_connections=o.max_connections
+            ),
+            transport=transport,
+        )
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        params: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> httpx.Response:
+        """One request with retries; returns the 2xx response or raises an EngineError."""
+        timeout_s = timeout_s or self.options.timeout_s
+        delays = [*backoff_delays(self.options), None]
+        last = ""
+        for delay in delays:
+            try:
+                with trio.fail_after(timeout_s):
+                    response = await self._client.request(
+                        method, path, json=json_body, params=params
+                    )
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            except trio.TooSlowError:
+                raise EngineUnavailable(
+                    f"{self.url}{path}: no answer within {timeout_s}s"
+                ) from None
+            else:
+                if response.status_code < 300:
+                    return response
+                if response.status_code != 503:
+                    raise EngineRequestError(
+                        response.status_code, error_message(response), self.url
+                    )
+                last = f"HTTP 503: {error_message(response)}"
+            if delay is not None:
+                await trio.sleep(delay)
+        raise EngineUnavailable(
+            f"{self.url}{path}: failed after {self.options.max_retries} retries ({last})"
+        )
+
+    async def json(self, method: str, path: str, **kwargs: Any) -> Any:
+        """`call`, then the body as JSON (an EngineError if it is not JSON)."""
+        response = await self.call(method, path, **kwargs)
+        try:
+            return response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise EngineError(
+                f"{self.url}{path}: answer is not JSON: {response.text[:200]!r}"
+            ) from None
+
+    async def ok(self, path: str, timeout_s: float) -> bool:
+        """True when GET `path` answers 200 within `timeout_s` (no retries)."""
+        try:
+            with trio.fail_after(timeout_s):
+                response = await self._client.get(path)
+        except (httpx.TransportError, trio.TooSlowError):
+            return False
+        return response.status_code == 200
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._client.aclose()

@@ -1,0 +1,256 @@
+"""Starting built-in engine servers (`rollouts serve`) as subprocesses on free loopback ports.
+
+`engine_server(model_dir)` is the async context manager most code wants (yields the URL);
+`engine_process` yields an `EngineProcess` (url + process, so a test can kill it);
+`serve_engine` is the `nursery.start` form for long-lived engines; `start_engine_sync` is the
+blocking form for module-scoped test fixtures (pytest-trio fixtures cannot be module-scoped).
+Every wait is bounded: start-up by `startup_timeout_s`, shutdown by a grace period then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+HEALTH_POLL_S = 0.1
+STOP_GRACE_S = 5.0
+PORT_ATTEMPTS = 3
+
+
+class EngineStartError(RuntimeError):
+    """The server process exited or did not become healthy in time (message has its log tail)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class EngineSpec:
+    """How to start one built-in engine server."""
+
+    model_dir: str
+    host: str = "127.0.0.1"
+    port: int | None = None  # None = a free port
+    api_key: str = ""
+    max_batch: int = 64
+    max_queue: int = 1024
+    logprobs_from: str = "raw"
+    device: str = "cpu"
+    weight_version: str = "default"
+    extra_args: tuple[str, ...] = ()
+    startup_timeout_s: float = 120.0
+    log_path: str | None = None  # None = a temp file
+
+
+@dataclasses.dataclass(slots=True)
+class EngineProcess:
+    """A running server: its URL, its process, and the file its output goes to."""
+
+    url: str
+    process: subprocess.Popen
+    log_path: str
+    api_key: str = ""
+
+    def log_tail(self, chars: int = 3000) -> str:
+        """The end of the server's output (for error messages)."""
+        try:
+            return Path(self.log_path).read_text(errors="replace")[-chars:]
+        except OSError as exc:
+            return f"(no log: {exc})"
+
+    def kill(self) -> None:
+        """SIGKILL the server at once (fault-injection tests)."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=STOP_GRACE_S)
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM, then SIGKILL after `grace_s`."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=grace_s)
+
+
+def server_command(spec: EngineSpec, port: int) -> list[str]:
+    """The argv that starts the server for `spec` on `port`."""
+    cmd = [sys.executable, "-m", "rollouts.inference.server", "--model", str(spec.model_dir)]
+    cmd += ["--host", spec.host, "--port", str(port), "--max-batch", str(spec.max_batch)]
+    cmd += ["--max-queue", str(spec.max_queue), "--logprobs-from", spec.logprobs_from]
+    cmd += ["--device", spec.device, "--weight-version", spec.weight_version]
+    if spec.api_key:
+        cmd += ["--api-key", spec.api_key]
+    return cmd + list(spec.extra_args)
+
+
+def spawn(spec: EngineSpec) -> EngineProcess:
+    """Start the server process (returns at once; see `wait_healthy*`)."""
+    port = spec.port or free_port(spec.host)
+    if spec.log_path:
+        log_path = spec.log_path
+    else:
+        fd, log_path = tempfile.mkstemp(prefix=f"rollouts-serve-{port}-", suffix=".log")
+        os.close(fd)
+    env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1")
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(
+            server_command(spec, port), stdout=log, stderr=subprocess.STDOUT, env=env
+        )
+    url = f"http://{spec.host}:{port}"
+    return EngineProcess(url=url, process=process, log_path=log_path, api_key=spec.api_key)
+
+
+def _exited(proc: EngineProcess) -> EngineStartError | None:
+    code = proc.process.poll()
+    if code is None:
+        return None
+    return EngineStartError(f"engine server exited with {code} at start:\n{proc.log_tail()}")
+
+
+def wait_healthy_sync(proc: EngineProcess, timeout_s: float) -> None:
+    """Block until GET /health is 200; EngineStartError if the process dies or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if (err := _exited(proc)) is not None:
+                raise err
+            with contextlib.suppress(httpx.TransportError):
+                if client.get(f"{proc.url}/health").status_code == 200:
+                    return
+            time.sleep(HEALTH_POLL_S)
+    proc.stop()
+    raise EngineStartError(f"engine server not healthy after {timeout_s}s:\n{proc.log_tail()}")
+
+
+async def wait_healthy(proc: EngineProcess, timeout_s: float) -> None:
+    """Async `wait_healthy_sync`."""
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        with trio.move_on_after(timeout_s):
+            while True:
+                if (err := _exited(proc)) is not None:
+                    raise err
+                with contextlib.suppress(httpx.TransportError):
+                    if (await client.get(f"{proc.url}/health")).status_code == 200:
+                        return
+                await trio.sleep(HEALTH_POLL_S)
+    await trio.to_thread.run_sync(proc.stop)
+    raise EngineStartError(f"engine server not healthy after {timeout_s}s:\n{proc.log_tail()}")
+
+
+def _retryable(err: EngineStartError, spec: EngineSpec) -> bool:
+    """A port taken between choosing and binding it is worth another free port."""
+    return spec.port is None and "address already in use" in str(err).lower()
+
+
+def start_engine_sync(spec: EngineSpec) -> EngineProcess:
+    """Start a server and block until it is healthy (retries a lost port race, bounded)."""
+    for attempt in range(PORT_ATTEMPTS):
+        proc = spawn(spec)
+        try:
+            wait_healthy_sync(proc, spec.startup_timeout_s)
+            return proc
+        except EngineStartError as err:
+            if attempt + 1 == PORT_ATTEMPTS or not _retryable(err, spec):
+                raise
+    raise AssertionError("unreachable")
+
+
+async def start_engine(spec: EngineSpec) -> EngineProcess:
+    """Async `start_engine_sync`."""
+    for attempt in range(PORT_ATTEMPTS):
+        proc = spawn(spec)
+        try:
+            await wait_healthy(proc, spec.startup_timeout_s)
+            return proc
+        except EngineStartError as err:
+            if attempt + 1 == PORT_ATTEMPTS or not _retryable(err, spec):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _spec(model_dir: str | Path, kwargs: dict[str, Any]) -> EngineSpec:
+    if "extra_args" in kwargs:
+        kwargs["extra_args"] = tuple(kwargs["extra_args"])
+    return EngineSpec(model_dir=str(model_dir), **kwargs)
+
+
+@contextlib.asynccontextmanager
+async def engine_process(model_dir: str | Path, **kwargs: Any) -> AsyncIterator[EngineProcess]:
+    """A healthy server for the duration of the block (kwargs: EngineSpec fields)."""
+    proc = await start_engine(_spec(model_dir, kwargs))
+    try:
+        yield proc
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(proc.stop)
+
+
+@contextlib.asynccontextmanager
+async def engine_server(model_dir: str | Path, **kwargs: Any) -> AsyncIterator[str]:
+    """`async with engine_server(dir, port=None, api_key=..., max_batch=...) as url:`."""
+    async with engine_process(model_dir, **kwargs) as proc:
+        yield proc.url
+
+
+@contextlib.contextmanager
+def engine_server_sync(model_dir: str | Path, **kwargs: Any) -> Iterator[EngineProcess]:
+    """Blocking form for module-scoped fixtures: yields the EngineProcess, stops it after."""
+    proc = start_engine_sync(_spec(model_dir, kwargs))
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+async def serve_engine(
+    model_dir: str | Path, *, task_status: Any = trio.TASK_STATUS_IGNORED, **kwargs: Any
+) -> None:
+    """`url = await nursery.start(serve_engine, model_dir, ...)`: runs until cancelled."""
+    async with engine_process(model_dir, **kwargs) as proc:
+        task_status.started(proc.url)
+        await trio.sleep_forever()
+
+
+async def serve_engines(
+    model_dir: str | Path,
+    count: int,
+    *,
+    task_status: Any = trio.TASK_STATUS_IGNORED,
+    **kwargs: Any,
+) -> None:
+    """Start `count` engines at once (each on its own free port); `started(urls)`; runs until
+    cancelled, then stops them all. Use with `functools.partial` and `nursery.start`."""
+    assert count >= 1, f"{count=}"
+    spec = _spec(model_dir, kwargs)
+    assert spec.port is None or count == 1, f"{count=} engines cannot share {spec.port=}"
+    procs: list[EngineProcess] = []
+    try:
+        procs = [spawn(spec) for _ in range(count)]
+        async with trio.open_nursery() as nursery:
+            for proc in procs:
+                nursery.start_soon(wait_healthy, proc, spec.startup_timeout_s)
+        task_status.started([p.url for p in procs])
+        await trio.sleep_forever()
+    finally:
+        with trio.CancelScope(shield=True):
+            for proc in procs:
+                await trio.to_thread.run_sync(proc.stop)

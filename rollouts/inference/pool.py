@@ -1,0 +1,147 @@
+"""EnginePool: several engines behind the one InferenceEngine Protocol.
+
+Each request goes to the least-loaded healthy engine (loads counted by the pool itself: its own
+in-flight requests per engine, no extra HTTP). An engine whose call fails with EngineUnavailable
+is marked down and the request is retried on another (at most once per engine); a periodic health
+check (`run_health_checks`, started by the owner in its nursery) brings it back once /health is
+200 and it serves the pool's weight version. Control calls (pause, resume, weights, abort) go to
+every engine that is up, concurrently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import trio
+
+from rollouts.inference.http import EngineError, EngineUnavailable
+from rollouts.inference.protocol import Completion, EngineLoad, InferenceEngine, SamplingParams
+
+
+def pick_engine(in_flight: Sequence[int], up: Sequence[bool], tried: set[int]) -> int | None:
+    """Index of the least-loaded engine that is up and not yet tried (ties: lowest index)."""
+    assert len(in_flight) == len(up), f"{len(in_flight)=} != {len(up)=}"
+    best: int | None = None
+    for i, (load, alive) in enumerate(zip(in_flight, up, strict=True)):
+        if alive and i not in tried and (best is None or load < in_flight[best]):
+            best = i
+    return best
+
+
+class EnginePool:
+    """Routes requests over engines; satisfies InferenceEngine itself."""
+
+    def __init__(self, engines: Sequence[InferenceEngine], *, health_interval_s: float = 5.0):
+        assert engines, "an EnginePool needs at least one engine"
+        assert health_interval_s > 0, f"{health_interval_s=}"
+        self.engines = list(engines)
+        self.url = ",".join(e.url for e in self.engines)
+        self.health_interval_s = health_interval_s
+        self.up = [True] * len(self.engines)
+        self.in_flight = [0] * len(self.engines)
+        self.version: str | None = None  # set by update_weights_from_disk
+
+    def mark_down(self, index: int) -> None:
+        """Stop routing to engine `index` until a health check passes."""
+        self.up[index] = False
+
+    async def generate(
+        self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None
+    ) -> Completion:
+        """Generate on the least-loaded healthy engine; on EngineUnavailable try the next one."""
+        tried: set[int] = set()
+        errors: list[str] = []
+        while (index := pick_engine(self.in_flight, self.up, tried)) is not None:
+            tried.add(index)
+            self.in_flight[index] += 1
+            try:
+                return await self.engines[index].generate(input_ids, sampling, rid)
+            except EngineUnavailable as exc:
+                self.mark_down(index)
+                errors.append(str(exc))
+            finally:
+                self.in_flight[index] -= 1
+        raise EngineUnavailable(f"no healthy engine could generate: {errors or 'all are down'}")
+
+    async def _each_up(self, call: Callable[[InferenceEngine], Awaitable[Any]]) -> list[Any]:
+        """`call` on every engine that is up, concurrently; an unreachable one is marked down."""
+        results: dict[int, Any] = {}
+
+        async def one(i: int) -> None:
+            try:
+                results[i] = await call(self.engines[i])
+            except EngineUnavailable:
+                self.mark_down(i)
+
+        async with trio.open_nursery() as nursery:
+            for i, alive in enumerate(self.up):
+                if alive:
+                    nursery.start_soon(one, i)
+        if not results:
+            raise EngineUnavailable(f"no engine of {self.url} is up")
+        return [results[i] for i in sorted(results)]
+
+    async def update_weights_from_disk(self, path: str, version: str) -> None:
+        """Reload on every engine that is up; engines brought back later must match `version`."""
+        self.version = str(version)
+        await self._each_up(lambda e: e.update_weights_from_disk(path, version))
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Pause every engine that is up."""
+        await self._each_up(lambda e: e.pause(mode))
+
+    async def resume(self) -> None:
+        """Resume every engine that is up."""
+        await self._each_up(lambda e: e.resume())
+
+    async def abort_all(self) -> None:
+        """Abort everything on every engine that is up."""
+        await self._each_up(lambda e: e.abort_all())
+
+    async def health(self) -> bool:
+        """True when at least one engine is up and answers /health."""
+        checks = await self._each_up(lambda e: e.health())
+        return any(checks)
+
+    async def weight_version(self) -> str:
+        """The version every up engine serves (an EngineError if they disagree)."""
+        versions = set(await self._each_up(lambda e: e.weight_version()))
+        if len(versions) != 1:
+            raise EngineError(f"engines of {self.url} serve different versions: {sorted(versions)}")
+        return versions.pop()
+
+    async def load(self) -> EngineLoad:
+        """Sum of the up engines' loads."""
+        loads = await self._each_up(lambda e: e.load())
+        return EngineLoad(
+            running=sum(x.running for x in loads), waiting=sum(x.waiting for x in loads)
+        )
+
+    async def check_health(self) -> None:
+        """One round: an engine is up iff /health is 200 and it serves the pool's version."""
+        async with trio.open_nursery() as nursery:
+            for i in range(len(self.engines)):
+                nursery.start_soon(self._check_one, i)
+
+    async def _check_one(self, i: int) -> None:
+        engine = self.engines[i]
+        healthy = await engine.health()
+        if healthy and not self.up[i] and self.version is not None:
+            try:
+                healthy = await engine.weight_version() == self.version
+            except EngineError:
+                healthy = False
+        self.up[i] = healthy
+
+    async def run_health_checks(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Check every `health_interval_s` until cancelled (start it in the owner's nursery)."""
+        task_status.started()
+        while True:
+            await trio.sleep(self.health_interval_s)
+            await self.check_health()
+
+    async def aclose(self) -> None:
+        """Close every engine's client."""
+        for engine in self.engines:
+            await engine.aclose()

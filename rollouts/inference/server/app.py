@@ -1,0 +1,135 @@
+"""Assembling the server: load the model, start the worker thread, serve the ASGI app.
+
+Starlette app, served by hypercorn under trio. The worker thread (`EngineCore.run`) is started
+from the same nursery with `trio.to_thread.run_sync`, so the event loop keeps answering while the
+model runs; stopping the nursery stops the worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+import hypercorn.config
+import hypercorn.trio
+import torch
+import trio
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+
+from rollouts.inference.server import http_util, openai_routes, sglang_routes
+from rollouts.inference.server.core import CoreOptions, EngineCore
+from rollouts.inference.server.state import ServerInfo, ServerState
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ServeOptions:
+    """Everything `rollouts serve` takes on its command line."""
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str = ""
+    max_batch: int = 64
+    max_queue: int = 1024
+    max_prefill: int = 64
+    logprobs_from: str = "raw"
+    device: str = "cpu"
+    dtype: str = "float32"
+    weight_version: str = "default"
+    served_model_name: str = ""
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        assert self.logprobs_from in ("raw", "scaled"), f"{self.logprobs_from=}"
+        assert self.max_batch >= 1, f"{self.max_batch=}"
+        assert self.max_queue >= 1, f"{self.max_queue=}"
+
+
+def load_model(options: ServeOptions) -> tuple[Any, Any]:
+    """The HF model (eval mode, on the device) and its tokenizer from `options.model`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = getattr(torch, options.dtype)
+    model = AutoModelForCausalLM.from_pretrained(options.model, dtype=dtype)
+    model = model.to(options.device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(options.model)
+    return model, tokenizer
+
+
+def build_core(options: ServeOptions, model: Any, tokenizer: Any) -> tuple[EngineCore, ServerInfo]:
+    """The engine core and the info the routes report, from a loaded model."""
+    eos = model.generation_config.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    context_len = int(getattr(model.config, "max_position_embeddings", 2048))
+    core_options = CoreOptions(
+        max_batch=options.max_batch,
+        max_queue=options.max_queue,
+        max_prefill=options.max_prefill,
+        logprobs_from=options.logprobs_from,
+        context_len=context_len,
+        eos_token_ids=eos_ids,
+        pad_token_id=pad,
+    )
+    info = ServerInfo(
+        model_path=str(Path(options.model).resolve()),
+        served_model_name=options.served_model_name or str(options.model),
+        context_len=context_len,
+        vocab_size=int(model.config.vocab_size),
+        max_batch=options.max_batch,
+        max_queue=options.max_queue,
+        logprobs_from=options.logprobs_from,
+        request_timeout_s=options.request_timeout_s,
+    )
+    return EngineCore(model, tokenizer, core_options, options.weight_version), info
+
+
+def build_app(state: ServerState, api_key: str = "") -> Starlette:
+    """The Starlette app with every route, JSON errors, and the API-key check if a key is set."""
+    middleware = [Middleware(http_util.ApiKeyMiddleware, api_key=api_key)] if api_key else []
+    app = Starlette(
+        routes=http_util.ROUTES + sglang_routes.ROUTES + openai_routes.ROUTES,
+        middleware=middleware,
+        exception_handlers=http_util.EXCEPTION_HANDLERS,
+    )
+    app.state.server = state
+    return app
+
+
+async def run_worker(core: EngineCore) -> None:
+    """Run the core's loop in a thread until cancelled (then tell the loop to stop)."""
+    try:
+        await trio.to_thread.run_sync(core.run, abandon_on_cancel=True)
+    finally:
+        core.stop()
+
+
+async def serve(options: ServeOptions, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """Load the model, start the worker and the HTTP server; `started(url)` once it listens."""
+    model, tokenizer = await trio.to_thread.run_sync(load_model, options)
+    core, info = build_core(options, model, tokenizer)
+    state = ServerState(core, info, trio.lowlevel.current_trio_token())
+    config = hypercorn.config.Config()
+    config.bind = [f"{options.host}:{options.port}"]
+    config.accesslog = None
+    config.keep_alive_timeout = 75
+    never = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_worker, core)
+        await nursery.start(
+            functools.partial(
+                hypercorn.trio.serve,
+                build_app(state, options.api_key),
+                config,
+                shutdown_trigger=never.wait,
+            )
+        )
+        url = f"http://{options.host}:{options.port}"
+        log.info("rollouts engine server on %s (model %s)", url, options.model)
+        task_status.started(url)

@@ -1,0 +1,78 @@
+"""`rollouts serve --model DIR [--host 127.0.0.1] [--port N] [--api-key K] [--max-batch N] ...`.
+
+Runs the built-in engine server until killed. See `rollouts.inference.server` for the routes and
+for what `--logprobs-from raw|scaled` means (raw = log_softmax of the unmodified logits, the
+default; scaled = log_softmax of the temperature-scaled logits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import trio
+
+from rollouts.inference.server.app import ServeOptions, serve
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `rollouts serve`."""
+    parser.add_argument("--model", required=True, help="HF-format model directory")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--api-key", default="", help="require 'Authorization: Bearer KEY'")
+    parser.add_argument("--max-batch", type=int, default=64, help="sequences decoded together")
+    parser.add_argument("--max-queue", type=int, default=1024, help="waiting sequences; then 503")
+    parser.add_argument("--max-prefill", type=int, default=64, help="new sequences per step")
+    parser.add_argument(
+        "--logprobs-from",
+        choices=("raw", "scaled"),
+        default="raw",
+        help="logprob of a sampled token from the raw logits or the temperature-scaled ones",
+    )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--served-model-name", default="")
+    parser.add_argument("--request-timeout-s", type=float, default=600.0)
+    parser.add_argument("--log-level", default="INFO")
+
+
+def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    """The parsed command line as ServeOptions."""
+    return ServeOptions(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        max_prefill=args.max_prefill,
+        logprobs_from=args.logprobs_from,
+        device=args.device,
+        dtype=args.dtype,
+        weight_version=args.weight_version,
+        served_model_name=args.served_model_name,
+        request_timeout_s=args.request_timeout_s,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until interrupted; 2 when the model directory or an option is unusable."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    if not (Path(args.model) / "config.json").is_file():
+        print(
+            f"--model {args.model}: no config.json there (an HF model directory?)", file=sys.stderr
+        )
+        return 2
+    for name in ("max_batch", "max_queue", "max_prefill"):
+        if getattr(args, name) < 1:
+            print(f"--{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    try:
+        trio.run(serve, options_from_args(args))
+    except KeyboardInterrupt:
+        return 0
+    return 0

@@ -1,0 +1,116 @@
+"""HTTP plumbing shared by the routes: JSON bodies, errors as JSON, the API-key check, health."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import trio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from rollouts.inference.server.sampling import BadRequest, SamplingSpec
+from rollouts.inference.server.state import ServerState, ServiceUnavailable
+from rollouts.inference.server.weights import WeightLoadError
+
+log = logging.getLogger(__name__)
+OPEN_PATHS = ("/health",)  # reachable without the API key
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+def state_of(request: Request) -> ServerState:
+    """The server state stored on the app."""
+    return request.app.state.server
+
+
+def error_json(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+    """The error shape both SGLang and vLLM clients read: {"error": {"message", ...}}."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+async def json_body(request: Request, *, allow_empty: bool = False) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 that says what is wrong with it."""
+    raw = await request.body()
+    if not raw.strip() and allow_empty:
+        return {}
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest("body", f"malformed JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body", "must be a JSON object")
+    return body
+
+
+async def on_bad_request(_request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, BadRequest), f"{exc!r}"
+    return error_json(400, str(exc), "BadRequestError", exc.field)
+
+
+async def on_unavailable(_request: Request, exc: Exception) -> Response:
+    return error_json(503, str(exc), "ServiceUnavailableError")
+
+
+async def on_weight_error(_request: Request, exc: Exception) -> Response:
+    return error_json(400, str(exc), "BadRequestError", "model_path")
+
+
+async def on_timeout(_request: Request, exc: Exception) -> Response:
+    return error_json(504, f"the request did not finish in time ({exc!r})", "TimeoutError")
+
+
+async def on_crash(_request: Request, exc: Exception) -> Response:
+    log.error("unhandled error in a route", exc_info=exc)
+    return error_json(500, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError")
+
+
+EXCEPTION_HANDLERS = {
+    Exception: on_crash,
+    BadRequest: on_bad_request,
+    ServiceUnavailable: on_unavailable,
+    WeightLoadError: on_weight_error,
+    trio.TooSlowError: on_timeout,
+}
+
+
+class ApiKeyMiddleware:
+    """With an API key set, every route but /health needs `Authorization: Bearer <key>` (401)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            headers = dict(scope["headers"])
+            if headers.get(b"authorization") != self.expected:
+                response = error_json(401, "missing or wrong API key", "AuthenticationError")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def health(_request: Request) -> Response:
+    """GET /health: 200 once the server answers."""
+    return Response(status_code=200)
+
+
+async def health_generate(request: Request) -> Response:
+    """GET /health_generate: 200 if a one-token generation completes, else 503."""
+    state = state_of(request)
+    spec = SamplingSpec(max_new_tokens=1, temperature=0.0)
+    try:
+        with trio.fail_after(HEALTH_GENERATE_TIMEOUT_S):
+            await state.generate([0], spec, state.new_rid(), 1)
+    except (ServiceUnavailable, trio.TooSlowError) as exc:
+        return error_json(503, f"generation is not healthy: {exc}", "ServiceUnavailableError")
+    return Response(status_code=200)
+
+
+ROUTES = [
+    Route("/health", health, methods=["GET"]),
+    Route("/health_generate", health_generate, methods=["GET"]),
+]

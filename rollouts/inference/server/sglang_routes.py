@@ -1,0 +1,243 @@
+"""SGLang-native routes: /generate, weight updates, pause/continue, abort, info, loads."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from rollouts.inference.protocol import FinishReason
+from rollouts.inference.server.core import Sequence
+from rollouts.inference.server.http_util import json_body, state_of
+from rollouts.inference.server.sampling import BadRequest, as_type
+from rollouts.inference.server.scheduler import trim_text
+from rollouts.inference.server.state import ServerState
+from rollouts.inference.server.wire import sglang_spec, token_ids_or_none
+
+PAUSE_MODES = {"abort": "abort", "retract": "keep", "in_place": "keep"}
+
+
+def finish_json(seq: Sequence) -> dict[str, Any]:
+    """SGLang's meta_info.finish_reason object."""
+    assert seq.stop is not None, f"{seq.rid} has not finished"
+    reason = seq.stop.reason
+    if reason is FinishReason.STOP:
+        return {"type": "stop", "matched": seq.stop.matched}
+    if reason is FinishReason.LENGTH:
+        return {"type": "length", "length": len(seq.output_ids)}
+    if reason is FinishReason.ABORT:
+        return {"type": "abort", "message": "Aborted"}
+    return {"type": "error", "message": "the engine failed during generation; see its log"}
+
+
+def output_text(state: ServerState, seq: Sequence) -> str:
+    """Decoded output, cut at a matched stop string unless the request keeps it."""
+    text = state.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.spec.skip_special_tokens)
+    assert seq.stop is not None, f"{seq.rid} has not finished"
+    return trim_text(text, seq.spec.stop, seq.stop.matched, keep=seq.spec.no_stop_trim)
+
+
+def sglang_result(state: ServerState, seq: Sequence, opts: dict[str, Any]) -> dict[str, Any]:
+    """One /generate answer object (text, output_ids, meta_info)."""
+    with_text = bool(opts.get("return_text_in_logprobs"))
+
+    def entry(lp: float, tok: int) -> list[Any]:
+        return [lp, tok, state.tokenizer.decode([tok]) if with_text else None]
+
+    meta: dict[str, Any] = {
+        "id": seq.rid,
+        "prompt_tokens": len(seq.prompt_ids),
+        "completion_tokens": len(seq.output_ids),
+        "cached_tokens": 0,
+        "weight_version": seq.weight_version,
+        "finish_reason": finish_json(seq),
+        "e2e_latency": round(time.monotonic() - seq.created_s, 6),
+    }
+    if opts.get("return_logprob"):
+        meta["output_token_logprobs"] = [
+            entry(lp, t) for lp, t in zip(seq.logprobs, seq.output_ids, strict=True)
+        ]
+        if seq.spec.top_logprobs:
+            meta["output_top_logprobs"] = [[entry(lp, t) for lp, t in step] for step in seq.top]
+    out: dict[str, Any] = {"text": output_text(state, seq), "output_ids": seq.output_ids}
+    if opts.get("return_prompt_token_ids"):
+        out["prompt_token_ids"] = seq.prompt_ids
+    out["meta_info"] = meta
+    return out
+
+
+def sglang_prompts(state: ServerState, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
+    """The prompts as token ids, and whether the request was a batch."""
+    if body.get("text") is not None:
+        text = body["text"]
+        if isinstance(text, str):
+            return [state.tokenizer.encode(text, add_special_tokens=False)], False
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return [state.tokenizer.encode(t, add_special_tokens=False) for t in text], True
+        raise BadRequest("text", "must be a string or a non-empty list of strings")
+    if body.get("input_ids") is not None:
+        ids = token_ids_or_none("input_ids", body["input_ids"])
+        if ids is None or not ids:
+            raise BadRequest("input_ids", "must be a non-empty list of token ids or of such lists")
+        if isinstance(ids[0], list):
+            return [list(p) for p in ids], True
+        return [list(ids)], False
+    if body.get("input_embeds") is not None:
+        raise BadRequest("input_embeds", "not supported by the built-in server")
+    raise BadRequest("text", "give exactly one of text or input_ids")
+
+
+def _per_prompt(field: str, value: Any, count: int) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != count:
+            raise BadRequest(field, f"has {len(value)} entries for {count} prompts")
+        return value
+    return [value] * count
+
+
+async def generate(request: Request) -> Response:
+    """POST /generate: one prompt or a batch; n samples each; aborts answer 200 with partials."""
+    state = state_of(request)
+    body = await json_body(request)
+    if body.get("stream"):
+        raise BadRequest("stream", "streaming is not supported by the built-in server")
+    if body.get("logprob_start_len", -1) not in (-1, None):
+        raise BadRequest("logprob_start_len", "only -1 (output tokens only) is supported")
+    prompts, is_batch = sglang_prompts(state, body)
+    for i, p in enumerate(prompts):
+        state.check_prompt(p, "input_ids" if body.get("text") is None else f"text[{i}]")
+    top_n = as_type("top_logprobs_num", body.get("top_logprobs_num") or 0, int)
+    params = _per_prompt("sampling_params", body.get("sampling_params") or {}, len(prompts))
+    rids = _per_prompt("rid", body.get("rid"), len(prompts))
+    work = []
+    for p, sp, rid in zip(prompts, params, rids, strict=True):
+        spec, n = sglang_spec(sp, top_n)
+        work.append((p, spec, str(rid) if rid is not None else state.new_rid(), n))
+    groups = await state.generate_many(work)
+    results = [sglang_result(state, seq, body) for group in groups for seq in group]
+    if not is_batch and len(results) == 1:
+        return JSONResponse(results[0])
+    return JSONResponse(results)
+
+
+async def update_weights_from_disk(request: Request) -> Response:
+    """POST /update_weights_from_disk: reload HF safetensors; 400 with success false on failure."""
+    state = state_of(request)
+    body = await json_body(request)
+    path = body.get("model_path")
+    if not isinstance(path, str) or not path:
+        raise BadRequest("model_path", "must be the path of an HF-format checkpoint directory")
+    version = body.get("weight_version")
+    version = None if version is None else str(version)
+    try:
+        await state.reload(path, version, bool(body.get("abort_all_requests")))
+    except ValueError as exc:
+        return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
+    message = f"loaded {path} (weight_version {state.core.weight_version})"
+    return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
+
+
+async def update_weight_version(request: Request) -> Response:
+    """POST /update_weight_version {"new_version": "13"} (also accepts "weight_version")."""
+    state = state_of(request)
+    body = await json_body(request)
+    version = body.get("new_version", body.get("weight_version"))
+    if version is None:
+        raise BadRequest("new_version", "is required")
+    await state.set_version(str(version))
+    return JSONResponse({"success": True, "message": f"weight_version set to {version}"})
+
+
+async def pause_generation(request: Request) -> Response:
+    """POST /pause_generation {"mode": "abort"|"retract"|"in_place"}: new requests wait."""
+    state = state_of(request)
+    body = await json_body(request, allow_empty=True)
+    mode = body.get("mode") or "abort"
+    if mode not in PAUSE_MODES:
+        raise BadRequest("mode", f"{mode!r} must be one of {list(PAUSE_MODES)}")
+    await state.pause(PAUSE_MODES[mode], reject_new=False)
+    return JSONResponse({"success": True, "message": f"paused ({mode})"})
+
+
+async def continue_generation(request: Request) -> Response:
+    """POST /continue_generation: resume after a pause."""
+    await state_of(request).resume()
+    return JSONResponse({"success": True, "message": "continued"})
+
+
+async def abort_request(request: Request) -> Response:
+    """POST /abort_request {"rid": ...} or {"abort_all": true}: empty 200."""
+    state = state_of(request)
+    body = await json_body(request, allow_empty=True)
+    if body.get("abort_all"):
+        await state.abort(None)
+    elif isinstance(body.get("rid"), str) and body["rid"]:
+        await state.abort(body["rid"])
+    else:
+        raise BadRequest("rid", "give a request id, or abort_all: true")
+    return Response(status_code=200)
+
+
+async def flush_cache(request: Request) -> Response:
+    """/flush_cache: 200 when idle (no prefix cache to flush), 400 while requests run."""
+    if not state_of(request).core.idle():
+        return Response("Cache not flushed: requests are running", status_code=400)
+    return Response("Cache flushed.", status_code=200)
+
+
+async def model_info(request: Request) -> Response:
+    """GET /model_info (and the deprecated /get_model_info)."""
+    state = state_of(request)
+    return JSONResponse(
+        {
+            "model_path": state.info.model_path,
+            "served_model_name": state.info.served_model_name,
+            "tokenizer_path": state.info.model_path,
+            "is_generation": True,
+            "weight_version": state.core.weight_version,
+            "preferred_sampling_params": None,
+        }
+    )
+
+
+async def server_info(request: Request) -> Response:
+    """GET /server_info: the server's settings."""
+    info = state_of(request).info
+    return JSONResponse(
+        {
+            "model_path": info.model_path,
+            "served_model_name": info.served_model_name,
+            "context_length": info.context_len,
+            "max_running_requests": info.max_batch,
+            "max_queued_requests": info.max_queue,
+            "logprobs_from": info.logprobs_from,
+            "engine": "rollouts",
+            "version": state_of(request).core.weight_version,
+        }
+    )
+
+
+async def loads(request: Request) -> Response:
+    """GET /v1/loads: running and waiting request counts."""
+    running, waiting = state_of(request).core.load()
+    load = {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting}
+    return JSONResponse({"loads": [load], **load})
+
+
+ROUTES = [
+    Route("/generate", generate, methods=["POST"]),
+    Route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"]),
+    Route("/update_weight_version", update_weight_version, methods=["POST"]),
+    Route("/pause_generation", pause_generation, methods=["POST"]),
+    Route("/continue_generation", continue_generation, methods=["POST"]),
+    Route("/abort_request", abort_request, methods=["POST"]),
+    Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+    Route("/model_info", model_info, methods=["GET"]),
+    Route("/get_model_info", model_info, methods=["GET"]),
+    Route("/server_info", server_info, methods=["GET"]),
+    Route("/get_server_info", server_info, methods=["GET"]),
+    Route("/v1/loads", loads, methods=["GET"]),
+]

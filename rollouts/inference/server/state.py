@@ -1,0 +1,198 @@
+"""The trio side of the server: turns route calls into worker commands and waits for results."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import trio
+
+from rollouts.inference.server.core import EngineCore, Sequence
+from rollouts.inference.server.sampling import BadRequest, SamplingSpec
+from rollouts.inference.server.scheduler import allowed_new_tokens
+from rollouts.inference.server.weights import WeightLoadError
+
+COMMAND_TIMEOUT_S = 600.0
+
+
+class ServiceUnavailable(RuntimeError):
+    """The server cannot take the request now (queue full, paused): HTTP 503."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ServerInfo:
+    """What the info routes report."""
+
+    model_path: str
+    served_model_name: str
+    context_len: int
+    vocab_size: int
+    max_batch: int
+    max_queue: int
+    logprobs_from: str
+    request_timeout_s: float
+
+
+class ServerState:
+    """Shared by all routes: the core, the tokenizer, the pause state."""
+
+    def __init__(self, core: EngineCore, info: ServerInfo, token: trio.lowlevel.TrioToken) -> None:
+        self.core, self.info, self.token = core, info, token
+        self.tokenizer = core.tokenizer
+        self.reject_new = False  # vLLM pause in abort/wait mode: new requests get 503
+        self._ids = itertools.count()
+
+    def new_rid(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def check_prompt(self, prompt_ids: list[int], field: str) -> None:
+        """400 for an empty prompt, a token outside the vocabulary, or a prompt too long."""
+        if not prompt_ids:
+            raise BadRequest(field, "the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.info.vocab_size]
+        if bad:
+            raise BadRequest(field, f"token ids {bad[:5]} are outside [0, {self.info.vocab_size})")
+        if len(prompt_ids) >= self.info.context_len:
+            raise BadRequest(
+                field,
+                f"the prompt has {len(prompt_ids)} tokens; the context is {self.info.context_len}",
+            )
+
+    async def generate(
+        self, prompt_ids: list[int], spec: SamplingSpec, rid: str, n: int
+    ) -> list[Sequence]:
+        """Generate n sequences for one prompt; waits for all (an abort returns partial ones)."""
+        results = await self.generate_many([(prompt_ids, spec, rid, n)])
+        return results[0]
+
+    async def generate_many(
+        self, prompts: list[tuple[list[int], SamplingSpec, str, int]]
+    ) -> list[list[Sequence]]:
+        """Submit every sequence of every prompt at once, so they share the batch."""
+        if self.reject_new:
+            raise ServiceUnavailable("the server is paused; POST /resume first")
+        events: list[trio.Event] = []
+        groups: list[list[Sequence]] = []
+        for prompt_ids, spec, rid, n in prompts:
+            group = []
+            for i in range(n):
+                event = trio.Event()
+                events.append(event)
+                seed = None if spec.seed is None else spec.seed + i
+                group.append(
+                    Sequence(
+                        rid=rid if n == 1 else f"{rid}-{i}",
+                        prompt_ids=prompt_ids,
+                        spec=spec,
+                        max_new=allowed_new_tokens(
+                            prompt_len=len(prompt_ids),
+                            max_new_tokens=spec.max_new_tokens,
+                            context_len=self.info.context_len,
+                        ),
+                        notify=self._notifier(event),
+                        generator=None if seed is None else torch.Generator().manual_seed(seed),
+                    )
+                )
+            groups.append(group)
+        if not self.core.submit([s for g in groups for s in g]):
+            raise ServiceUnavailable(f"the waiting queue is full ({self.info.max_queue} requests)")
+        with trio.fail_after(self.info.request_timeout_s):
+            for event in events:
+                await event.wait()
+        return groups
+
+    def _notifier(self, event: trio.Event) -> Callable[[Sequence], None]:
+        def notify(_seq: Sequence) -> None:
+            self.token.run_sync_soon(event.set)
+
+        return notify
+
+    async def command(self, fn: Callable[[Callable[[Any], None]], None]) -> Any:
+        """Run `fn(reply)` in the worker; returns what it passes to `reply` (or raises it)."""
+        done = trio.Event()
+        box: list[Any] = []
+
+        def reply(value: Any) -> None:
+            box.append(value)
+            self.token.run_sync_soon(done.set)
+
+        def guarded() -> None:
+            try:
+                fn(reply)
+            except Exception as exc:
+                reply(exc)
+
+        self.core.post(guarded)
+        with trio.fail_after(COMMAND_TIMEOUT_S):
+            await done.wait()
+        if isinstance(box[0], Exception):
+            raise box[0]
+        return box[0]
+
+    async def abort(self, rid_prefix: str | None) -> int:
+        """Abort all (or matching) requests; they answer with partial output."""
+        return await self.command(lambda reply: reply(self.core.abort(rid_prefix)))
+
+    async def pause(self, mode: str, *, reject_new: bool) -> None:
+        """abort: abort in-flight; wait: let them finish; keep: freeze them. Then stop stepping."""
+        assert mode in ("abort", "wait", "keep"), f"{mode=}"
+        self.reject_new = reject_new and mode != "keep"
+
+        def run(reply: Callable[[Any], None]) -> None:
+            if mode == "abort":
+                self.core.abort(None)
+            if mode == "wait":
+
+                def pause_now() -> None:
+                    self.core.paused = True
+                    reply(None)
+
+                self.core.when_idle(pause_now)
+                return
+            self.core.paused = True
+            reply(None)
+
+        await self.command(run)
+
+    async def resume(self) -> None:
+        """Undo pause: new requests are taken again and frozen ones continue."""
+        self.reject_new = False
+
+        def run(reply: Callable[[Any], None]) -> None:
+            self.core.paused = False
+            reply(None)
+
+        await self.command(run)
+
+    async def reload(self, path: str, version: str | None, abort_first: bool) -> None:
+        """Load new weights: at once when paused, else after the running requests finish."""
+
+        def run(reply: Callable[[Any], None]) -> None:
+            if abort_first:
+                self.core.abort(None)
+
+            def load() -> None:
+                try:
+                    self.core.reload(path, version)
+                    reply(None)
+                except (WeightLoadError, OSError, RuntimeError) as exc:
+                    reply(WeightLoadError(str(exc)))
+
+            if self.core.paused:
+                load()
+            else:
+                self.core.when_idle(load)
+
+        await self.command(run)
+
+    async def set_version(self, version: str) -> None:
+        """Set the reported weight version without touching the weights."""
+
+        def run(reply: Callable[[Any], None]) -> None:
+            self.core.weight_version = version
+            reply(None)
+
+        await self.command(run)

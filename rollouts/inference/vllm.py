@@ -1,0 +1,166 @@
+"""VLLMEngine: the InferenceEngine Protocol over vLLM's OpenAI-compatible server.
+
+Generation is `/v1/completions` with token-id prompts, `return_token_ids` and `logprobs: 0`
+(the sampled token's logprob only). Weight reload, pause and abort use vLLM's dev-mode routes
+(`VLLM_SERVER_DEV_MODE=1`): `/collective_rpc reload_weights` then `/update_weight_version`.
+The built-in server answers the same routes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from rollouts.inference.http import EngineError, EngineHttp, HttpOptions
+from rollouts.inference.protocol import (
+    PAUSE_MODES,
+    Completion,
+    EngineLoad,
+    FinishReason,
+    SamplingParams,
+)
+
+HEALTH_TIMEOUT_S = 5.0
+FINISH = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+    "error": FinishReason.ERROR,
+    "repetition": FinishReason.STOP,
+}
+
+
+def completion_body(
+    input_ids: Sequence[int], sampling: SamplingParams, rid: str | None, model: str | None
+) -> dict[str, Any]:
+    """The POST /v1/completions body for one token-id prompt (vLLM field names)."""
+    assert len(input_ids) > 0, "input_ids must not be empty"
+    body: dict[str, Any] = {
+        "prompt": list(input_ids),
+        "max_tokens": sampling.max_new_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
+        "stop": list(sampling.stop),
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "ignore_eos": sampling.ignore_eos,
+        "include_stop_str_in_output": sampling.no_stop_trim,
+        "skip_special_tokens": False,
+        "n": 1,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "return_weight_versions": True,
+    }
+    if model is not None:
+        body["model"] = model
+    if sampling.seed is not None:
+        body["seed"] = sampling.seed
+    if rid is not None:
+        body["request_id"] = rid
+    return body
+
+
+def parse_completion(answer: Any, fallback_version: str) -> Completion:
+    """A /v1/completions answer with one choice -> Completion."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not choices:
+        raise EngineError(f"/v1/completions answer has no choices: {str(answer)[:200]}")
+    choice = choices[0]
+    if choice.get("token_ids") is None:
+        raise EngineError("/v1/completions answer has no token_ids (return_token_ids ignored?)")
+    output_ids = tuple(int(t) for t in choice["token_ids"])
+    logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+    if len(logprobs) != len(output_ids):
+        raise EngineError(f"{len(logprobs)} logprobs for {len(output_ids)} output tokens")
+    spans = choice.get("weight_versions") or []
+    version = str(spans[-1]["version"]) if spans else fallback_version
+    usage = answer.get("usage") or {}
+    prompt_ids = choice.get("prompt_token_ids")
+    prompt_tokens = len(prompt_ids) if prompt_ids is not None else usage.get("prompt_tokens", 0)
+    return Completion(
+        output_ids=output_ids,
+        logprobs=tuple(float(x) for x in logprobs),
+        finish_reason=FINISH.get(choice.get("finish_reason"), FinishReason.ERROR),
+        weight_version=version,
+        prompt_tokens=int(prompt_tokens),
+        completion_tokens=len(output_ids),
+        text=str(choice.get("text", "")),
+        matched_stop=choice.get("stop_reason"),
+    )
+
+
+class VLLMEngine:
+    """InferenceEngine over vLLM's OpenAI-compatible API (dev mode for weights and pause)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str = "",
+        model: str | None = None,
+        options: HttpOptions | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.http = EngineHttp(url, api_key=api_key, options=options, transport=transport)
+        self.url = self.http.url
+        self.model = model
+        self._version = "default"  # last version seen; used when an answer has none
+        self._in_flight = 0
+
+    async def generate(
+        self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None
+    ) -> Completion:
+        """POST /v1/completions with a token-id prompt."""
+        body = completion_body(input_ids, sampling, rid, self.model)
+        self._in_flight += 1
+        try:
+            answer = await self.http.json("POST", "/v1/completions", json_body=body)
+        finally:
+            self._in_flight -= 1
+        completion = parse_completion(answer, self._version)
+        self._version = completion.weight_version
+        return completion
+
+    async def update_weights_from_disk(self, path: str, version: str) -> None:
+        """`/collective_rpc reload_weights` from `path`, then `/update_weight_version`."""
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+        await self.http.call("POST", "/collective_rpc", json_body=rpc)
+        await self.http.call(
+            "POST", "/update_weight_version", json_body={"weight_version": str(version)}
+        )
+        self._version = str(version)
+
+    async def pause(self, mode: str = "abort") -> None:
+        """POST /pause?mode=abort|wait|keep."""
+        assert mode in PAUSE_MODES, f"{mode=} not in {PAUSE_MODES}"
+        await self.http.call("POST", "/pause", params={"mode": mode})
+
+    async def resume(self) -> None:
+        """POST /resume."""
+        await self.http.call("POST", "/resume")
+
+    async def abort_all(self) -> None:
+        """POST /abort_requests with no ids (= all)."""
+        await self.http.call("POST", "/abort_requests", json_body={"request_ids": []})
+
+    async def health(self) -> bool:
+        """GET /health is 200."""
+        return await self.http.ok("/health", HEALTH_TIMEOUT_S)
+
+    async def weight_version(self) -> str:
+        """From GET /weight_info."""
+        info = await self.http.json("GET", "/weight_info")
+        self._version = str(info.get("weight_version", self._version))
+        return self._version
+
+    async def load(self) -> EngineLoad:
+        """vLLM has no load route in its API: this client's own in-flight requests."""
+        return EngineLoad(running=self._in_flight, waiting=0)
+
+    async def aclose(self) -> None:
+        """Close the HTTP client."""
+        await self.http.aclose()
