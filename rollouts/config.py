@@ -283,6 +283,15 @@ class AlgorithmConfig(_Section):
     value_coef: float = 0.5  # weight of the critic's loss (advantage = "gae")
     value_clip: float = 0.2  # clip range of the critic's prediction around old values
     ref_update_fn: str = ""  # dotted path, for ref_update = "user"
+    reward_transform: str = "absolute"  # "absolute" | "relative" (rank) | "pareto" (vector)
+    reward_scope: str = "group"  # where relative / pareto compare: "group" | "batch"
+    reward_weights: list[float] = dataclasses.field(default_factory=list)  # vector -> weighted sum
+    pareto_mode: str = "rank"  # "rank": 1 / (1 + Pareto rank) | "distance": -distance to front
+    reward_norm: str = "none"  # "none" | "group" | "batch": (r - mean) / (std + 1e-6)
+    overlong_buffer: int = 0  # > 0: DAPO soft overlong penalty over the last N tokens
+    overlong_max_length: int = 0  # the response length the penalty reaches -overlong_penalty
+    overlong_penalty: float = 1.0
+    efficiency_coef: float = 0.0  # > 0: bonus coef * (1 - len / overlong_max_length) if r > 0
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -306,6 +315,24 @@ class AlgorithmConfig(_Section):
         _check(p, 0.0 < self.kl_ignore_ref_above <= 1.0, "algorithm.kl_ignore_ref_above: (0, 1]")
         _check(p, self.value_coef >= 0.0, "algorithm.value_coef: must be >= 0")
         _check(p, self.value_clip > 0.0, "algorithm.value_clip: must be > 0")
+        _one_of(
+            p,
+            "algorithm.reward_transform",
+            self.reward_transform,
+            ("absolute", "relative", "pareto"),
+        )
+        _one_of(p, "algorithm.reward_scope", self.reward_scope, ("group", "batch"))
+        _one_of(p, "algorithm.pareto_mode", self.pareto_mode, ("rank", "distance"))
+        _one_of(p, "algorithm.reward_norm", self.reward_norm, ("none", "group", "batch"))
+        _check(p, self.overlong_buffer >= 0, "algorithm.overlong_buffer: must be >= 0")
+        _check(p, self.efficiency_coef >= 0.0, "algorithm.efficiency_coef: must be >= 0")
+        _check(
+            p,
+            (self.overlong_buffer == 0 and self.efficiency_coef == 0)
+            or self.overlong_max_length >= max(self.overlong_buffer, 1),
+            f"algorithm.overlong_max_length = {self.overlong_max_length}: must be >= "
+            "overlong_buffer (and >= 1) when the overlong penalty or efficiency bonus is on",
+        )
         _check(
             p,
             self.policy_loss != "gspo" or self.loss_agg == "seq-mean-token-mean",
