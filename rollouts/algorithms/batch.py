@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
+from rollouts.algorithms.advantages import PerToken, compute_advantages, compute_gae
 from rollouts.algorithms.aggregation import global_counts
+from rollouts.config import AlgorithmConfig
 from rollouts.types import Sample, Status, TrainBatch
 
 TRAINABLE = (Status.COMPLETED, Status.TRUNCATED)
@@ -83,3 +85,44 @@ def make_train_batch(
 def flatten(groups: Sequence[Sequence[Any]]) -> list[Any]:
     """Groups -> one flat list in order (samples, or the per-sample advantages of the groups)."""
     return [item for group in groups for item in group]
+
+
+def nest(flat: Sequence[Any], groups: Sequence[Sequence[Any]]) -> tuple[tuple[Any, ...], ...]:
+    """A flat per-sample list back into the nesting of `groups` (inverse of `flatten`)."""
+    assert len(flat) == sum(len(g) for g in groups), f"{len(flat)=} != samples in groups"
+    out, start = [], 0
+    for group in groups:
+        out.append(tuple(flat[start : start + len(group)]))
+        start += len(group)
+    return tuple(out)
+
+
+def build_train_batch(
+    groups: Sequence[Sequence[Sample]],
+    config: AlgorithmConfig,
+    *,
+    token_rewards: PerToken | None = None,
+    values: PerToken | None = None,
+    max_response_length: int = 0,
+) -> TrainBatch:
+    """Advantages by `config` (see `compute_advantages`) and the `TrainBatch` of `groups`.
+
+    With advantage = "gae" the critic's `values` are required, and returns / old_values are
+    filled in for the value loss.
+    """
+    returns: Sequence[torch.Tensor] = ()
+    old_values: Sequence[torch.Tensor] = ()
+    if config.advantage == "gae":
+        if values is None:
+            raise ValueError("algorithm.advantage = 'gae' needs critic values: pass values=")
+        adv, ret = compute_gae(groups, values, config, token_rewards)
+        returns, old_values = flatten(ret), flatten(values)
+    else:
+        adv = compute_advantages(groups, config, token_rewards=token_rewards)
+    return make_train_batch(
+        flatten(groups),
+        flatten(adv),
+        max_response_length=max_response_length,
+        returns=returns,
+        old_values=old_values,
+    )

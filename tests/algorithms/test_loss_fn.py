@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
-from rollouts.algorithms.batch import make_train_batch
+from rollouts.algorithms.advantages import outcome_token_rewards
+from rollouts.algorithms.batch import build_train_batch, make_train_batch, nest
+from rollouts.algorithms.kl import kl_reward_penalties
 from rollouts.algorithms.loss_fn import make_loss_fn
 from rollouts.config import AGG_MODES, AlgorithmConfig
 from rollouts.types import ModelOutputs, Sample, Status, TrainBatch
@@ -180,3 +182,48 @@ def test_gradient_accumulation_equals_full_batch(policy, mode):
     assert full_metrics.keys() == micro_metrics.keys()
     for key, value in full_metrics.items():
         assert micro_metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+def test_rl_loop_order_with_kl_in_reward():
+    """The order the RL loop follows: batch -> logprobs -> KL penalties -> advantages -> loss."""
+    groups = [
+        [sample([1, 2, 3], [0, 1, 1], 2, (-0.1, -0.2)), sample([1, 4], [0, 1], 1, (-0.3,), 1)],
+    ]
+    groups = [[dataclasses.replace(groups[0][1], reward=0.0), groups[0][0]]]
+    config = AlgorithmConfig(advantage="dr_grpo", kl_in="reward", kl_estimator="k1")
+    first = build_train_batch(groups, config)
+    old = (torch.tensor([0.0, -0.5]), torch.tensor([0.0, -0.1, -0.2]))  # from the backend
+    ref = (torch.tensor([0.0, -0.5]), torch.tensor([0.0, -0.1 - 0.5, -0.2]))
+    penalties, kl = kl_reward_penalties(old, ref, first.loss_mask, config, coef=0.2)
+    # k1 = old - ref: sample 1 token 1 = .5 -> penalty .1 ; batch KL = .5 / 3 tokens
+    assert kl == pytest.approx(0.5 / 3)
+    rewards = outcome_token_rewards(groups, nest(penalties, groups))
+    batch = build_train_batch(groups, config, token_rewards=rewards)
+    # scores: 0 and 1 - .1 = .9 -> mean .45 -> Dr.GRPO -.45, +.45 on trained tokens
+    assert batch.advantages[0].tolist() == pytest.approx([0.0, -0.45])
+    assert batch.advantages[1].tolist() == pytest.approx([0.0, 0.45, 0.45])
+    batch = dataclasses.replace(batch, old_logprobs=old)
+    loss, metrics = make_loss_fn(config)(ModelOutputs(logprobs=old), batch)
+    # ratio 1: token-mean of -A over 3 tokens = (.45 - .45 - .45) / 3
+    assert loss.item() == pytest.approx(-0.15)
+    # mismatch |old - rollout|: |-.5 + .3| + |-.1 + .1| + |-.2 + .2| = .2 over 3
+    assert metrics["logprob_mismatch"] == pytest.approx(0.2 / 3)
+
+
+def test_gae_batch_and_value_loss():
+    groups = [[sample([1, 2, 3], [0, 1, 1], 2)]]
+    config = AlgorithmConfig(advantage="gae", value_coef=0.5)
+    values = ((torch.tensor([0.0, 0.5, 0.5]),),)
+    batch = build_train_batch(groups, config, values=values)
+    # r = (0, 1) on the trained tokens; gamma = lam = 1: A2 = 1 - .5 = .5 ; A1 = 0 + .5 - .5 + .5
+    # returns = A + V = 1, 1
+    assert batch.returns[0].tolist() == [0.0, 1.0, 1.0]
+    assert make_loss_fn(config).needs_values
+    outputs = ModelOutputs(logprobs=(torch.zeros(3),), values=(torch.tensor([0.0, 0.5, 1.2]),))
+    _, metrics = make_loss_fn(config)(outputs, batch)
+    # value loss: token 1: .5 * (.5 - 1)^2 = .125 ; token 2: v 1.2 clipped to .7:
+    # .5 * max((.2)^2, (-.3)^2) = .045 -> token-mean (.125 + .045) / 2 = .085
+    assert metrics["value_loss"] == pytest.approx(0.085)
+    assert metrics["value_clipfrac"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="critic"):
+        build_train_batch(groups, config)
