@@ -10,6 +10,8 @@ import torch
 from rollouts.config import Config, ModelConfig, OptimConfig, TrainingConfig
 from rollouts.types import ModelOutputs, TrainBatch
 
+LENGTHS = [5, 9, 3, 12, 7, 7]
+
 
 def nll_loss(outputs: ModelOutputs, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
     """Masked token-sum NLL normalised by the WHOLE batch's token count (token-mean overall)."""

@@ -14,9 +14,7 @@ from rollouts.training.backends.batching import padding_fraction, plan_micro_bat
 from rollouts.training.backends.factories import create_pytorch_backend, warmup_cosine_factor
 from rollouts.training.backends.protocol import NonFiniteError, TrainingBackend
 from rollouts.types import ModelOutputs, TrainBatch
-from tests.training.backend_helpers import make_batch, nll_loss, tiny_config
-
-LENGTHS = [5, 9, 3, 12, 7, 7]
+from tests.training.backend_helpers import LENGTHS, make_batch, nll_loss, tiny_config
 
 
 def test_plans_cover_every_sequence_once_and_respect_the_budget() -> None:

@@ -1,0 +1,76 @@
+"""FSDP2 under `torchrun --nproc_per_node 2` on CPU (gloo) matches the single-process backend."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollouts.training.backends.factories import create_pytorch_backend
+from tests.training.backend_helpers import LENGTHS, make_batch, nll_loss, tiny_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def fsdp_result(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("fsdp")
+    out = tmp / "result.pt"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        "-m",
+        "tests.training.fsdp_worker",
+        str(tiny_model_dir),
+        str(out),
+        str(tmp / "ckpt"),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return torch.load(out, weights_only=False)
+
+
+def test_fsdp_matches_single_process_after_three_steps(
+    fsdp_result: dict, tiny_model_dir: Path
+) -> None:
+    assert fsdp_result["world_size"] == 2
+    backend = create_pytorch_backend(tiny_config(tiny_model_dir, micro_batch_tokens=16))
+    losses = []
+    for step in range(3):
+        metrics = backend.forward_backward(make_batch(LENGTHS, seed=step), nll_loss).result()
+        losses.append(metrics["loss"])
+        backend.optim_step().result()
+    weights = backend.get_weights()
+    logprobs = backend.compute_logprobs(make_batch(LENGTHS, seed=9)).result()
+    backend.close()
+    assert losses == pytest.approx(fsdp_result["losses"], rel=1e-5)
+    assert fsdp_result["metrics"]["num_tokens"] == sum(LENGTHS)
+    assert fsdp_result["weights"].keys() == weights.keys()
+    for key, value in weights.items():
+        torch.testing.assert_close(fsdp_result["weights"][key], value, atol=1e-5, rtol=1e-4)
+    for a, b in zip(fsdp_result["logprobs"], logprobs, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_fsdp_exports_hf_weights_and_resumes_from_its_checkpoint(fsdp_result: dict) -> None:
+    for key, value in fsdp_result["weights"].items():
+        torch.testing.assert_close(fsdp_result["exported"][key], value, rtol=0, atol=0)
+    for key, value in fsdp_result["step4"].items():
+        torch.testing.assert_close(fsdp_result["step4_resumed"][key], value, rtol=0, atol=0)
