@@ -1,0 +1,85 @@
+"""AsyncRolloutManager and the agent loop against the real built-in engine server.
+
+One server per module (started as a subprocess on a free port); each test gets its own client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from rollouts.inference.launch import EngineProcess, engine_server_sync
+from rollouts.inference.sglang import SGLangEngine
+from rollouts.rollout.manager import AsyncRolloutManager
+from rollouts.types import Status
+from tests.rollout import manager_cases as cases
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path) -> Iterator[EngineProcess]:
+    with engine_server_sync(tiny_model_dir, max_batch=32) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir: Path):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+async def engine(server: EngineProcess) -> AsyncIterator[SGLangEngine]:
+    client = SGLangEngine(server.url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        cases.groups_of_n_and_surplus_aborted,
+        cases.filter_triggers_extra_sampling,
+        cases.over_sampling_bound_stops,
+        cases.raising_fns_are_reported,
+        cases.partial_resume_and_buffer_state,
+    ],
+    ids=lambda c: c.__name__,
+)
+async def test_manager_case(case, engine, tok) -> None:
+    await case(engine, tok)
+
+
+async def test_multi_turn_text_game_on_the_server(engine, tok) -> None:
+    """Sampled tokens kept with mask 1 and logprobs; game observations in with mask 0."""
+    config = cases.make_config(
+        batch_size=1,
+        n_samples_per_prompt=2,
+        over_sampling_factor=1.0,
+        max_turns=3,
+        env="text_game",
+        max_total_tokens=400,
+        max_new_tokens=12,
+    )
+    manager = AsyncRolloutManager(cases.make_buffer(), config, engine, tokenizer=tok)
+    batch = await manager.generate_batch(cases.alternating_reward(lambda g: False))
+    for s in batch.samples:
+        assert s.status in (Status.COMPLETED, Status.TRUNCATED)
+        response_mask = s.loss_mask[s.prompt_length :]
+        assert not any(s.loss_mask[: s.prompt_length])
+        trained = [lp for lp, m in zip(s.rollout_logprobs, response_mask, strict=True) if m]
+        assert len(trained) == sum(s.loss_mask)
+        assert all(lp < 0.0 for lp in trained)  # real engine logprobs on the model's tokens
+        assert all(
+            lp == 0.0 for lp, m in zip(s.rollout_logprobs, response_mask, strict=True) if not m
+        )
+        messages = s.metadata["messages"]
+        assert messages[1]["content"].startswith("Quest:")
+        assert s.metadata["turns"] >= 1
+        untrained = tok.decode([t for t, m in zip(s.tokens, s.loss_mask, strict=True) if not m])
+        for m in messages[2:]:
+            if m["role"] != "assistant":  # every observation is in the tokens, untrained
+                assert m["content"] in untrained
