@@ -115,7 +115,12 @@ def policy_loss(
     terms = _policy_terms(config, logp, old, adv, mask)
     pg_per_token = terms.loss
     metrics: dict[str, float] = {}
-    if config.tis and batch.rollout_logprobs:
+    if config.tis:
+        if not batch.rollout_logprobs:
+            raise ValueError(
+                "algorithm.tis = true needs TrainBatch.rollout_logprobs: the engine must return "
+                "per-token logprobs for every sample (or set algorithm.tis = false)"
+            )
         rollout = pad(batch.rollout_logprobs, device)
         w = tis_weights(old, rollout, mask, cap=config.tis_cap, level=config.tis_level)
         pg_per_token = pg_per_token * w

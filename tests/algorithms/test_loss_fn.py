@@ -99,6 +99,9 @@ def test_tis_in_the_loss_is_detached_and_truncated():
     # gradient -A w / N (weights detached); with w attached to logp it would be doubled
     assert logp[0].grad.tolist() == pytest.approx([0.0, -0.5, -2 / 3], rel=1e-6)
     assert logp[1].grad.tolist() == pytest.approx([0.0, 1 / 3], rel=1e-6)
+    no_rollout = dataclasses.replace(batch, rollout_logprobs=())
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        loss_fn(ModelOutputs(logprobs=tuple(logp)), no_rollout)
 
 
 def test_entropy_and_kl_terms():
