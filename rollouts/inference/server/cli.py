@@ -11,10 +11,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-
-import trio
-
-from rollouts.inference.server.app import ServeOptions, serve
+from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,8 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
 
 
-def options_from_args(args: argparse.Namespace) -> ServeOptions:
-    """The parsed command line as ServeOptions."""
+def options_from_args(args: argparse.Namespace) -> Any:
+    """The parsed command line as ServeOptions (imported here: torch loads only when serving)."""
+    from rollouts.inference.server.app import ServeOptions
+
     return ServeOptions(
         model=args.model,
         host=args.host,
@@ -71,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"--{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    import trio
+
+    from rollouts.inference.server.app import serve
+
     try:
         trio.run(serve, options_from_args(args))
     except KeyboardInterrupt:

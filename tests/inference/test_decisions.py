@@ -1,0 +1,199 @@
+"""Pure decisions of the engine server and clients, tested without any server."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from rollouts.inference.http import EngineHttp, EngineRequestError, EngineUnavailable, HttpOptions
+from rollouts.inference.pool import pick_engine
+from rollouts.inference.protocol import FinishReason, SamplingParams
+from rollouts.inference.server.sampling import (
+    BadRequest,
+    SamplingSpec,
+    choose_tokens,
+    filter_logits,
+)
+from rollouts.inference.server.scheduler import (
+    admit_count,
+    allowed_new_tokens,
+    can_enqueue,
+    find_stop,
+    stop_after_token,
+    trim_text,
+)
+from rollouts.inference.server.wire import openai_spec, sglang_spec
+from rollouts.inference.sglang import generate_body
+from rollouts.inference.vllm import completion_body
+
+
+def test_admission_fills_free_slots_up_to_the_prefill_cap() -> None:
+    assert admit_count(active=60, waiting=10, max_batch=64, max_prefill=64) == 4
+    assert admit_count(active=0, waiting=100, max_batch=64, max_prefill=16) == 16
+    assert admit_count(active=64, waiting=5, max_batch=64, max_prefill=8) == 0
+    assert can_enqueue(queued=3, max_queue=4) and not can_enqueue(queued=4, max_queue=4)
+    assert allowed_new_tokens(prompt_len=500, max_new_tokens=64, context_len=512) == 12
+
+
+def _stop(**kw: object) -> object:
+    base = dict(
+        token=7,
+        num_output=1,
+        max_new_tokens=10,
+        stop_token_ids=(),
+        eos_token_ids=(2,),
+        ignore_eos=False,
+        text=None,
+        stop=(),
+        text_before_len=0,
+    )
+    return stop_after_token(**{**base, **kw})
+
+
+def test_stop_rules_in_order() -> None:
+    assert _stop() is None
+    assert _stop(token=9, stop_token_ids=(9,)).matched == 9
+    assert _stop(token=2).reason is FinishReason.STOP
+    assert _stop(token=2, ignore_eos=True) is None
+    assert _stop(num_output=10).reason is FinishReason.LENGTH
+    hit = _stop(text="abcXY", stop=("XY",), text_before_len=4)
+    assert (hit.reason, hit.matched) == (FinishReason.STOP, "XY")
+    assert find_stop("abcXY", ("XY", "c"), 4) == (3, "XY")  # only matches touching new text
+    assert find_stop("abcXYz", ("XY",), 5) is None
+    assert trim_text("ab<s>cd", ("<s>",), "<s>", keep=False) == "ab"
+    assert trim_text("ab<s>cd", ("<s>",), "<s>", keep=True) == "ab<s>"
+
+
+def test_filter_logits_top_k_top_p_min_p() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    one = torch.ones(1)
+
+    def kept(top_k: int, top_p: float, min_p: float) -> list[bool]:
+        out = filter_logits(logits, one, torch.tensor([top_k]), one * top_p, one * min_p)
+        return torch.isfinite(out)[0].tolist()
+
+    assert kept(2, 1.0, 0.0) == [True, True, False, False]
+    assert kept(-1, 0.7, 0.0) == [True, True, False, False]
+    assert kept(-1, 1.0, 0.2) == [True, True, True, False]
+
+
+def test_choose_tokens_greedy_logprob_raw_and_scaled() -> None:
+    logits = torch.tensor([[1.0, 3.0, 0.0], [2.0, 0.0, 1.0]])
+    specs = [SamplingSpec(temperature=0.0), SamplingSpec(temperature=0.5, top_k=1)]
+    tokens, raw = choose_tokens(logits, specs, [None, None], "raw")
+    assert tokens.tolist() == [1, 0]
+    assert torch.allclose(raw, logits.log_softmax(1)[[0, 1], [1, 0]])
+    _, scaled = choose_tokens(logits, specs, [None, None], "scaled")
+    assert torch.allclose(scaled[0], raw[0])  # greedy rows report raw
+    assert torch.allclose(scaled[1], (logits[1] / 0.5).log_softmax(0)[0])
+
+
+def test_seeded_rows_do_not_depend_on_the_batch() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    spec = SamplingSpec(temperature=1.0, seed=7)
+
+    def draw(rows: int) -> list[int]:
+        gens = [torch.Generator().manual_seed(7) for _ in range(rows)]
+        out = [choose_tokens(logits[:rows], [spec] * rows, gens, "raw")[0] for _ in range(1)]
+        return out[0].tolist()
+
+    assert draw(3)[0] == draw(1)[0]
+
+
+def test_wire_parsing_is_strict_and_names_the_field() -> None:
+    spec, n = sglang_spec({"max_new_tokens": 5, "temperature": 0, "n": 3, "stop": "x"}, 0)
+    assert (spec.max_new_tokens, spec.greedy, n, spec.stop) == (5, True, 3, ("x",))
+    with pytest.raises(BadRequest, match="sampling_params.bogus"):
+        sglang_spec({"bogus": 1}, 0)
+    with pytest.raises(BadRequest, match="sampling_params.max_new_tokens"):
+        sglang_spec({"max_new_tokens": -1}, 0)
+    with pytest.raises(BadRequest, match="sampling_params.top_p"):
+        sglang_spec({"top_p": 0.0}, 0)
+    spec, n, extra = openai_spec({"prompt": [1], "include_stop_str_in_output": True}, {"prompt"})
+    assert (spec.max_new_tokens, spec.no_stop_trim, n, extra) == (16, True, 1, {"prompt": [1]})
+    with pytest.raises(BadRequest, match="max_tokens"):
+        openai_spec({"max_tokens": -3}, set())
+    with pytest.raises(BadRequest, match="frequency_penalty"):
+        openai_spec({"frequency_penalty": 0.5}, set())
+
+
+def test_client_bodies_use_the_wire_field_names() -> None:
+    sampling = SamplingParams(max_new_tokens=8, temperature=0.7, stop=("\n",), seed=3)
+    body = generate_body([1, 2], sampling, "r1")
+    assert set(body) == {
+        "input_ids",
+        "sampling_params",
+        "return_logprob",
+        "logprob_start_len",
+        "rid",
+    }
+    assert set(body["sampling_params"]) == {
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "no_stop_trim",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "sampling_seed",
+    }
+    assert body["return_logprob"] is True and body["sampling_params"]["sampling_seed"] == 3
+    body = completion_body([1, 2], sampling, "r1", None)
+    assert set(body) == {
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "n",
+        "logprobs",
+        "return_token_ids",
+        "return_tokens_as_token_ids",
+        "return_weight_versions",
+        "seed",
+        "request_id",
+    }
+    assert body["max_tokens"] == 8 and body["logprobs"] == 0 and body["prompt"] == [1, 2]
+
+
+def test_pick_engine_least_loaded_up_untried() -> None:
+    assert pick_engine([3, 1, 2], [True, True, True], set()) == 1
+    assert pick_engine([3, 1, 2], [True, False, True], set()) == 2
+    assert pick_engine([3, 1, 2], [True, False, True], {2}) == 0
+    assert pick_engine([0, 0], [False, False], set()) is None
+
+
+async def test_http_retries_connection_errors_bounded_and_never_4xx() -> None:
+    calls: list[str] = []
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        raise httpx.ConnectError("refused", request=request)
+
+    options = HttpOptions(max_retries=2, backoff_s=0.001)
+    client = EngineHttp("http://e", options=options, transport=httpx.MockTransport(refuse))
+    with pytest.raises(EngineUnavailable, match="after 2 retries"):
+        await client.call("GET", "/x")
+    assert len(calls) == 3
+    await client.aclose()
+
+    def bad(request: httpx.Request) -> httpx.Response:
+        calls.append("bad")
+        return httpx.Response(400, json={"error": {"message": "top_p: must be in (0, 1]"}})
+
+    client = EngineHttp("http://e", options=options, transport=httpx.MockTransport(bad))
+    with pytest.raises(EngineRequestError, match="top_p") as info:
+        await client.call("POST", "/generate", json_body={})
+    assert info.value.status == 400 and calls.count("bad") == 1
+    await client.aclose()
