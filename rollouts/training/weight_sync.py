@@ -1,0 +1,222 @@
+"""Weight sync: make every engine serve the trainer's new weights, all at once, and prove it.
+
+`sync_weights_to_engines` runs one task per engine in a trio nursery: pause -> reload from disk
+-> resume (also when the reload fails) -> read back the weight version. A failing engine is
+retried a bounded number of times and reported with its error; the time of each phase is kept.
+`publish_weights` is the fast path to the disk: weights-only HF files (no optimizer) in a fast
+local directory (/dev/shm by default), written to a temporary name and renamed, last K kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import trio
+
+from rollouts.inference.protocol import InferenceEngine
+from rollouts.training.backends.protocol import TrainingBackend
+
+RESUME_TIMEOUT_S = 30.0
+
+
+class WeightSyncError(RuntimeError):
+    """Some engines did not end up serving the new version (the report says which and why)."""
+
+    def __init__(self, report: SyncReport) -> None:
+        self.report = report
+        lines = [f"  {r.url}: {r.error} (after {r.attempts} attempt(s))" for r in report.failed]
+        super().__init__(
+            f"weight sync to version {report.version!r} failed on {len(report.failed)} of "
+            f"{len(report.results)} engine(s):\n" + "\n".join(lines)
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class EngineSyncResult:
+    """How one engine's sync went: phase times of the last attempt, and its error if it failed."""
+
+    url: str
+    ok: bool
+    attempts: int
+    error: str | None = None
+    pause_s: float = 0.0
+    load_s: float = 0.0
+    resume_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SyncReport:
+    """All engines' results for one weight version."""
+
+    version: str
+    path: str
+    results: tuple[EngineSyncResult, ...]
+    total_s: float
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results)
+
+    @property
+    def failed(self) -> tuple[EngineSyncResult, ...]:
+        return tuple(r for r in self.results if not r.ok)
+
+    def metrics(self) -> dict[str, float]:
+        """Flat numbers for the metrics log: wall time, slowest engine per phase, failures."""
+        out = {"total_s": self.total_s, "failed_engines": float(len(self.failed))}
+        for phase in ("pause_s", "load_s", "resume_s", "verify_s"):
+            out[f"{phase}_max"] = max((getattr(r, phase) for r in self.results), default=0.0)
+        out["attempts"] = float(sum(r.attempts for r in self.results))
+        return out
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        elapsed, self.t = now - self.t, now
+        return elapsed
+
+
+async def _attempt(
+    engine: InferenceEngine, path: str, version: str, pause_mode: str, timeout_s: float
+) -> dict[str, float]:
+    """One pause -> load -> resume -> verify; resume runs even when the pause or load fails."""
+    clock = _Clock()
+    times: dict[str, float] = {}
+    with trio.fail_after(timeout_s):
+        try:
+            await engine.pause(pause_mode)
+            times["pause_s"] = clock.lap()
+            await engine.update_weights_from_disk(path, version)
+            times["load_s"] = clock.lap()
+        finally:
+            with trio.CancelScope(shield=True), trio.fail_after(RESUME_TIMEOUT_S):
+                await engine.resume()
+            times["resume_s"] = clock.lap()
+        served = await engine.weight_version()
+        times["verify_s"] = clock.lap()
+    if served != version:
+        raise RuntimeError(
+            f"engine serves weight_version {served!r} after the reload, not {version!r}"
+        )
+    return times
+
+
+async def sync_engine(
+    engine: InferenceEngine,
+    path: str,
+    version: str,
+    *,
+    attempts: int = 3,
+    timeout_s: float = 300.0,
+    pause_mode: str = "abort",
+    retry_delay_s: float = 0.5,
+) -> EngineSyncResult:
+    """Sync one engine, retrying up to `attempts` times; never raises for an engine failure."""
+    assert attempts >= 1, f"{attempts=}"
+    start = time.perf_counter()
+    error = "no attempt made"
+    for attempt in range(1, attempts + 1):
+        try:
+            times = await _attempt(engine, path, version, pause_mode, timeout_s)
+        except Exception as exc:  # an engine failure: reported, retried, never lost
+            error = f"{type(exc).__name__}: {exc}"
+            if attempt < attempts:
+                await trio.sleep(retry_delay_s * attempt)
+            continue
+        total = time.perf_counter() - start
+        return EngineSyncResult(url=engine.url, ok=True, attempts=attempt, total_s=total, **times)
+    total = time.perf_counter() - start
+    return EngineSyncResult(url=engine.url, ok=False, attempts=attempts, error=error, total_s=total)
+
+
+async def sync_weights_to_engines(
+    engines: Sequence[InferenceEngine],
+    checkpoint_path: str | Path,
+    version: str,
+    *,
+    attempts: int = 3,
+    timeout_s: float = 300.0,
+    pause_mode: str = "abort",
+    retry_delay_s: float = 0.5,
+    strict: bool = True,
+) -> SyncReport:
+    """Reload `checkpoint_path` (an HF model dir) on every engine at once as `version`.
+
+    Raises WeightSyncError (holding the report) if any engine still fails after its retries and
+    `strict`; otherwise the report lists the failures.
+    """
+    assert engines, "no engines to sync"
+    path = str(checkpoint_path)
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: no config.json; weight sync needs an HF model directory")
+    start = time.perf_counter()
+    results: list[EngineSyncResult | None] = [None] * len(engines)
+
+    async def one(i: int) -> None:
+        results[i] = await sync_engine(
+            engines[i],
+            path,
+            version,
+            attempts=attempts,
+            timeout_s=timeout_s,
+            pause_mode=pause_mode,
+            retry_delay_s=retry_delay_s,
+        )
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(engines)):
+            nursery.start_soon(one, i)
+    done = tuple(r for r in results if r is not None)
+    assert len(done) == len(engines), f"{len(done)=} != {len(engines)=}"
+    report = SyncReport(
+        version=version, path=path, results=done, total_s=time.perf_counter() - start
+    )
+    if strict and not report.ok:
+        raise WeightSyncError(report)
+    return report
+
+
+def default_sync_root(configured: str, run_name: str) -> Path:
+    """`training.weight_sync_dir`, else /dev/shm/rollouts-<run> when /dev/shm is there."""
+    if configured:
+        return Path(configured)
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and shutil.disk_usage(shm).free > 0 else Path(tempfile.gettempdir())
+    return base / f"rollouts-{run_name}"
+
+
+def publish_weights(
+    backend: TrainingBackend, root: str | Path, version: str, *, keep_last: int = 2
+) -> Path:
+    """Write weights-only HF files to `root/v_<version>` (atomically), prune older versions.
+
+    Every rank calls it (FSDP gathers on rank 0). Blocking: run it with trio.to_thread.run_sync.
+    """
+    assert keep_last >= 1, f"{keep_last=}"
+    root = Path(root)
+    final = root / f"v_{version}"
+    tmp = root / f".tmp-v_{version}"
+    if backend.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    backend.barrier()
+    backend.save_weights(tmp).result()
+    if backend.rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        olds = sorted((p for p in root.glob("v_*") if p != final), key=lambda p: p.stat().st_mtime)
+        for old in olds[: max(len(olds) - (keep_last - 1), 0)]:
+            shutil.rmtree(old, ignore_errors=True)
+    backend.barrier()
+    return final
