@@ -191,6 +191,8 @@ class MetricsLogger:
                 row = sample_to_dict(s)
                 out = {
                     "step": step,
+                    "index": s.index,
+                    "group_index": s.group_index,
                     "prompt": row["prompt"],
                     "response": decode(list(s.response_tokens)),
                     "reward": row["reward"],

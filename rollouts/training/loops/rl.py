@@ -1,0 +1,324 @@
+"""The RL loop: generate -> rewards -> advantages -> logprobs -> train -> sync, step by step.
+
+Two modes (`rollout.mode`):
+- "sync": each step generates its batch with the current weights, then trains on it.
+- "async": a producer task generates the next batch while the trainer trains on the current
+  one (a channel of size 0 keeps it exactly one batch ahead). Samples made by a policy more than
+  `rollout.max_staleness` versions old are dropped and counted.
+
+The loop never knows which backend or which engine it drives: checkpoints, weight sync and
+evaluation come in as `RLHooks` built by the driver (`rollouts/training/run.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from rollouts.algorithms.kl import kl_reward_penalties
+from rollouts.algorithms.loss_fn import make_loss_fn
+from rollouts.algorithms.reference import update_reference
+from rollouts.algorithms.schedule import load_schedule
+from rollouts.config import AlgorithmConfig, Config
+from rollouts.training.loops.rl_batch import (
+    mini_batches,
+    prefixed,
+    prepare_groups,
+    rollout_metrics,
+    train_batch_of,
+)
+from rollouts.training.metrics import MetricsLogger
+from rollouts.types import RolloutBatch, TrainBatch
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RLHooks:
+    """What the driver plugs into the loop (all async; each returns quickly or is bounded)."""
+
+    checkpoint: Callable[[int, str, dict[str, Any]], Awaitable[None]]  # step, version, buffer
+    sync_weights: Callable[[str], Awaitable[dict[str, float]]]  # version -> phase times
+    evaluate: Callable[[], Awaitable[dict[str, float]]] | None = None
+    should_stop: Callable[[], bool] = lambda: False
+    log_samples: Callable[[int, RolloutBatch], None] | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RLResult:
+    """Where an RL run ended."""
+
+    steps: int
+    weight_version: str
+    last_metrics: dict[str, float]
+
+
+class ReferencePolicy:
+    """The reference model (for KL): a logprob-only backend and its update strategy."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.params = backend.get_weights()
+
+    async def logprobs(self, batch: TrainBatch) -> tuple[Any, ...]:
+        return await self.backend.compute_logprobs(batch)
+
+    async def update(self, policy_backend: Any, algo: AlgorithmConfig, step: int) -> None:
+        """Apply `algo.ref_update` after optimizer step `step`."""
+        if algo.ref_update == "none":
+            return
+        policy = await trio.to_thread.run_sync(policy_backend.get_weights)
+        new = update_reference(self.params, policy, algo, step)
+        if new is not self.params:
+            self.params = new
+            await trio.to_thread.run_sync(self.backend.load_weights, new)
+
+
+async def _logprobs_for(
+    batch: TrainBatch, backend: Any, ref: ReferencePolicy | None, algo: AlgorithmConfig
+) -> tuple[TrainBatch, float]:
+    """Old logprobs (always: they give the engine/trainer mismatch) and reference logprobs."""
+    started = time.monotonic()
+    old = await backend.compute_logprobs(batch)
+    batch = dataclasses.replace(batch, old_logprobs=tuple(old))
+    if algo.kl_coef > 0.0:
+        if ref is None:
+            raise ValueError("algorithm.kl_coef > 0 needs a reference model (none was built)")
+        batch = dataclasses.replace(batch, ref_logprobs=tuple(await ref.logprobs(batch)))
+    return batch, time.monotonic() - started
+
+
+async def _kl_in_reward_batch(
+    groups: Any, algo: AlgorithmConfig, config: Config, backend: Any, ref: ReferencePolicy
+) -> tuple[TrainBatch, dict[str, float]]:
+    """KL in the reward: per-token penalties from old vs reference logprobs, then advantages."""
+    plain = train_batch_of(groups, algo, max_new_tokens=config.rollout.sampling.max_new_tokens)
+    old = await backend.compute_logprobs(plain)
+    ref_lp = await ref.logprobs(plain)
+    penalties, batch_kl = kl_reward_penalties(old, ref_lp, plain.loss_mask, algo, algo.kl_coef)
+    batch = train_batch_of(
+        groups,
+        algo,
+        max_new_tokens=config.rollout.sampling.max_new_tokens,
+        kl_penalties=penalties,
+    )
+    batch = dataclasses.replace(batch, old_logprobs=tuple(old), ref_logprobs=tuple(ref_lp))
+    return batch, {"train/reward_kl": batch_kl}
+
+
+async def train_step(
+    backend: Any, groups: Any, algo: AlgorithmConfig, config: Config, ref: ReferencePolicy | None
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Advantages, logprobs and `ppo_epochs` x mini-batch optimizer steps; (metrics, times)."""
+    max_new = config.rollout.sampling.max_new_tokens
+    times: dict[str, float] = {}
+    extra: dict[str, float] = {}
+    if algo.kl_in == "reward" and algo.kl_coef > 0.0 and ref is not None:
+        started = time.monotonic()
+        batch, extra = await _kl_in_reward_batch(groups, algo, config, backend, ref)
+        times["logprobs"] = time.monotonic() - started
+        algo = dataclasses.replace(algo, kl_coef=0.0)  # the KL is in the reward, not the loss
+    else:
+        batch = train_batch_of(groups, algo, max_new_tokens=max_new)
+        batch, times["logprobs"] = await _logprobs_for(batch, backend, ref, algo)
+    loss_fn = make_loss_fn(algo)
+    started = time.monotonic()
+    summed: dict[str, float] = {}
+    n_updates = 0
+    for _ in range(algo.ppo_epochs):
+        for indices in mini_batches(groups, algo.mini_batch_size):
+            mb = batch if len(indices) == len(batch) else _renormalised(batch, indices)
+            fb = await backend.forward_backward(mb, loss_fn, entropy=True)
+            opt = await backend.optim_step()
+            for key, value in {**fb, **opt}.items():
+                summed[key] = summed.get(key, 0.0) + float(value)
+            n_updates += 1
+    times["train"] = time.monotonic() - started
+    metrics = {k: v / n_updates for k, v in summed.items()}  # mean over optimizer updates
+    metrics = prefixed(metrics, "train") | extra
+    metrics["train/updates"] = float(n_updates)
+    metrics["train/tokens"] = float(sum(len(t) for t in batch.input_ids))
+    return metrics, times
+
+
+def _renormalised(batch: TrainBatch, indices: list[int]) -> TrainBatch:
+    """A mini-batch with ITS OWN global normalisers (each mini-batch is one optimizer step)."""
+    sub = batch.select(indices)
+    masks = sub.loss_mask
+    return dataclasses.replace(
+        sub,
+        num_global_tokens=float(sum(float(m.sum()) for m in masks)),
+        num_global_seqs=float(sum(1 for m in masks if float(m.sum()) > 0)),
+    )
+
+
+class _Batches:
+    """Where the next rollout batch comes from: made now (sync) or by a producer task (async).
+
+    Remembers the DataBuffer state from just before each batch began, so a checkpoint after step
+    k stores the state from which batch k+1 is generated, even when the producer is ahead.
+    """
+
+    def __init__(self, manager: Any, reward_fn: Any, buffer: Any) -> None:
+        self.manager = manager
+        self.reward_fn = reward_fn
+        self.buffer = buffer
+        self.states: dict[int, dict[str, Any]] = {}
+        self._recv: trio.MemoryReceiveChannel[tuple[RolloutBatch, float]] | None = None
+
+    async def _make(self, number: int) -> tuple[RolloutBatch, float]:
+        self.states[number] = self.buffer.state_dict()
+        started = time.monotonic()
+        batch = await self.manager.generate_batch(self.reward_fn)
+        return batch, time.monotonic() - started
+
+    def start_producer(self, nursery: trio.Nursery, first: int, last: int) -> None:
+        send, self._recv = trio.open_memory_channel[tuple[RolloutBatch, float]](0)
+
+        async def produce() -> None:
+            async with send:
+                for number in range(first, last + 1):
+                    await send.send(await self._make(number))
+
+        nursery.start_soon(produce)
+
+    async def next(self, number: int) -> tuple[RolloutBatch, float]:
+        """Batch `number` and the seconds spent generating it."""
+        if self._recv is None:
+            return await self._make(number)
+        return await self._recv.receive()
+
+    def state_for_resume(self, next_number: int) -> dict[str, Any]:
+        """The buffer state from which batch `next_number` is (or will be) generated."""
+        state = self.states.get(next_number) or self.buffer.state_dict()
+        for old in [n for n in self.states if n < next_number]:
+            del self.states[old]
+        return state
+
+
+async def run_rl_training(
+    backend: Any,
+    data_buffer: Any,
+    rollout_manager: Any,
+    engines: Any,
+    config: Config,
+    metrics_logger: MetricsLogger,
+    *,
+    hooks: RLHooks,
+    reward_fn: Any = None,
+    ref: ReferencePolicy | None = None,
+    start_step: int = 0,
+    start_version: int = 0,
+) -> RLResult:
+    """Run RL steps `start_step + 1 .. training.rl_steps` (see the module docstring)."""
+    schedule = load_schedule(config.algorithm)
+    total = config.training.rl_steps
+    is_async = config.rollout.mode == "async"
+    batches = _Batches(rollout_manager, reward_fn, data_buffer)
+    state = {"version": start_version, "synced": start_version, "metrics": {}}
+    step = start_step
+    async with trio.open_nursery() as nursery:
+        if is_async:
+            batches.start_producer(nursery, start_step + 1, total)
+        for step in range(start_step + 1, total + 1):
+            metrics = await _one_step(
+                step,
+                total,
+                backend,
+                batches,
+                config,
+                hooks,
+                ref,
+                schedule,
+                state,
+                is_async,
+            )
+            with trio.move_on_after(5.0):  # the engines' load after the batch (0 = no leftovers)
+                metrics["engines/load"] = float((await engines.load()).total)
+            metrics_logger.log(step, metrics)
+            state["metrics"] = metrics
+            if hooks.should_stop():
+                break
+        nursery.cancel_scope.cancel()
+    return RLResult(steps=step, weight_version=str(state["version"]), last_metrics=state["metrics"])
+
+
+async def _one_step(
+    step: int,
+    total: int,
+    backend: Any,
+    batches: _Batches,
+    config: Config,
+    hooks: RLHooks,
+    ref: ReferencePolicy | None,
+    schedule: Any,
+    state: dict[str, Any],
+    is_async: bool,
+) -> dict[str, float]:
+    started = time.monotonic()
+    rollout, gen_s = await batches.next(step)
+    wait_s = time.monotonic() - started
+    algo = schedule(step - 1)
+    prep = prepare_groups(
+        rollout.groups, str(state["version"]), config.rollout.max_staleness if is_async else None
+    )
+    metrics = rollout_metrics(prep.groups, rollout.metadata)
+    metrics |= {
+        "rollout/failed_samples": float(prep.failed_samples),
+        "rollout/stale_groups_dropped": float(prep.stale_groups),
+        "rollout/staleness_max": float(prep.max_staleness_seen),
+    }
+    times = {"generate": wait_s if is_async else gen_s}
+    if is_async:
+        metrics["time/generate_overlapped_s"] = gen_s
+    if prep.groups:
+        train_metrics, train_times = await train_step(backend, prep.groups, algo, config, ref)
+        metrics |= train_metrics
+        times |= train_times
+        state["version"] += 1
+        if ref is not None:
+            await ref.update(backend, algo, step)
+    if hooks.log_samples is not None:
+        hooks.log_samples(step, rollout)
+    stopping = hooks.should_stop()
+    eval_due = hooks.evaluate is not None and (
+        (config.training.eval_every and step % config.training.eval_every == 0) or step == total
+    )
+    sync_due = step % config.training.sync_every == 0 or step == total or eval_due or stopping
+    if sync_due and state["synced"] != state["version"]:
+        t = time.monotonic()
+        metrics |= prefixed(await hooks.sync_weights(str(state["version"])), "sync")
+        state["synced"] = state["version"]
+        times["sync"] = time.monotonic() - t
+    if eval_due:
+        t = time.monotonic()
+        metrics |= await hooks.evaluate()
+        times["eval"] = time.monotonic() - t
+    every = config.checkpoint.every
+    if (every and step % every == 0) or step == total or stopping:
+        t = time.monotonic()
+        await hooks.checkpoint(step, str(state["version"]), batches.state_for_resume(step + 1))
+        times["checkpoint"] = time.monotonic() - t
+    return metrics | _timing(times, time.monotonic() - started, rollout, state["version"])
+
+
+def _timing(
+    times: dict[str, float], step_s: float, rollout: RolloutBatch, version: int
+) -> dict[str, float]:
+    out = {f"time/{k}_s": v for k, v in times.items()}
+    out["time/idle_s"] = max(step_s - sum(times.values()), 0.0)
+    n_samples = sum(len(g) for g in rollout.groups)
+    tokens = float(rollout.metadata.get("generated_tokens", 0))
+    out |= {
+        "perf/step_time_s": step_s,
+        "perf/samples_per_s": n_samples / step_s if step_s > 0 else 0.0,
+        "perf/generated_tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+        "perf/compute_fraction": sum(times.get(k, 0.0) for k in ("generate", "logprobs", "train"))
+        / step_s
+        if step_s > 0
+        else 0.0,
+        "policy/version": float(version),
+    }
+    return out

@@ -1,0 +1,153 @@
+"""Pure steps of the RL loop: groups of scored samples -> TrainBatch(es), and step metrics.
+
+Nothing here does I/O or touches a model: the loop (`rl.py`) wires these together with the
+rollout manager, the backend and the engines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from rollouts.algorithms.advantages import outcome_token_rewards
+from rollouts.algorithms.batch import build_train_batch, nest
+from rollouts.config import AlgorithmConfig
+from rollouts.rewards.shaping import shape_rewards
+from rollouts.rollout.planning import split_stale_groups
+from rollouts.types import Sample, Status, TrainBatch
+
+TRAINABLE = (Status.COMPLETED, Status.TRUNCATED)
+Group = tuple[Sample, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PreparedGroups:
+    """Groups ready for advantages, and what was set aside on the way (with counts)."""
+
+    groups: tuple[Group, ...]
+    failed_samples: int
+    stale_groups: int
+    max_staleness_seen: int
+
+
+def _version_int(version: str | None) -> int | None:
+    try:
+        return int(version) if version is not None else None
+    except ValueError:
+        return None
+
+
+def prepare_groups(
+    groups: Sequence[Sequence[Sample]], current_version: str, max_staleness: int | None
+) -> PreparedGroups:
+    """Drop samples that cannot be trained (FAILED, ABORTED) and groups past the staleness bound.
+
+    `max_staleness=None` keeps every group (synchronous mode: everything is on-policy).
+    """
+    failed = 0
+    trainable: list[Group] = []
+    for group in groups:
+        keep = tuple(s for s in group if s.status in TRAINABLE)
+        failed += len(group) - len(keep)
+        if keep:
+            trainable.append(keep)
+    stale: list[Group] = []
+    if max_staleness is not None:
+        trainable, stale = split_stale_groups(trainable, current_version, max_staleness)
+    current = _version_int(current_version)
+    lags = [
+        current - v
+        for g in trainable
+        for s in g
+        for v in [_version_int(s.weight_versions[0] if s.weight_versions else None)]
+        if current is not None and v is not None
+    ]
+    return PreparedGroups(
+        groups=tuple(trainable),
+        failed_samples=failed,
+        stale_groups=len(stale),
+        max_staleness_seen=max(lags, default=0),
+    )
+
+
+def train_batch_of(
+    groups: Sequence[Group],
+    algo: AlgorithmConfig,
+    *,
+    max_new_tokens: int,
+    kl_penalties: Sequence[torch.Tensor] | None = None,
+) -> TrainBatch:
+    """Shaped rewards -> advantages (optionally with per-token KL penalties) -> TrainBatch.
+
+    Dr.GRPO's constant T_max is the sampling budget `max_new_tokens`.
+    """
+    assert groups, "no group to train on"
+    shaped = shape_rewards(groups, algo)
+    token_rewards = None
+    if kl_penalties is not None:
+        token_rewards = outcome_token_rewards(shaped, nest(kl_penalties, shaped))
+    return build_train_batch(
+        shaped, algo, token_rewards=token_rewards, max_response_length=max_new_tokens
+    )
+
+
+def mini_batches(groups: Sequence[Group], mini_batch_size: int) -> list[list[int]]:
+    """Sample indices (into the flat batch) of each mini-batch of `mini_batch_size` groups."""
+    if mini_batch_size <= 0 or mini_batch_size >= len(groups):
+        return [list(range(sum(len(g) for g in groups)))]
+    out: list[list[int]] = []
+    start = 0
+    for first in range(0, len(groups), mini_batch_size):
+        size = sum(len(g) for g in groups[first : first + mini_batch_size])
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    if not values:
+        return math.nan, math.nan
+    mean = sum(values) / len(values)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+
+
+def scalar(reward: Any) -> float:
+    """A sample's reward as one number (vector rewards: their sum)."""
+    if isinstance(reward, tuple):
+        return float(sum(reward))
+    return float(reward)
+
+
+def rollout_metrics(groups: Sequence[Group], meta: Mapping[str, Any]) -> dict[str, float]:
+    """Reward, accuracy, length and kept/dropped/aborted counts of one rollout batch."""
+    samples = [s for g in groups for s in g]
+    rewards = [scalar(s.reward) for s in samples if s.reward is not None]
+    mean, std = _mean_std(rewards)
+    lengths = [s.response_length for s in samples]
+    out: dict[str, float] = {
+        "reward/mean": mean,
+        "reward/std": std,
+        "reward/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else math.nan,
+        "rollout/response_length_mean": sum(lengths) / len(lengths) if lengths else math.nan,
+        "rollout/response_length_max": float(max(lengths, default=0)),
+        "rollout/truncated_frac": (
+            sum(s.status is Status.TRUNCATED for s in samples) / len(samples) if samples else 0.0
+        ),
+        "rollout/groups_kept": float(len(groups)),
+    }
+    for key, value in meta.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[f"rollout/{key}"] = float(value)
+        elif isinstance(value, Mapping) and key in ("drop_reasons", "statuses"):
+            for name, count in value.items():
+                out[f"rollout/{key}/{name}"] = float(count)
+    return out
+
+
+def prefixed(metrics: Mapping[str, float], prefix: str) -> dict[str, float]:
+    """`{prefix/key: value}`, for a backend's unprefixed metrics."""
+    return {f"{prefix}/{k}" if "/" not in k else k: float(v) for k, v in metrics.items()}

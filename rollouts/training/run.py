@@ -1,0 +1,294 @@
+"""The driver behind train.py: builds every object once and runs SFT, RL, or SFT then RL.
+
+    prepare run dir, data, base model
+      -> SFT (backend, conversations)            -> checkpoints/sft/step_N/model
+      -> engines on that model (built-in processes, or SGLang / vLLM URLs) + EnginePool
+      -> RL (backend, DataBuffer, AsyncRolloutManager, hooks: checkpoint, weight sync, eval)
+      -> engines stopped (also on Ctrl-C or an error)
+
+Resume (`--resume`): each phase continues from its latest complete checkpoint, with the
+DataBuffer (order, epoch, partial groups), RNG, optimizer, schedule, step and weight version.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from rollouts.config import Config
+from rollouts.data.buffer import DataBuffer
+from rollouts.data.loaders import load_conversations, load_prompts
+from rollouts.inference.pool import EnginePool
+from rollouts.plugins import load_function
+from rollouts.rewards.protocol import RewardFn
+from rollouts.rollout.manager import AsyncRolloutManager
+from rollouts.training.backends.factories import create_backend, load_tokenizer
+from rollouts.training.backends.pytorch import MODEL_DIR
+from rollouts.training.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+from rollouts.training.engines import open_engines
+from rollouts.training.evaluation import evaluate
+from rollouts.training.loops.rl import RLHooks, run_rl_training
+from rollouts.training.loops.sft import run_sft_training, split_eval, tokenize_all, total_sft_steps
+from rollouts.training.run_setup import (
+    RL_METRICS,
+    SFT_METRICS,
+    StopFlag,
+    make_logger,
+    prepare_base_model,
+    prepare_data,
+    prepare_run_dir,
+    watch_signals,
+    with_response_text,
+)
+from rollouts.training.weight_sync import sync_weights_to_engines
+
+
+def checkpoint_root(config: Config, run_dir: Path, phase: str) -> Path:
+    return Path(config.checkpoint.dir or run_dir / "checkpoints") / phase
+
+
+async def _save(backend: Any, root: Path, step: int, version: str, extra: dict, keep: int) -> None:
+    await trio.to_thread.run_sync(
+        functools.partial(
+            save_checkpoint,
+            backend,
+            root,
+            step=step,
+            weight_version=version,
+            extra_state=extra,
+            keep_last=keep,
+        )
+    )
+
+
+async def sft_phase(
+    config: Config, run_dir: Path, base: Path, resume: bool, stop: StopFlag
+) -> Path:
+    """Run (or resume, or skip when already finished) SFT; return the final model directory."""
+    root = checkpoint_root(config, run_dir, "sft")
+    tokenizer = load_tokenizer(base)
+    conversations = load_conversations(config.data.sft_path, config.data.messages_key)
+    max_tokens = int(getattr(tokenizer, "model_max_length", 10**9))
+    examples = tokenize_all(tokenizer, conversations, max_tokens)
+    train, held = split_eval(examples, config.data.sft_eval_fraction, config.run.seed)
+    total = total_sft_steps(config, len(train))
+    latest = find_latest_checkpoint(root) if resume else None
+    backend = create_backend(
+        config, model_path=base, total_steps=total, lr=config.training.sft_lr or None
+    )
+    try:
+        start = 0
+        if latest is not None:
+            start = (await trio.to_thread.run_sync(load_checkpoint, backend, latest)).step
+        if start < total:
+            logger = make_logger(
+                config, run_dir / SFT_METRICS, total, "sft ", start if latest else None
+            )
+
+            async def checkpoint(step: int) -> None:
+                keep = config.checkpoint.keep_last
+                await _save(backend, root, step, f"sft-{step}", {"phase": "sft"}, keep)
+
+            print(f"[train] SFT: {len(train)} conversations, {total} steps", flush=True)
+            result = await run_sft_training(
+                backend,
+                train,
+                config,
+                logger,
+                eval_examples=held,
+                start_step=start,
+                checkpoint=checkpoint,
+                should_stop=stop,
+            )
+            logger.close()
+            print(f"[train] SFT done: loss {result.final_loss:.4f} eval {result.eval_loss}")
+    finally:
+        backend.close()
+    final = find_latest_checkpoint(root)
+    assert final is not None, f"SFT wrote no checkpoint under {root}"
+    return final / MODEL_DIR
+
+
+def _eval_hook(config: Config, pool: Any, tokenizer: Any, reward_fn: Any) -> Any:
+    """The held-out greedy evaluation through the engines (None when there is no eval set)."""
+    if not config.data.eval_path:
+        return None
+    items = load_prompts(
+        config.data.eval_path,
+        config.data.prompt_key,
+        config.data.label_key,
+        config.data.messages_key,
+    )
+    items = items[: config.data.eval_size or None]
+    sampling = config.rollout.sampling
+
+    async def run_eval() -> dict[str, float]:
+        result = await evaluate(
+            pool,
+            tokenizer,
+            items,
+            reward_fn,
+            max_new_tokens=sampling.max_new_tokens,
+            stop=tuple(sampling.stop),
+        )
+        return result.metrics("eval")
+
+    return run_eval
+
+
+async def rl_phase(
+    config: Config,
+    run_dir: Path,
+    model_dir: Path,
+    resume: bool,
+    stop: StopFlag,
+    reward_fn: Any = None,
+) -> dict[str, float]:
+    """RL from `model_dir` (or from the latest RL checkpoint); returns the last step's metrics."""
+    root = checkpoint_root(config, run_dir, "rl")
+    latest = find_latest_checkpoint(root) if resume else None
+    tokenizer = load_tokenizer(model_dir)
+    d = config.data
+    buffer = DataBuffer(
+        load_prompts(d.train_path, d.prompt_key, d.label_key, d.messages_key),
+        seed=config.run.seed,
+        shuffle=d.shuffle,
+    )
+    if reward_fn is None and not config.rollout.reward_fn:
+        raise ValueError("rollout.reward_fn is empty: name a reward function by dotted path")
+    reward = load_function(reward_fn or config.rollout.reward_fn, RewardFn)
+    reward_fn = with_response_text(reward, tokenizer)
+    backend = create_backend(config, model_path=model_dir, total_steps=config.training.rl_steps)
+    ref = None
+    try:
+        start, version = 0, 0
+        if latest is not None:
+            state = await trio.to_thread.run_sync(load_checkpoint, backend, latest)
+            buffer.load_state_dict(state.extra_state["data_buffer"])
+            start, version = state.step, int(state.weight_version)
+        ref = build_reference(config, model_dir)
+        engine_model = latest / MODEL_DIR if latest is not None else model_dir
+        async with open_engines(config, engine_model, str(version)) as pool:
+            return await _rl_with_engines(
+                config,
+                run_dir,
+                backend,
+                buffer,
+                pool,
+                tokenizer,
+                reward_fn,
+                ref,
+                start,
+                version,
+                stop,
+            )
+    finally:
+        backend.close()
+        if ref is not None:
+            ref.backend.close()
+
+
+def build_reference(config: Config, model_dir: Path) -> Any:
+    """A reference model when the algorithm (or its schedule) can use KL; else None."""
+    from rollouts.training.loops.rl import ReferencePolicy
+
+    a = config.algorithm
+    if a.kl_coef <= 0.0 and not a.schedule:
+        return None
+    return ReferencePolicy(create_backend(config, model_path=model_dir, total_steps=1))
+
+
+async def _rl_with_engines(
+    config: Config,
+    run_dir: Path,
+    backend: Any,
+    buffer: DataBuffer,
+    pool: EnginePool,
+    tokenizer: Any,
+    reward_fn: Any,
+    ref: Any,
+    start: int,
+    version: int,
+    stop: StopFlag,
+) -> dict[str, float]:
+    root = checkpoint_root(config, run_dir, "rl")
+    total = config.training.rl_steps
+    logger = make_logger(config, run_dir / RL_METRICS, total, "rl ", start if start else None)
+    manager = AsyncRolloutManager(
+        buffer, config.rollout, pool, tokenizer=tokenizer, reward_fn=reward_fn
+    )
+    evaluate_fn = _eval_hook(config, pool, tokenizer, reward_fn)
+    weights_dir = run_dir / "weights"
+
+    async def checkpoint(step: int, version: str, buffer_state: dict[str, Any]) -> None:
+        extra = {"phase": "rl", "data_buffer": buffer_state}
+        await _save(backend, root, step, version, extra, config.checkpoint.keep_last)
+
+    async def sync(version: str) -> dict[str, float]:
+        path = weights_dir / f"v{int(version):06d}"
+        await backend.save_weights(path)
+        report = await sync_weights_to_engines(pool.engines, str(path), version)
+        return report.metrics()
+
+    def log_samples(step: int, batch: Any) -> None:
+        n = config.logging.rollouts_per_step
+        decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
+        logger.log_samples(step, batch.samples[:n], decode)
+
+    hooks = RLHooks(
+        checkpoint=checkpoint,
+        sync_weights=sync,
+        evaluate=evaluate_fn,
+        should_stop=stop,
+        log_samples=log_samples,
+    )
+    if start == 0 and evaluate_fn is not None:
+        before = await evaluate_fn()
+        logger.log(0, before)
+        print(f"[train] held-out accuracy before RL: {before['eval/accuracy']:.3f}", flush=True)
+    result = await run_rl_training(
+        backend,
+        buffer,
+        manager,
+        pool,
+        config,
+        logger,
+        hooks=hooks,
+        reward_fn=reward_fn,
+        ref=ref,
+        start_step=start,
+        start_version=version,
+    )
+    logger.close()
+    acc = result.last_metrics.get("eval/accuracy")
+    if acc is not None:
+        print(f"[train] held-out accuracy after RL: {acc:.3f} (step {result.steps})", flush=True)
+    return result.last_metrics
+
+
+async def _main(mode: str, config: Config, resume: bool, config_path: str) -> int:
+    run_dir = prepare_run_dir(config, config_path, resume)
+    prepare_data(config)
+    model_dir = prepare_base_model(config)
+    stop = StopFlag()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch_signals, stop, nursery.cancel_scope)
+        if mode in ("sft", "sft+rl"):
+            model_dir = await sft_phase(config, run_dir, model_dir, resume, stop)
+            print(f"[train] SFT model: {model_dir}", flush=True)
+        if mode in ("rl", "sft+rl") and not stop():
+            await rl_phase(config, run_dir, model_dir, resume, stop)
+        nursery.cancel_scope.cancel()
+    if stop():
+        print(f"[train] stopped by signal; resume with --resume (run dir {run_dir})", flush=True)
+        return 130
+    print(f"[train] done; run dir {run_dir}", flush=True)
+    return 0
+
+
+def run_training(mode: str, config: Config, *, resume: bool = False, config_path: str = "") -> int:
+    """Run `mode` ("sft", "rl" or "sft+rl") for `config`; the process exit code."""
+    return trio.run(_main, mode, config, resume, config_path)

@@ -1,0 +1,163 @@
+"""Start-up of a run: the run directory, the resolved config, data files, the base model, signals.
+
+Everything here happens once, before the loops, and fails early with a message that names the
+key or the file to fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from rollouts.config import Config, config_to_dict
+from rollouts.models.tiny import TinyModelSpec, make_tiny_model
+from rollouts.plugins import call_maybe_async, import_object
+from rollouts.training.metrics import ConsoleSink, JsonlSink, MetricsLogger, truncate_jsonl
+
+SFT_METRICS = "sft_metrics.jsonl"
+RL_METRICS = "metrics.jsonl"
+ROLLOUTS = "rollouts.jsonl"
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM: the loops finish the step, checkpoint, stop the engines, return."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    def __call__(self) -> bool:
+        return self.signal is not None
+
+
+async def watch_signals(stop: StopFlag, cancel: trio.CancelScope) -> None:
+    """First SIGINT/SIGTERM: ask for a clean stop. Second: cancel everything now."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            if stop():
+                print("[train] second signal: stopping now", flush=True)
+                cancel.cancel()
+                return
+            stop.signal = signum
+            name = signal.Signals(signum).name
+            print(f"[train] {name}: finishing this step, writing a checkpoint", flush=True)
+
+
+def prepare_run_dir(config: Config, config_path: str, resume: bool) -> Path:
+    """Create (or, with run.overwrite and no --resume, recreate) the run directory."""
+    run_dir = Path(config.run.output_dir)
+    has_state = (run_dir / "checkpoints").exists()
+    if has_state and not resume:
+        if not config.run.overwrite:
+            raise FileExistsError(
+                f"run.output_dir = {str(run_dir)!r} holds checkpoints of an earlier run: pass "
+                "--resume to continue it, set run.overwrite = true to replace it, or choose "
+                "another run.output_dir"
+            )
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = {"config_path": config_path, "config": config_to_dict(config)}
+    (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
+    return run_dir
+
+
+def prepare_data(config: Config) -> None:
+    """Run the `data.prepare` hook (e.g. the demo's synthetic task) and check the files exist."""
+    if config.data.prepare:
+        import_object(config.data.prepare)(config.data)
+    for key in ("sft_path", "train_path", "eval_path"):
+        path = getattr(config.data, key)
+        if path and not Path(path).is_file():
+            raise FileNotFoundError(f"data.{key} = {path!r}: no such file")
+
+
+def _corpus(config: Config) -> list[str]:
+    if config.model.tiny.corpus_path:
+        return Path(config.model.tiny.corpus_path).read_text().splitlines()
+    lines: list[str] = []
+    for key in ("sft_path", "train_path"):
+        path = getattr(config.data, key)
+        if path:
+            lines += Path(path).read_text().splitlines()
+    return lines
+
+
+def prepare_base_model(config: Config) -> Path:
+    """model.path, built with the tiny-model kit first when model.tiny.enabled and it is missing."""
+    path = Path(config.model.path)
+    if not config.model.path:
+        raise ValueError("model.path is empty: point it at an HF model directory")
+    if (path / "config.json").is_file():
+        return path
+    tiny = config.model.tiny
+    if not tiny.enabled:
+        raise FileNotFoundError(
+            f"model.path = {str(path)!r} is not an HF model directory (no config.json); "
+            "set model.tiny.enabled = true to build a tiny model there"
+        )
+    spec = TinyModelSpec(
+        tokenizer=tiny.tokenizer,
+        vocab_size=tiny.vocab_size,
+        hidden_size=tiny.hidden_size,
+        num_layers=tiny.num_layers,
+        num_heads=tiny.num_heads,
+        intermediate_size=tiny.intermediate_size,
+        max_position_embeddings=tiny.max_position_embeddings,
+        seed=config.run.seed,
+    )
+    corpus = _corpus(config) if tiny.tokenizer == "bpe" else []
+    print(f"[train] building a tiny model in {path}", flush=True)
+    return make_tiny_model(path, spec, corpus)
+
+
+def with_response_text(reward_fn: Any, tokenizer: Any) -> Any:
+    """Wrap a reward function so each sample carries `metadata['response_text']` (decoded)."""
+
+    async def reward(sample: Any) -> Any:
+        if "response_text" not in sample.metadata:
+            text = tokenizer.decode(list(sample.response_tokens), skip_special_tokens=True)
+            sample = dataclasses.replace(
+                sample, metadata={**sample.metadata, "response_text": text}
+            )
+        return await call_maybe_async(reward_fn, sample)
+
+    reward.__qualname__ = getattr(reward_fn, "__qualname__", "reward")
+    return reward
+
+
+def make_logger(
+    config: Config, path: Path, total: int, prefix: str, resume_step: int | None
+) -> MetricsLogger:
+    """metrics file + console (+ TensorBoard / wandb when the config asks)."""
+    sinks: list[Any] = [JsonlSink(path, resume_step)]
+    if config.logging.console:
+        sinks.append(ConsoleSink(total, prefix))
+    if config.logging.tensorboard:
+        from rollouts.training.metrics import TensorBoardSink
+
+        sinks.append(TensorBoardSink(path.parent / "tensorboard"))
+    if config.logging.wandb:
+        from rollouts.config import config_to_dict
+        from rollouts.training.metrics import WandbSink
+
+        log = config.logging
+        sinks.append(
+            WandbSink(
+                log.wandb_project,
+                config.run.name,
+                path.parent,
+                log.wandb_mode,
+                config_to_dict(config),
+            )
+        )
+    rollouts_path = path.parent / ROLLOUTS if prefix.startswith("rl") else None
+    if rollouts_path is not None and resume_step is not None:
+        truncate_jsonl(rollouts_path, resume_step)
+    elif rollouts_path is not None and rollouts_path.exists():
+        rollouts_path.unlink()
+    return MetricsLogger(sinks, rollouts_path)

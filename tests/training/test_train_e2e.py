@@ -1,0 +1,165 @@
+"""train.py end to end, as a user runs it: real processes, real engines, real checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rollouts.data.buffer import DataBuffer
+from rollouts.data.loaders import load_prompts
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ROOT / "integration_training" / "train.py"
+
+
+def _config(tmp: Path, **sections: dict) -> Path:
+    base = {
+        "run": {"output_dir": str(tmp / "run"), "seed": 0},
+        "model": {"path": str(tmp / "base")},
+        "model.tiny": {
+            "enabled": True,
+            "hidden_size": 32,
+            "num_layers": 1,
+            "num_heads": 2,
+            "intermediate_size": 64,
+            "max_position_embeddings": 128,
+        },
+        "data": {
+            "prepare": "rollouts.data.arithmetic.prepare_addition_data",
+            "sft_path": str(tmp / "data/sft.jsonl"),
+            "train_path": str(tmp / "data/train.jsonl"),
+            "eval_path": str(tmp / "data/eval.jsonl"),
+            "eval_size": 8,
+        },
+        "training": {
+            "sft_steps": 6,
+            "sft_batch_size": 8,
+            "sft_lr": 3e-3,
+            "rl_steps": 3,
+            "micro_batch_tokens": 4096,
+        },
+        "optim": {"lr": 1e-4, "scheduler": "constant"},
+        "rollout": {
+            "batch_size": 2,
+            "n_samples_per_prompt": 2,
+            "over_sampling_factor": 1.0,
+            "reward_fn": "rollouts.rewards.verifiers.exact_match_reward",
+        },
+        "rollout.sampling": {"max_new_tokens": 8},
+        "engines": {"max_batch": 16},
+        "checkpoint": {"every": 1, "keep_last": 2},
+        "logging": {"rollouts_per_step": 100},
+    }
+    for key, value in sections.items():
+        base.setdefault(key.replace("__", "."), {}).update(value)
+    lines = []
+    for section, table in base.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in table.items()]
+    path = tmp / "config.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _train(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(TRAIN), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=ROOT,
+    )
+
+
+def _steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_sft_then_rl_end_to_end(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    done = _train("--mode", "sft+rl", "--config", str(config))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = tmp_path / "run"
+    assert _steps(run / "sft_metrics.jsonl") == [1, 2, 3, 4, 5, 6]
+    assert _steps(run / "metrics.jsonl") == [0, 1, 2, 3]  # 0 = held-out eval before RL
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    for key in (
+        "reward/mean",
+        "eval/accuracy",
+        "train/clipfrac",
+        "train/logprob_mismatch",
+        "time/generate_s",
+        "time/train_s",
+        "time/sync_s",
+        "policy/version",
+    ):
+        assert key in last, key
+    assert last["policy/version"] == 3.0
+    assert "held-out accuracy before RL" in done.stdout
+    assert "held-out accuracy after RL" in done.stdout
+    ckpts = sorted(p.name for p in (run / "checkpoints" / "rl").iterdir())
+    assert ckpts == ["step_000002", "step_000003"]  # keep_last = 2
+    assert (run / "checkpoints" / "rl" / "step_000003" / "model" / "config.json").is_file()
+    assert json.loads((run / "config.json").read_text())["config"]["rollout"]["batch_size"] == 2
+    rows = (run / "rollouts.jsonl").read_text().splitlines()
+    assert len(rows) == 3 * 2 * 2
+
+
+def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text("[rollout]\nbatch_sise = 2\n")
+    done = _train("--mode", "rl", "--config", str(config))
+    assert done.returncode == 2
+    assert "did you mean 'rollout.batch_size'" in done.stderr
+
+
+def _expected_order(tmp: Path, steps: int, batch_size: int) -> list[list[int]]:
+    buffer = DataBuffer(load_prompts(tmp / "data/train.jsonl"), seed=0)
+    return [sorted(g[0].index for g in buffer.get_groups(batch_size, 1)) for _ in range(steps)]
+
+
+def _order(rollouts: Path) -> dict[int, list[int]]:
+    by_step: dict[int, set[int]] = {}
+    for line in rollouts.read_text().splitlines():
+        row = json.loads(line)
+        by_step.setdefault(row["step"], set()).add(row["index"])
+    return {step: sorted(idx) for step, idx in by_step.items()}
+
+
+def test_sigkill_mid_run_then_resume_continues_exactly(tmp_path: Path) -> None:
+    config = _config(tmp_path, training={"rl_steps": 6})
+    run = tmp_path / "run"
+    cmd = [sys.executable, str(TRAIN), "--mode", "sft+rl", "--config", str(config)]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            metrics = run / "metrics.jsonl"
+            if metrics.exists() and len(_steps(metrics)) >= 4:  # eval row + 3 steps
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before it could be killed"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the run and its engine processes, no clean-up
+        proc.wait()
+    killed_at = _steps(run / "metrics.jsonl")[-1]
+    assert 3 <= killed_at < 6
+    done = _train("--mode", "sft+rl", "--config", str(config), "--resume")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert _steps(run / "metrics.jsonl") == [0, 1, 2, 3, 4, 5, 6]  # no duplicate, no gap
+    order = _order(run / "rollouts.jsonl")
+    assert [order[s] for s in range(1, 7)] == _expected_order(tmp_path, 6, 2)
+
+
+def test_rl_only_from_a_model_directory(tmp_path: Path) -> None:
+    config = _config(tmp_path, training={"rl_steps": 2})
+    done = _train("--mode", "rl", "--config", str(config))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert _steps(tmp_path / "run" / "metrics.jsonl") == [0, 1, 2]
