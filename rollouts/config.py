@@ -56,6 +56,7 @@ class RunSection(_Section):
     name: str = "run"
     output_dir: str = "runs/run"
     seed: int = 0
+    overwrite: bool = False  # a fresh (not --resume) run may replace an earlier run's directory
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
