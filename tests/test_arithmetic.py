@@ -50,3 +50,32 @@ def test_prepare_hook_writes_where_the_config_points(tmp_path: Path) -> None:
     assert (d / "train.jsonl").stat().st_mtime_ns == before
     with pytest.raises(ValueError, match="DIR/sft.jsonl"):
         prepare_addition_data(DataConfig(sft_path="a/x.jsonl", train_path="a/train.jsonl"))
+
+
+def test_tool_conversations_and_strict_final_answer(tmp_path: Path) -> None:
+    from rollouts.data.arithmetic import final_answer_reward
+    from rollouts.types import Sample
+
+    paths = write_demo_datasets(tmp_path, digits=3, n_sft=10, n_rl=10, n_eval=5, tool=True)
+    conv = load_conversations(paths["sft"])[0]
+    assert [m["role"] for m in conv] == ["user", "assistant", "tool", "assistant"]
+    q = conv[0]["content"]
+    assert conv[1]["content"] == f"<calculator><expression>{q}</expression></calculator>"
+    assert conv[3]["content"] == f"Answer: {eval(q)}"
+
+    def sample(*assistant: str, tool: str = "579") -> Sample:
+        messages = [{"role": "user", "content": "123+456"}]
+        for text in assistant:
+            messages += [{"role": "assistant", "content": text}, {"role": "tool", "content": tool}]
+        return Sample(
+            index=0,
+            group_index=0,
+            prompt="123+456",
+            label="579",
+            metadata={"messages": messages[:-1]},
+        )
+
+    assert final_answer_reward(sample("<calculator>..</calculator>", "Answer: 579")) == 1.0
+    assert final_answer_reward(sample("Answer: 578")) == 0.0
+    # the tool said 579 but the model never answered: no reward
+    assert final_answer_reward(sample("<calculator>..</calculator>", "I think")) == 0.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -74,10 +75,12 @@ def write_demo_datasets(
     n_rl: int = 4000,
     n_eval: int = 200,
     seed: int = 0,
+    tool: bool = False,
 ) -> dict[str, Path]:
     """Write sft.jsonl (worked conversations), train.jsonl (RL prompts) and eval.jsonl.
 
-    The eval problems are disjoint from both training sets, so accuracy is held-out.
+    The eval problems are disjoint from both training sets, so accuracy is held-out. With
+    `tool`, the SFT conversations call the calculator tool instead of working the sum out.
     """
     out = Path(out_dir)
     evals = make_problems(n_eval, digits, seed + 1)
@@ -85,7 +88,8 @@ def write_demo_datasets(
     sft = make_problems(n_sft, digits, seed + 2, exclude=held)
     rl = make_problems(n_rl, digits, seed + 3, exclude=held)
     paths = {name: out / f"{name}.jsonl" for name in ("sft", "train", "eval")}
-    write_jsonl(paths["sft"], [_conversation(p) for p in sft])
+    conversation = _tool_conversation if tool else _conversation
+    write_jsonl(paths["sft"], [conversation(p) for p in sft])
     write_jsonl(paths["train"], [_prompt_row(p) for p in rl])
     write_jsonl(paths["eval"], [_prompt_row(p) for p in evals])
     return paths
@@ -100,8 +104,57 @@ def _conversation(p: Problem) -> dict[str, Any]:
     }
 
 
+def _tool_conversation(p: Problem) -> dict[str, Any]:
+    call = f"<calculator><expression>{p.question}</expression></calculator>"
+    return {
+        "messages": [
+            {"role": "user", "content": p.question},
+            {"role": "assistant", "content": call},
+            {"role": "tool", "content": p.answer},
+            {"role": "assistant", "content": f"{ANSWER_MARKER} {p.answer}"},
+        ]
+    }
+
+
 def _prompt_row(p: Problem) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": p.question}], "label": p.answer}
+
+
+def _check_paths(data: DataConfig) -> Path:
+    paths = {"sft": data.sft_path, "train": data.train_path, "eval": data.eval_path}
+    dirs = {str(Path(p).parent) for p in paths.values()}
+    if len(dirs) != 1 or any(Path(p).name != f"{k}.jsonl" for k, p in paths.items()):
+        raise ValueError(
+            "data.prepare needs data.sft_path, data.train_path and data.eval_path as "
+            f"DIR/sft.jsonl, DIR/train.jsonl, DIR/eval.jsonl; got {paths}"
+        )
+    return Path(dirs.pop())
+
+
+def prepare_addition_tool_data(data: DataConfig) -> None:
+    """`data.prepare` hook of the tools demo: 3-digit sums; SFT calls the calculator tool."""
+    out = _check_paths(data)
+    if not all((out / f"{k}.jsonl").is_file() for k in ("sft", "train", "eval")):
+        write_demo_datasets(out, digits=3, n_sft=2000, tool=True)
+
+
+def final_answer_reward(sample: Any) -> float:
+    """1.0 when the LAST assistant message says `Answer: <label>`, else 0.0 (no fallback).
+
+    Strict on purpose for tool use: a number that only appears in a tool's output earns nothing.
+    """
+    messages = sample.metadata.get("messages")
+    if messages:
+        assistant = [m["content"] for m in messages if m["role"] == "assistant"]
+        text = assistant[-1] if assistant else ""
+    elif "response_text" in sample.metadata:
+        text = sample.metadata["response_text"]
+    else:
+        raise ValueError(f"sample {sample.index}: no messages or response_text to verify")
+    if sample.label is None:
+        raise ValueError(f"sample {sample.index}: no label to verify against")
+    found = re.findall(rf"{ANSWER_MARKER}\s*(-?\d+)", text)
+    return 1.0 if found and found[-1] == str(sample.label).strip() else 0.0
 
 
 def prepare_addition_data(data: DataConfig) -> None:
@@ -110,12 +163,6 @@ def prepare_addition_data(data: DataConfig) -> None:
     The three paths must share one directory and be named sft/train/eval.jsonl; files that
     exist already are left as they are (so a resumed run reads the same data).
     """
-    paths = {"sft": data.sft_path, "train": data.train_path, "eval": data.eval_path}
-    dirs = {str(Path(p).parent) for p in paths.values()}
-    if len(dirs) != 1 or any(Path(p).name != f"{k}.jsonl" for k, p in paths.items()):
-        raise ValueError(
-            "data.prepare = addition needs data.sft_path, data.train_path and data.eval_path "
-            f"as DIR/sft.jsonl, DIR/train.jsonl, DIR/eval.jsonl; got {paths}"
-        )
-    if not all(Path(p).is_file() for p in paths.values()):
-        write_demo_datasets(dirs.pop())
+    out = _check_paths(data)
+    if not all((out / f"{k}.jsonl").is_file() for k in ("sft", "train", "eval")):
+        write_demo_datasets(out)

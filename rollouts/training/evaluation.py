@@ -1,7 +1,8 @@
-"""Held-out evaluation through the engines: greedy completions, scored by the reward function.
+"""Held-out evaluation through the engines: greedy rollouts, scored by the reward function.
 
-Runs against any InferenceEngine (a pool included), so it measures exactly what the engines
-serve after a weight sync, not a copy of the weights held by the trainer.
+It runs the same generate function as training (single-turn, or the multi-turn agent loop with
+its environment) against the engines, with temperature 0, so it measures exactly what the
+engines serve after a weight sync, not a copy of the weights held by the trainer.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from typing import Any
 
 import trio
 
-from rollouts.data.sft import tokenize_prompt
 from rollouts.inference.protocol import InferenceEngine, SamplingParams
 from rollouts.plugins import call_maybe_async
-from rollouts.types import PromptItem, Sample
+from rollouts.rollout.agent import generate_multi_turn
+from rollouts.rollout.generate import generate_single_turn
+from rollouts.rollout.protocol import GenerateContext
+from rollouts.types import PromptItem, Sample, Status
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -25,6 +28,7 @@ class EvalResult:
     accuracy: float
     reward_mean: float
     response_length_mean: float
+    failed: int
     samples: tuple[Sample, ...]
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
@@ -32,27 +36,47 @@ class EvalResult:
             f"{prefix}/accuracy": self.accuracy,
             f"{prefix}/reward_mean": self.reward_mean,
             f"{prefix}/response_length_mean": self.response_length_mean,
+            f"{prefix}/failed": float(self.failed),
         }
 
 
-async def _greedy_sample(
-    engine: InferenceEngine, tokenizer: Any, item: PromptItem, sampling: SamplingParams
-) -> Sample:
-    prompt_ids = tokenize_prompt(tokenizer, item.prompt)
-    completion = await engine.generate(prompt_ids, sampling)
-    tokens = tuple(prompt_ids) + completion.output_ids
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class EvalSpec:
+    """How to roll out one eval item: greedy sampling, and the agent settings of training."""
+
+    max_new_tokens: int
+    stop: tuple[str, ...] = ()
+    max_total_tokens: int = 1024
+    max_turns: int = 1
+    env_factory: Any = None
+    generate_fn: Callable[..., Any] | None = None  # None = single-turn or the agent loop
+
+
+def _pending(item: PromptItem) -> Sample:
     return Sample(
         index=item.index,
         group_index=item.index,
         prompt=item.prompt,
         label=item.label,
-        tokens=tokens,
-        loss_mask=(0,) * len(prompt_ids) + (1,) * len(completion.output_ids),
-        response_length=len(completion.output_ids),
-        rollout_logprobs=completion.logprobs,
-        status=completion.finish_reason.to_status(),
-        weight_versions=(completion.weight_version,),
+        metadata=dict(item.metadata),
     )
+
+
+async def _rollout(engine: InferenceEngine, tokenizer: Any, item: PromptItem, spec: EvalSpec):
+    multi = spec.env_factory is not None or spec.max_turns > 1
+    generate = spec.generate_fn or (generate_multi_turn if multi else generate_single_turn)
+    ctx = GenerateContext(
+        engine=engine,
+        tokenizer=tokenizer,
+        sampling=SamplingParams(
+            max_new_tokens=spec.max_new_tokens, temperature=0.0, stop=spec.stop
+        ),
+        rid=f"eval-{item.index}",
+        max_total_tokens=spec.max_total_tokens,
+        max_turns=spec.max_turns,
+        env_factory=spec.env_factory,
+    )
+    return await call_maybe_async(generate, _pending(item), ctx)
 
 
 async def evaluate(
@@ -60,26 +84,27 @@ async def evaluate(
     tokenizer: Any,
     items: Sequence[PromptItem],
     reward_fn: Callable[[Sample], Any],
+    spec: EvalSpec,
     *,
-    max_new_tokens: int,
-    stop: Sequence[str] = (),
     max_concurrency: int = 64,
     correct_at: float = 1.0,
     timeout_s: float = 600.0,
 ) -> EvalResult:
-    """Greedy-decode every item, score it, and return accuracy and mean reward.
+    """Greedy-roll out every item, score it, and return accuracy and mean reward.
 
-    A reward function that raises fails the evaluation (it is never counted as wrong silently).
+    A reward function that raises fails the evaluation (it is never counted as wrong silently);
+    a rollout that FAILED (engine error) is counted in `failed` and scores 0.
     """
     assert items, "evaluation needs at least one item"
-    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop=tuple(stop))
     results: list[Sample | None] = [None] * len(items)
     limiter = trio.CapacityLimiter(max_concurrency)
 
     async def one(i: int, item: PromptItem) -> None:
         async with limiter:
-            sample = await _greedy_sample(engine, tokenizer, item, sampling)
-        reward = await call_maybe_async(reward_fn, sample)
+            sample = await _rollout(engine, tokenizer, item, spec)
+        reward = (
+            0.0 if sample.status is Status.FAILED else await call_maybe_async(reward_fn, sample)
+        )
         results[i] = dataclasses.replace(sample, reward=float(reward))
 
     with trio.fail_after(timeout_s):
@@ -93,5 +118,6 @@ async def evaluate(
         accuracy=sum(r >= correct_at for r in rewards) / len(rewards),
         reward_mean=sum(rewards) / len(rewards),
         response_length_mean=sum(s.response_length for s in samples) / len(samples),
+        failed=sum(s.status is Status.FAILED for s in samples),
         samples=samples,
     )

@@ -29,7 +29,7 @@ from rollouts.training.backends.factories import create_backend, load_tokenizer
 from rollouts.training.backends.pytorch import MODEL_DIR
 from rollouts.training.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from rollouts.training.engines import open_engines
-from rollouts.training.evaluation import evaluate
+from rollouts.training.evaluation import EvalSpec, evaluate
 from rollouts.training.loops.rl import RLHooks, run_rl_training
 from rollouts.training.loops.sft import run_sft_training, split_eval, tokenize_all, total_sft_steps
 from rollouts.training.run_setup import (
@@ -112,28 +112,25 @@ async def sft_phase(
     return final / MODEL_DIR
 
 
-def _eval_hook(config: Config, pool: Any, tokenizer: Any, reward_fn: Any) -> Any:
+def _eval_hook(config: Config, pool: Any, tokenizer: Any, reward_fn: Any, manager: Any) -> Any:
     """The held-out greedy evaluation through the engines (None when there is no eval set)."""
     if not config.data.eval_path:
         return None
-    items = load_prompts(
-        config.data.eval_path,
-        config.data.prompt_key,
-        config.data.label_key,
-        config.data.messages_key,
+    d = config.data
+    items = load_prompts(d.eval_path, d.prompt_key, d.label_key, d.messages_key)
+    items = items[: d.eval_size or None]
+    r = config.rollout
+    spec = EvalSpec(
+        max_new_tokens=r.sampling.max_new_tokens,
+        stop=tuple(r.sampling.stop),
+        max_total_tokens=r.max_total_tokens,
+        max_turns=r.max_turns,
+        env_factory=manager.env_factory,
+        generate_fn=manager.generate_fn,
     )
-    items = items[: config.data.eval_size or None]
-    sampling = config.rollout.sampling
 
     async def run_eval() -> dict[str, float]:
-        result = await evaluate(
-            pool,
-            tokenizer,
-            items,
-            reward_fn,
-            max_new_tokens=sampling.max_new_tokens,
-            stop=tuple(sampling.stop),
-        )
+        result = await evaluate(pool, tokenizer, items, reward_fn, spec)
         return result.metrics("eval")
 
     return run_eval
@@ -220,7 +217,7 @@ async def _rl_with_engines(
     manager = AsyncRolloutManager(
         buffer, config.rollout, pool, tokenizer=tokenizer, reward_fn=reward_fn
     )
-    evaluate_fn = _eval_hook(config, pool, tokenizer, reward_fn)
+    evaluate_fn = _eval_hook(config, pool, tokenizer, reward_fn, manager)
     weights_dir = run_dir / "weights"
 
     async def checkpoint(step: int, version: str, buffer_state: dict[str, Any]) -> None:
