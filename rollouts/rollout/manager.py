@@ -3,7 +3,9 @@
 One `generate_batch` call: take groups from the DataBuffer (partial groups first), run them
 concurrently (a CapacityLimiter bounds samples in flight), score each finished group, pass it
 through the group filters, and once `batch_size` groups are kept abort the rest on the engines.
-Aborted groups go back to the DataBuffer's partial pool and resume in a later batch. How many
+Aborted groups go back to the DataBuffer's partial pool and resume in a later batch; so do
+surplus groups that finished before the abort reached them (re-scored and re-filtered then, no
+generation), unless `partial_rollouts` is off, when both are dropped (and counted). How many
 groups to submit, and when the batch is done or short, is decided by `planning` (pure).
 """
 
@@ -273,6 +275,10 @@ class AsyncRolloutManager:
         if verdict.keep and len(run.kept) < run.state.target:
             run.kept.append(group)
             run.state = dataclasses.replace(run.state, kept=len(run.kept))
+            return
+        if verdict.keep and self.config.partial_rollouts:
+            run.counts["surplus_groups_saved"] += 1  # finished work, served first next batch
+            run.partial.append(group)
             return
         run.dropped["surplus" if verdict.keep else verdict.reason] += 1
         run.gen_time_s["discarded"] += result.gen_time_s

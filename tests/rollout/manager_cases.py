@@ -7,6 +7,7 @@ here so that groups vary or are equal on purpose (the tiny model's output is gib
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 from collections.abc import Callable
 from typing import Any
@@ -79,9 +80,10 @@ async def groups_of_n_and_surplus_aborted(engine: Any, tok: Any) -> None:
             check_sample(s, ids)
     meta = batch.metadata
     assert meta["submitted_groups"] == 4
-    surplus = meta["drop_reasons"].get("surplus", 0)
-    assert surplus + meta["partial_groups_saved"] == 2
-    assert buffer.num_partial_groups == meta["partial_groups_saved"]
+    # the 2 surplus groups were aborted (or finished first): both wait in the partial pool
+    assert meta["partial_groups_saved"] == 2
+    assert buffer.num_partial_groups == 2
+    assert meta["drop_reasons"] == {}
     assert meta["num_samples"] == 6
     assert meta["response_length_hist"]["counts"]
     assert meta["tokens_per_s"] > 0
@@ -201,3 +203,69 @@ async def partial_resume_and_buffer_state(engine: Any, tok: Any) -> None:
             assert s.metadata["resumed_at"] == [before.response_length]
     assert resumed >= 1
     assert second.metadata["resumed_samples"] >= 1
+
+
+def sync_generate(sample: Sample, ctx: Any) -> Sample:
+    """A plain-def generate_fn (runs in a worker thread): a fixed 2-token response."""
+    ids = tuple(ctx.tokenizer(str(sample.prompt), add_special_tokens=False)["input_ids"])
+    return dataclasses.replace(
+        sample,
+        tokens=(*ids, 7, 8),
+        loss_mask=(0,) * len(ids) + (1, 1),
+        response_length=2,
+        rollout_logprobs=(-1.0, -1.0),
+        weight_versions=("0",),
+        status=Status.COMPLETED,
+    )
+
+
+async def sync_generate_fn_by_dotted_path(engine: Any, tok: Any) -> None:
+    config = make_config(
+        batch_size=2,
+        n_samples_per_prompt=2,
+        over_sampling_factor=1.0,
+        generate_fn="tests.rollout.manager_cases.sync_generate",
+    )
+    manager = AsyncRolloutManager(make_buffer(), config, engine, tokenizer=tok)
+    batch = await manager.generate_batch(alternating_reward(lambda g: False))
+    assert all(s.response_tokens == (7, 8) for s in batch.samples)
+
+
+async def slow_reward_times_out_as_failed(engine: Any, tok: Any) -> None:
+    async def reward(sample: Sample) -> float:
+        if sample.group_index == 0:
+            await trio.sleep_forever()
+        return float(sample.response_length % 2) + sample.group_index
+
+    config = make_config(
+        batch_size=1, n_samples_per_prompt=1, over_sampling_factor=1.0, reward_timeout_s=5.0
+    )
+    manager = AsyncRolloutManager(make_buffer(), config, engine, tokenizer=tok)
+    batch = await manager.generate_batch(reward)
+    assert batch.metadata["drop_reasons"] == {"failed": 1}
+    assert any("TooSlowError" in e for e in batch.metadata["errors"])
+
+
+async def surplus_is_reused_or_reset(engine: Any, tok: Any) -> None:
+    config = make_config(
+        batch_size=1, n_samples_per_prompt=2, over_sampling_factor=3.0, max_concurrency=2
+    )  # one group at a time: the rest never start
+    buffer = make_buffer()
+    manager = AsyncRolloutManager(
+        buffer, config, engine, tokenizer=tok, reward_fn=alternating_reward(lambda g: False)
+    )
+    first = await manager.generate_batch()
+    saved = sorted(g[0].group_index for g in buffer._partial)
+    assert sorted([*saved, first.groups[0][0].group_index]) == [0, 1, 2]
+    second = await manager.generate_batch()  # serves the 2 saved groups first, then group 3
+    assert second.groups[0][0].group_index in (*saved, 3)
+    assert second.metadata["submitted_groups"] == 3
+    assert first.metadata["unstarted_samples"] + first.metadata.get("aborted_samples", 0) >= 2
+    off = dataclasses.replace(config, partial_rollouts=False)
+    buffer = make_buffer()
+    manager = AsyncRolloutManager(
+        buffer, off, engine, tokenizer=tok, reward_fn=alternating_reward(lambda g: False)
+    )
+    await manager.generate_batch()
+    for group in buffer._partial:  # prompts are not lost: restarted from scratch next time
+        assert all(s.status is Status.PENDING and not s.tokens for s in group)

@@ -29,8 +29,14 @@ def engine(tok) -> RandomEngine:
         cases.over_sampling_bound_stops,
         cases.raising_fns_are_reported,
         cases.partial_resume_and_buffer_state,
+        cases.sync_generate_fn_by_dotted_path,
+        cases.surplus_is_reused_or_reset,
     ],
     ids=lambda c: c.__name__,
 )
 async def test_manager_case(case, engine, tok) -> None:
     await case(engine, tok)
+
+
+async def test_slow_reward_times_out_as_failed(engine, tok, autojump_clock) -> None:
+    await cases.slow_reward_times_out_as_failed(engine, tok)

@@ -46,6 +46,7 @@ async def engine(server: EngineProcess) -> AsyncIterator[SGLangEngine]:
         cases.over_sampling_bound_stops,
         cases.raising_fns_are_reported,
         cases.partial_resume_and_buffer_state,
+        cases.surplus_is_reused_or_reset,
     ],
     ids=lambda c: c.__name__,
 )
