@@ -247,6 +247,7 @@ class EnginesConfig(_Section):
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp", "gae")
 POLICY_LOSSES = ("ppo", "reinforce", "gspo", "pairwise")
+PAIR_SELECTORS = ("best_vs_worst", "all_pairs_above_margin")
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 
 
@@ -274,7 +275,9 @@ class AlgorithmConfig(_Section):
     lam: float = 1.0
     ppo_epochs: int = 1
     mini_batch_size: int = 0  # groups per mini-batch; 0 = the whole batch
-    pair_beta: float = 0.1
+    pair_beta: float = 0.1  # policy_loss = "pairwise": beta of -log sigmoid(beta * margin)
+    pair_selector: str = "best_vs_worst"  # | "all_pairs_above_margin" | dotted path to a selector
+    pair_margin: float = 0.0  # a pair needs r_chosen - r_rejected > pair_margin
     schedule: str = ""  # dotted path to `step -> AlgorithmConfig`
     tis_level: str = "token"  # "token" | "sequence"
     kl_target: float = 0.0  # > 0: adaptive KL coefficient towards this KL (kl_in = "reward")
@@ -355,6 +358,21 @@ class AlgorithmConfig(_Section):
         _check(p, 0.0 <= self.lam <= 1.0, "algorithm.lam: must be in [0, 1]")
         _check(p, self.ppo_epochs >= 1, "algorithm.ppo_epochs: must be >= 1")
         _check(p, self.mini_batch_size >= 0, "algorithm.mini_batch_size: must be >= 0")
+        _check(p, self.pair_beta > 0.0, f"algorithm.pair_beta = {self.pair_beta}: must be > 0")
+        _check(p, self.pair_margin >= 0.0, "algorithm.pair_margin: must be >= 0")
+        _check(
+            p,
+            self.pair_selector in PAIR_SELECTORS or "." in self.pair_selector,
+            f"algorithm.pair_selector = {self.pair_selector!r}: must be one of {PAIR_SELECTORS} "
+            "or a dotted path to a function (group) -> [(chosen, rejected), ...]",
+        )
+        pairwise = self.policy_loss == "pairwise"
+        _check(
+            p,
+            not pairwise or (self.advantage != "gae" and not self.tis),
+            "algorithm.policy_loss = 'pairwise' uses no advantages and no TIS: set "
+            "algorithm.advantage to a critic-free estimator (e.g. 'grpo') and tis = false",
+        )
         return p
 
 

@@ -3,6 +3,8 @@
 total = pg_loss(policy_loss, TIS-weighted) - entropy_coef * agg(entropy)
         + kl_coef * agg(kl(logp, logp_ref))   [kl_in = "loss"]
         + value_coef * agg(value_loss)        [advantage = "gae", when the backend gives values]
+policy_loss = "pairwise" replaces pg_loss by the pairwise preference surrogate
+(`rollouts.algorithms.pairwise`: sum_i coef_i * sum_t logp_it / num_pairs, loss_agg unused).
 Every term is aggregated with `config.loss_agg` and the batch's GLOBAL counts, so a backend sums
 the micro-batch losses' gradients (over micro-batches and data-parallel ranks: a backend whose
 all-reduce AVERAGES gradients over DP ranks must multiply the loss by the world size). Metrics are
@@ -28,6 +30,7 @@ from rollouts.algorithms.losses import (
     value_loss,
 )
 from rollouts.algorithms.off_policy import tis_weights
+from rollouts.algorithms.pairwise import pairwise_surrogate
 from rollouts.config import AlgorithmConfig
 from rollouts.types import ModelOutputs, TrainBatch
 
@@ -59,7 +62,7 @@ class PolicyLoss:
 
     @property
     def needs_ref_logprobs(self) -> bool:
-        return self.config.kl_coef > 0.0
+        return self.config.kl_coef > 0.0 or self.config.policy_loss == "pairwise"
 
     @property
     def needs_values(self) -> bool:
@@ -70,12 +73,10 @@ class PolicyLoss:
 
 
 def make_loss_fn(config: AlgorithmConfig) -> PolicyLoss:
-    """The loss a backend calls per micro-batch (see the module docstring for the terms)."""
-    if config.policy_loss == "pairwise":
-        raise NotImplementedError(
-            "algorithm.policy_loss = 'pairwise' is not implemented yet; use 'ppo', 'reinforce' "
-            "or 'gspo'"
-        )
+    """The loss a backend calls per micro-batch (see the module docstring for the terms).
+
+    With policy_loss = "pairwise" the batch must come from `pairwise.prepare_pairwise_batch`.
+    """
     return PolicyLoss(config=config)
 
 
@@ -112,6 +113,11 @@ def policy_loss(
     assert logp.shape == mask.shape, f"{logp.shape=} != {mask.shape=} (outputs vs batch)"
     old = pad(batch.old_logprobs, device) if batch.old_logprobs else logp.detach()
     counts = batch_counts(batch)
+    if config.policy_loss == "pairwise":
+        pg, metrics = pairwise_surrogate(logp, adv, mask, batch)
+        metrics["pg_loss"] = float(pg.detach())
+        metrics["ppo_kl"] = token_mean(old - logp.detach(), mask, counts)
+        return _extra_terms(config, outputs, batch, logp, mask, counts, pg, metrics)
     terms = _policy_terms(config, logp, old, adv, mask)
     pg_per_token = terms.loss
     metrics: dict[str, float] = {}
@@ -133,6 +139,11 @@ def policy_loss(
     if batch.rollout_logprobs and batch.old_logprobs:
         gap = (old - pad(batch.rollout_logprobs, device)).abs()
         metrics["logprob_mismatch"] = token_mean(gap, mask, counts)
+    return _extra_terms(config, outputs, batch, logp, mask, counts, total, metrics)
+
+
+def _extra_terms(config, outputs, batch, logp, mask, counts, total, metrics):
+    """Entropy, KL-in-loss and value terms added to the policy term; the total and metrics."""
     if config.entropy_coef != 0.0 or outputs.entropy:
         total = total + _entropy_term(config, outputs, mask, counts, metrics)
     if config.kl_in == "loss" and config.kl_coef > 0.0:

@@ -2,7 +2,8 @@
 
 `load_schedule(config)` resolves `config.schedule` (a dotted path) through `plugins.load_function`;
 with no schedule the config itself is used at every step. `example_schedule` is the built-in
-example: GRPO with KL 0.2 until step 30, then KL 0.05, then a DAPO setting from step 60.
+example: GRPO with KL 0.2 until step 30, then KL 0.05, then a DAPO setting from step 60;
+`grpo_then_pairwise_schedule` switches from GRPO to the pairwise preference loss at step 20.
 """
 
 from __future__ import annotations
@@ -71,4 +72,19 @@ def example_schedule(step: int) -> AlgorithmConfig:
         clip_eps_high=0.28,
         kl_coef=0.0,
         entropy_coef=0.0,
+    )
+
+
+def grpo_then_pairwise_schedule(step: int) -> AlgorithmConfig:
+    """GRPO (PPO loss) until step 20, then pairwise preference (best vs worst, beta 0.1).
+
+    Pairwise needs the reference model's logprobs: the run builds a reference model whenever a
+    schedule is set. Use it with
+    `algorithm.schedule = "rollouts.algorithms.schedule.grpo_then_pairwise_schedule"`.
+    """
+    assert step >= 0, f"{step=} must be >= 0"
+    if step < 20:
+        return AlgorithmConfig(advantage="grpo", policy_loss="ppo")
+    return AlgorithmConfig(
+        advantage="grpo", policy_loss="pairwise", pair_beta=0.1, pair_selector="best_vs_worst"
     )
