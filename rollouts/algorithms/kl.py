@@ -3,7 +3,8 @@
 Estimators take per-token logprobs of the sampled tokens, d = logp - logp_ref, and follow verl's
 `kl_penalty` (see /work/shared/reference/algorithms.md). Sampled from the policy, k1 and k3 are
 unbiased estimates of the reverse KL(pi || ref); k3 is the low-variance one. `full_kl` gives the
-exact per-token KL from logits, in either direction.
+exact per-token KL from logits, in either direction; `full_kl_chunked` does the same over the
+trained positions of a [B, T, V] batch a chunk at a time (memory bounded by the chunk).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.utils.checkpoint
 
 from rollouts.config import KL_ESTIMATORS, AlgorithmConfig
 
@@ -81,6 +83,60 @@ def reverse_kl(policy_logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.T
 def forward_kl(policy_logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
     """KL(ref || policy) per position (mass-covering)."""
     return full_kl(ref_logits, policy_logits)
+
+
+KL_DIRECTIONS = ("reverse", "forward")
+
+
+def _kl_rows(
+    policy_flat: torch.Tensor, ref_flat: torch.Tensor, rows: torch.Tensor, direction: str
+) -> torch.Tensor:
+    """KL of the selected rows of [N, V] logits (log_softmax of only those rows) -> [len(rows)]."""
+    logp = torch.log_softmax(policy_flat[rows].float(), dim=-1)
+    logq = torch.log_softmax(ref_flat[rows].float(), dim=-1)
+    if direction == "forward":
+        logp, logq = logq, logp
+    return (logp.exp() * (logp - logq)).sum(dim=-1)
+
+
+def full_kl_chunked(
+    policy_logits: torch.Tensor,
+    ref_logits: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    direction: str = "reverse",
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """Exact per-token KL from logits [..., V], computed `chunk_size` trained positions at a time.
+
+    reverse: KL(policy || ref) (what k1/k3 estimate); forward: KL(ref || policy). Only positions
+    with mask != 0 are computed (others are 0), so the [.., V] log-softmaxes exist one chunk at a
+    time. Under autograd each chunk is recomputed in backward (activation checkpointing), so the
+    memory kept for backward is the logits themselves, not two log-softmaxes of [B, T, V].
+    """
+    assert policy_logits.shape == ref_logits.shape, f"{policy_logits.shape=} != {ref_logits.shape=}"
+    assert mask.shape == policy_logits.shape[:-1], f"{mask.shape=} vs {policy_logits.shape=}"
+    assert direction in KL_DIRECTIONS, f"{direction=} not in {KL_DIRECTIONS}"
+    assert chunk_size >= 1, f"{chunk_size=} must be >= 1"
+    vocab = policy_logits.shape[-1]
+    policy_flat = policy_logits.reshape(-1, vocab)
+    ref_flat = ref_logits.reshape(-1, vocab)
+    rows = (mask.reshape(-1) != 0).nonzero().squeeze(1).to(policy_flat.device)
+    grad = torch.is_grad_enabled() and (policy_logits.requires_grad or ref_logits.requires_grad)
+    chunks = []
+    for start in range(0, len(rows), chunk_size):
+        part = rows[start : start + chunk_size]
+        if grad:
+            kl = torch.utils.checkpoint.checkpoint(
+                _kl_rows, policy_flat, ref_flat, part, direction, use_reentrant=False
+            )
+        else:
+            kl = _kl_rows(policy_flat, ref_flat, part, direction)
+        chunks.append(kl)
+    out = torch.zeros(policy_flat.shape[0], dtype=torch.float32, device=policy_flat.device)
+    if chunks:
+        out = out.index_put((rows,), torch.cat(chunks))
+    return out.reshape(mask.shape)
 
 
 def batch_kl(kl: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> float:

@@ -6,11 +6,13 @@ import math
 
 import pytest
 import torch
+from torch.distributions import Categorical, kl_divergence
 
 from rollouts.algorithms.kl import (
     AdaptiveKL,
     batch_kl,
     forward_kl,
+    full_kl_chunked,
     kl_estimate,
     kl_reward_penalties,
     reverse_kl,
@@ -82,3 +84,37 @@ def test_adaptive_kl_controller():
     assert ctl.update(0.05, n_steps=2).coef == pytest.approx(0.096)
     cfg = AlgorithmConfig(kl_coef=0.3, kl_target=0.02, kl_horizon=5, kl_in="reward")
     assert AdaptiveKL.from_config(cfg) == AdaptiveKL(coef=0.3, target=0.02, horizon=5)
+
+
+@pytest.mark.parametrize("direction", ["reverse", "forward"])
+@pytest.mark.parametrize("chunk_size", [1, 3, 4, 100])
+def test_full_kl_chunked_equals_direct(direction, chunk_size):
+    torch.manual_seed(1)
+    policy = torch.randn(2, 5, 7, dtype=torch.float64, requires_grad=True)
+    ref = torch.randn(2, 5, 7, dtype=torch.float64)
+    mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]], dtype=torch.float32)
+    out = full_kl_chunked(policy, ref, mask, direction=direction, chunk_size=chunk_size)
+    p, q = Categorical(logits=policy), Categorical(logits=ref)
+    direct = kl_divergence(p, q) if direction == "reverse" else kl_divergence(q, p)
+    direct = direct * mask
+    assert out.shape == (2, 5)
+    assert (out[mask == 0] == 0).all()
+    torch.testing.assert_close(out.double(), direct, rtol=1e-5, atol=1e-6)
+    (grad,) = torch.autograd.grad((out * torch.arange(10.0).reshape(2, 5)).sum(), policy)
+    (want,) = torch.autograd.grad((direct * torch.arange(10.0).reshape(2, 5)).sum(), policy)
+    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # no autograd: plain chunks, same values
+        plain = full_kl_chunked(policy, ref, mask, direction=direction, chunk_size=chunk_size)
+    torch.testing.assert_close(plain, out.detach())
+
+
+def test_full_kl_chunked_hand_values_and_empty_mask():
+    p = torch.log(torch.tensor([[[0.5, 0.5], [0.5, 0.5]]]))
+    q = torch.log(torch.tensor([[[0.25, 0.75], [0.25, 0.75]]]))
+    mask = torch.tensor([[1.0, 0.0]])
+    rev = 0.5 * LN2 + 0.5 * math.log(2 / 3)  # KL(p||q), as in test_exact_kl_directions
+    fwd = -0.25 * LN2 + 0.75 * math.log(1.5)  # KL(q||p)
+    assert full_kl_chunked(p, q, mask)[0].tolist() == pytest.approx([rev, 0.0], rel=1e-5)
+    out = full_kl_chunked(p, q, mask, direction="forward", chunk_size=1)
+    assert out[0].tolist() == pytest.approx([fwd, 0.0], rel=1e-5)
+    assert full_kl_chunked(p, q, torch.zeros(1, 2)).tolist() == [[0.0, 0.0]]
