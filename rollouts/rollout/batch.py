@@ -30,7 +30,7 @@ class ShortBatchError(RuntimeError):
 
 def check_reward(value: Any) -> Reward:
     """A reward function's value as a Reward; anything else (None, str, NaN) is an error."""
-    if isinstance(value, bool) or not isinstance(value, int | float | tuple | list):
+    if not isinstance(value, int | float | tuple | list):  # bools count as 0.0 / 1.0
         raise TypeError(f"reward function returned {value!r}: expected a float or tuple of floats")
     out: Reward = (
         tuple(float(v) for v in value) if isinstance(value, tuple | list) else float(value)
