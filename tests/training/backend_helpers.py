@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from rollouts.config import Config, ModelConfig, OptimConfig, TrainingConfig
@@ -43,3 +45,13 @@ def tiny_config(model_dir: Path, **training: Any) -> Config:
         optim=OptimConfig(lr=1e-2, warmup_steps=1, min_lr_ratio=0.5, max_grad_norm=1.0),
         training=TrainingConfig(device="cpu", rl_steps=10, **training),
     )
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread: on a shared 2-core machine OpenMP spin-waits make tiny models 30x
+    slower. Import it into a test module to make it autouse there."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

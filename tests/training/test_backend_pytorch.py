@@ -14,7 +14,13 @@ from rollouts.training.backends.batching import padding_fraction, plan_micro_bat
 from rollouts.training.backends.factories import create_pytorch_backend, warmup_cosine_factor
 from rollouts.training.backends.protocol import NonFiniteError, TrainingBackend
 from rollouts.types import ModelOutputs, TrainBatch
-from tests.training.backend_helpers import LENGTHS, make_batch, nll_loss, tiny_config
+from tests.training.backend_helpers import (
+    LENGTHS,
+    make_batch,
+    nll_loss,
+    one_torch_thread,  # noqa: F401 (autouse)
+    tiny_config,
+)
 
 
 def test_plans_cover_every_sequence_once_and_respect_the_budget() -> None:

@@ -18,7 +18,12 @@ from rollouts.training.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from tests.training.backend_helpers import make_batch, nll_loss, tiny_config
+from tests.training.backend_helpers import (
+    make_batch,
+    nll_loss,
+    one_torch_thread,  # noqa: F401 (autouse)
+    tiny_config,
+)
 
 BATCHES = [make_batch([6, 9, 4], seed=s) for s in range(4)]
 

@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from rollouts.training.backends.factories import create_pytorch_backend
-from tests.training.backend_helpers import LENGTHS, make_batch, nll_loss, tiny_config
+from tests.training.backend_helpers import (
+    LENGTHS,
+    make_batch,
+    nll_loss,
+    one_torch_thread,  # noqa: F401 (autouse)
+    tiny_config,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 

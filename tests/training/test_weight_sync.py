@@ -22,7 +22,11 @@ from rollouts.training.weight_sync import (
     sync_weights_to_engines,
 )
 from rollouts.types import TrainBatch
-from tests.training.backend_helpers import nll_loss, tiny_config
+from tests.training.backend_helpers import (
+    nll_loss,
+    one_torch_thread,  # noqa: F401 (autouse)
+    tiny_config,
+)
 
 MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
 
