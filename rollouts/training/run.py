@@ -193,7 +193,7 @@ def build_reference(config: Config, model_dir: Path) -> Any:
     from rollouts.training.loops.rl import ReferencePolicy
 
     a = config.algorithm
-    if a.kl_coef <= 0.0 and not a.schedule:
+    if a.kl_coef <= 0.0 and not a.schedule and a.policy_loss != "pairwise":
         return None
     return ReferencePolicy(create_backend(config, model_path=model_dir, total_steps=1))
 

@@ -12,6 +12,7 @@ evaluation come in as `RLHooks` built by the driver (`rollouts/training/run.py`)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable
@@ -21,9 +22,11 @@ import trio
 
 from rollouts.algorithms.kl import kl_reward_penalties
 from rollouts.algorithms.loss_fn import make_loss_fn
+from rollouts.algorithms.pairwise import groups_of, prepare_pairwise_batch
 from rollouts.algorithms.reference import update_reference
 from rollouts.algorithms.schedule import load_schedule
 from rollouts.config import AlgorithmConfig, Config
+from rollouts.inference.http import EngineError
 from rollouts.training.loops.rl_batch import (
     mini_batches,
     prefixed,
@@ -83,9 +86,12 @@ async def _logprobs_for(
     started = time.monotonic()
     old = await backend.compute_logprobs(batch)
     batch = dataclasses.replace(batch, old_logprobs=tuple(old))
-    if algo.kl_coef > 0.0:
+    if make_loss_fn(algo).needs_ref_logprobs:
         if ref is None:
-            raise ValueError("algorithm.kl_coef > 0 needs a reference model (none was built)")
+            raise ValueError(
+                "algorithm.kl_coef > 0 or policy_loss = 'pairwise' needs a reference model "
+                "(none was built)"
+            )
         batch = dataclasses.replace(batch, ref_logprobs=tuple(await ref.logprobs(batch)))
     return batch, time.monotonic() - started
 
@@ -130,6 +136,8 @@ async def train_step(
     for _ in range(algo.ppo_epochs):
         for indices in mini_batches(groups, algo.mini_batch_size):
             mb = batch if len(indices) == len(batch) else _renormalised(batch, indices)
+            if algo.policy_loss == "pairwise":  # per mini-batch: each divides by its own pairs
+                mb = prepare_pairwise_batch(mb, groups_of(groups, indices), algo)
             fb = await backend.forward_backward(mb, loss_fn, entropy=True)
             opt = await backend.optim_step()
             for key, value in {**fb, **opt}.items():
@@ -236,7 +244,8 @@ async def run_rl_training(
                 is_async,
             )
             with trio.move_on_after(5.0):  # the engines' load after the batch (0 = no leftovers)
-                metrics["engines/load"] = float((await engines.load()).total)
+                with contextlib.suppress(EngineError):
+                    metrics["engines/load"] = float((await engines.load()).total)
             metrics_logger.log(step, metrics)
             state["metrics"] = metrics
             if hooks.should_stop():
