@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollouts.config import Config
 from rollouts.training.backends.batching import padding_fraction, plan_micro_batches
 from rollouts.training.backends.factories import create_pytorch_backend, warmup_cosine_factor
 from rollouts.training.backends.protocol import NonFiniteError, TrainingBackend
@@ -132,3 +133,29 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tiny_model_dir: Path) -> 
     with pytest.raises(NonFiniteError, match="max_consecutive_nonfinite = 2"):
         backend.optim_step().result()
     backend.close()
+
+
+def _gradients(config: Config) -> dict[str, torch.Tensor]:
+    backend = create_pytorch_backend(config)
+    backend.forward_backward(make_batch(LENGTHS, seed=2), nll_loss).result()
+    grads = {n: p.grad.clone() for n, p in backend.lm.named_parameters()}
+    backend.close()
+    return grads
+
+
+def test_layouts_chunking_and_activation_checkpointing_give_the_same_gradient(
+    tiny_model_dir: Path,
+) -> None:
+    base = tiny_config(tiny_model_dir, micro_batch_tokens=1000)
+    expected = _gradients(base)
+    variants = [
+        tiny_config(tiny_model_dir, micro_batch_tokens=13, micro_batch_layout="pack"),
+        tiny_config(tiny_model_dir, micro_batch_tokens=20, logprob_chunk_size=3),
+        dataclasses.replace(
+            base, model=dataclasses.replace(base.model, gradient_checkpointing=True)
+        ),
+    ]
+    for config in variants:
+        got = _gradients(config)
+        for key, value in expected.items():
+            torch.testing.assert_close(got[key], value, atol=1e-6, rtol=1e-4)
