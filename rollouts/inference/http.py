@@ -45,7 +45,7 @@ class HttpOptions:
     def __post_init__(self) -> None:
         assert self.timeout_s > 0, f"{self.timeout_s=}"
         assert self.max_retries >= 0, f"{self.max_retries=}"
-        assert 1 <= self.max_connections <= 64, f"{self.max_connections=}"
+        assert 1 <= self.max_connections <= 256, f"{self.max_connections=}"
 
 
 def backoff_delays(options: HttpOptions) -> list[float]:

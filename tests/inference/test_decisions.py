@@ -197,3 +197,28 @@ async def test_http_retries_connection_errors_bounded_and_never_4xx() -> None:
         await client.call("POST", "/generate", json_body={})
     assert info.value.status == 400 and calls.count("bad") == 1
     await client.aclose()
+
+
+def test_core_queue_is_bounded() -> None:
+    from rollouts.inference.server.core import CoreOptions, EngineCore, Sequence
+
+    core = EngineCore(None, None, CoreOptions(max_queue=2), "v0")
+
+    def seq(i: int) -> Sequence:
+        return Sequence(rid=str(i), prompt_ids=[1], spec=SamplingSpec(), max_new=1, notify=print)
+
+    assert core.submit([seq(0), seq(1)])
+    assert not core.submit([seq(2)])
+    assert core.load() == (0, 2)
+
+
+def test_factory_picks_the_client_by_kind() -> None:
+    from rollouts.config import EnginesConfig
+    from rollouts.inference.factory import make_pool
+    from rollouts.inference.sglang import SGLangEngine
+    from rollouts.inference.vllm import VLLMEngine
+
+    pool = make_pool(EnginesConfig(kind="vllm", urls=["http://a:1"]), ["http://a:1"])
+    assert isinstance(pool.engines[0], VLLMEngine)
+    pool = make_pool(EnginesConfig(), ["http://b:2", "http://c:3"])
+    assert all(isinstance(e, SGLangEngine) for e in pool.engines) and len(pool.engines) == 2
