@@ -4,6 +4,10 @@
 tool calls, runs them against a cost budget and answers with their outputs (role "tool"); a
 message with no tool call is the final answer and ends the episode. Going over the budget ends
 the episode too, so a tool loop is always bounded.
+
+Per-step signals for `rollouts.rewards.trajectory`: `info["invalid_action"]` is true when a
+step held an invalid call (unknown tool, bad arguments, a raising tool, over budget); with an
+`expected` answer, the final step reports `info["success"]` (the answer matches it).
 """
 
 from __future__ import annotations
@@ -43,12 +47,19 @@ class SingleTurnEnvironment:
 class ToolEnvironment:
     """Tool calls with per-call costs against a budget; a turn with no call is the answer."""
 
-    def __init__(self, tools: Mapping[str, Tool], budget: float, first_observation: str = ""):
+    def __init__(
+        self,
+        tools: Mapping[str, Tool],
+        budget: float,
+        first_observation: str = "",
+        expected: str | None = None,
+    ):
         assert budget >= 0.0, f"{budget=} must be >= 0"
         assert tools, "a tool environment needs at least one tool"
         self.tools = dict(tools)
         self.budget = budget
         self.first_observation = first_observation
+        self.expected = expected
         self.spent = 0.0
         self.num_calls = 0
         self.num_invalid_calls = 0
@@ -66,14 +77,17 @@ class ToolEnvironment:
             "tool_calls": self.num_calls,
             "invalid_tool_calls": self.num_invalid_calls,
             "over_budget": self.over_budget,
+            "invalid_action": False,
             **extra,
         }
 
     def step(self, action: str) -> tuple[str, bool, Mapping[str, Any]]:
         calls = parse_tool_calls(action, self.tools)
         if not calls:
-            return "", True, self._info(role="user", final_answer=extract_answer(action))
-        outputs = []
+            answer = extract_answer(action)
+            success = {} if self.expected is None else {"success": answer == self.expected}
+            return "", True, self._info(role="user", final_answer=answer, **success)
+        outputs, invalid_before = [], self.num_invalid_calls
         for call in calls:
             result = run_tool_call(call, self.tools, self.budget - self.spent)
             self.spent += result.cost
@@ -83,7 +97,8 @@ class ToolEnvironment:
             outputs.append(result.output)
             if result.over_budget:
                 break
-        return "\n".join(outputs), self.over_budget, self._info()
+        invalid = self.num_invalid_calls > invalid_before  # over budget counts as invalid
+        return "\n".join(outputs), self.over_budget, self._info(invalid_action=invalid)
 
 
 _OPS = {
@@ -135,4 +150,5 @@ def self_verify_env(sample: Sample, cost: float = 1.0, budget: float = 2.0) -> T
     def verify(answer: str = "", **_: Any) -> str:
         return "correct" if str(answer).strip() == expected else "incorrect"
 
-    return ToolEnvironment({"verify": Tool(name="verify", fn=verify, cost=cost)}, budget)
+    tools = {"verify": Tool(name="verify", fn=verify, cost=cost)}
+    return ToolEnvironment(tools, budget, expected=expected)

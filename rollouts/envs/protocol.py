@@ -14,6 +14,10 @@ from rollouts.types import Sample
 
 # info keys an environment may set that the agent loop understands
 ROLE_KEY = "role"  # role of the observation message ("user" by default, "tool" for tool output)
+# per-step signals an environment may report; rollouts.rewards.trajectory turns them into rewards
+STEP_REWARD_KEY = "step_reward"  # float: reward earned by this step's action
+SUCCESS_KEY = "success"  # bool: the episode's goal is reached
+INVALID_ACTION_KEY = "invalid_action"  # bool: this step's action was invalid
 
 
 @runtime_checkable

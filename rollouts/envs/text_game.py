@@ -4,6 +4,11 @@ The world is fixed (four rooms in a square); the item and quest room come from t
 index (or a `{"item": ..., "room": ...}` label), so an episode is reproducible. Actions are lines
 like `move north`, `pick up lamp`, `complete quest`, `look`; anything else is an invalid action,
 counted in `info["invalid_actions"]` (and answered, so the model can recover).
+
+Every step also reports the per-step signals that `rollouts.rewards.trajectory` reads:
+`info["step_reward"]` (`pickup_reward` for picking up the quest item, `complete_reward` for
+completing the quest, else 0), `info["success"]` (the quest is complete) and
+`info["invalid_action"]` (this step's action was invalid).
 """
 
 from __future__ import annotations
@@ -35,9 +40,18 @@ def quest_of(sample: Sample | None) -> tuple[str, str, str]:
 class TextGameEnvironment:
     """Reach the item, pick it up, carry it to the quest room and complete the quest."""
 
-    def __init__(self, sample: Sample | None = None, max_invalid: int = 3) -> None:
+    def __init__(
+        self,
+        sample: Sample | None = None,
+        max_invalid: int = 3,
+        pickup_reward: float = 0.5,
+        complete_reward: float = 1.0,
+    ) -> None:
+        assert max_invalid >= 1, f"{max_invalid=} must be >= 1"
         self.item, self.item_room, self.quest_room = quest_of(sample)
         self.max_invalid = max_invalid
+        self.pickup_reward = pickup_reward
+        self.complete_reward = complete_reward
         self.room = "hall"
         self.inventory: set[str] = set()
         self.invalid_actions = 0
@@ -56,9 +70,12 @@ class TextGameEnvironment:
         quest = f"Quest: bring the {self.item} to the {self.quest_room} and complete the quest."
         return f"{quest} {self._describe()}"
 
-    def _info(self, valid: bool) -> dict[str, Any]:
+    def _info(self, valid: bool, step_reward: float = 0.0) -> dict[str, Any]:
         return {
             "valid": valid,
+            "invalid_action": not valid,
+            "step_reward": step_reward,
+            "success": self.completed,
             "invalid_actions": self.invalid_actions,
             "room": self.room,
             "completed": self.completed,
@@ -82,12 +99,13 @@ class TextGameEnvironment:
             if words[2] != self.item or self.room != self.item_room or self.inventory:
                 return self._invalid(f"there is no {words[2]} here")
             self.inventory.add(self.item)
-            return f"You pick up the {self.item}.", False, self._info(valid=True)
+            reward = self.pickup_reward
+            return f"You pick up the {self.item}.", False, self._info(True, reward)
         if words == ["complete", "quest"]:
             if self.item not in self.inventory or self.room != self.quest_room:
                 return self._invalid("the quest is not done yet")
             self.completed = True
-            return "Quest complete!", True, self._info(valid=True)
+            return "Quest complete!", True, self._info(True, self.complete_reward)
         if words == ["look"]:
             return self._describe(), False, self._info(valid=True)
         return self._invalid("say 'move <exit>', 'pick up <item>', 'complete quest' or 'look'")
