@@ -10,6 +10,12 @@ from rollouts.envs.builtin import (
     calculator_env,
     self_verify_env,
 )
+from rollouts.envs.conversation import (
+    ConversationEnvironment,
+    ModelUser,
+    UserReply,
+    conversation_env,
+)
 from rollouts.envs.protocol import EnvFactory, Environment
 from rollouts.envs.text_game import TextGameEnvironment
 from rollouts.envs.tools import Tool, ToolCall, parse_tool_calls
@@ -44,15 +50,19 @@ def resolve_env_factory(name_or_path: str | Callable[..., Environment]) -> EnvFa
 
 
 __all__ = [
+    "ConversationEnvironment",
     "EnvFactory",
     "Environment",
+    "ModelUser",
     "SingleTurnEnvironment",
     "TextGameEnvironment",
     "Tool",
     "ToolCall",
     "ToolEnvironment",
+    "UserReply",
     "builtin_env_names",
     "calculator_env",
+    "conversation_env",
     "parse_tool_calls",
     "resolve_env_factory",
     "self_verify_env",

@@ -27,6 +27,8 @@ class Environment(Protocol):
     `reset()` returns the first observation ("" = none: the prompt alone starts the episode).
     `step(action)` returns `(observation, done, info)`; `observation` is appended to the
     conversation (role `info.get("role", "user")`) unless `done` and it is empty.
+    `step` may instead return an awaitable of that tuple (an environment that awaits I/O, e.g. a
+    model-played user); the agent loop awaits it.
     """
 
     def reset(self) -> str: ...

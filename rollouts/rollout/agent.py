@@ -10,6 +10,7 @@ multi-turn sample restarts from its prompt when resumed (its message state is no
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -107,6 +108,14 @@ def _observe(traj: _Trajectory, observation: str, info: Mapping[str, Any], turn:
     return False
 
 
+async def step_env(env: Environment, action: str) -> tuple[str, bool, Mapping[str, Any]]:
+    """`env.step(action)`, awaited when the environment returns an awaitable (async users)."""
+    result = env.step(action)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
+
+
 async def generate_multi_turn(sample: Sample, ctx: GenerateContext) -> Sample:
     """The agent loop as a generate function (see the module docstring)."""
     if sample.status in DONE_STATUSES:
@@ -128,7 +137,7 @@ async def generate_multi_turn(sample: Sample, ctx: GenerateContext) -> Sample:
         if final is not None:
             status, stop = final, final.value
             break
-        observation, done, info = env.step(content)
+        observation, done, info = await step_env(env, content)
         traj.infos.append(dict(info))
         if done:
             stop = "env_done"
