@@ -9,7 +9,9 @@ user is one of:
 
 `history` is the conversation so far as chat messages (the sample's prompt first). A user may
 return a `UserReply` to add per-step signals (`step_reward`, `success`, ...) to the step's info.
-The number of user turns is bounded by `max_user_turns`.
+The number of user turns is bounded by `max_user_turns`. The agent loop steps the environment
+after every assistant turn, the last one too: with `max_user_turns = rollout.max_turns - 1` the
+dialogue ends there, and no user reply is generated that nobody would read.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Layout: `protocol` (GenerateFn, GenerateContext, GroupFilter), `generate` (defau
 generate fn and partial-resume helpers), `agent` (multi-turn token-in-token-out loop),
 `trajectory` (incremental rendering, trajectory_to_sample), `filters`, `planning` (pure
 over-sampling and staleness decisions), `batch` (pure batch building, sync iterator),
-`manager` (the trio wiring).
+`manager` (the trio wiring), `parallel` (keep N trajectories in flight).
 """
 
 from rollouts.rollout.agent import generate_multi_turn
@@ -27,6 +27,7 @@ from rollouts.rollout.filters import (
 )
 from rollouts.rollout.generate import generate_single_turn, sampling_params_from_config
 from rollouts.rollout.manager import AsyncRolloutManager, ShortBatchWarning
+from rollouts.rollout.parallel import ParallelRunStats, maintain_parallel_count
 from rollouts.rollout.planning import is_fresh_enough, sample_staleness, split_stale_groups
 from rollouts.rollout.protocol import FilterResult, GenerateContext, GenerateFn, GroupFilter
 from rollouts.rollout.trajectory import trajectory_to_sample
@@ -37,6 +38,7 @@ __all__ = [
     "GenerateContext",
     "GenerateFn",
     "GroupFilter",
+    "ParallelRunStats",
     "ShortBatchError",
     "ShortBatchWarning",
     "apply_sample_transforms",
@@ -53,6 +55,7 @@ __all__ = [
     "generate_rollout_batches",
     "generate_single_turn",
     "is_fresh_enough",
+    "maintain_parallel_count",
     "resolve_filters",
     "sample_staleness",
     "sampling_params_from_config",

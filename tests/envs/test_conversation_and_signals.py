@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,13 +12,14 @@ from rollouts.data.sft import encode
 from rollouts.envs import (
     ConversationEnvironment,
     Environment,
+    ModelUser,
     UserReply,
     calculator_env,
     conversation_env,
     self_verify_env,
 )
 from rollouts.envs.conversation import user_view
-from rollouts.inference.protocol import SamplingParams
+from rollouts.inference.protocol import FinishReason, SamplingParams
 from rollouts.rollout.agent import generate_multi_turn
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.types import Sample
@@ -134,3 +136,24 @@ async def test_async_user_through_the_agent_loop(tok) -> None:
     untrained = tok.decode([t for t, m in zip(out.tokens, out.loss_mask, strict=True) if not m])
     assert trained == "".join(f"answer {k}{tok.eos_token}" for k in range(3))
     assert "more 1" in untrained and "more 2" in untrained
+
+
+class AbortingEngine(ScriptedEngine):
+    """Every request comes back aborted (as a paused or surplus-aborting server answers)."""
+
+    async def generate(self, input_ids, sampling, rid=None):
+        out = await super().generate(input_ids, sampling, rid)
+        return dataclasses.replace(out, finish_reason=FinishReason.ABORT)
+
+
+async def test_model_user_end_marker_and_abort(tok) -> None:
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    replies = [encode(tok, " thanks "), encode(tok, "bye [END]")]
+    user = ModelUser(engine=ScriptedEngine(replies, tok.eos_token_id), tokenizer=tok, persona="P")
+    assert await user(history) == "thanks"
+    assert await user(history) is None
+    sent = tok.decode(list(user.engine.requests[0][0]))
+    assert sent.startswith("<|im_start|>system\nP<|im_end|>\n<|im_start|>assistant\nhi")
+    aborting = ModelUser(engine=AbortingEngine([[5]], tok.eos_token_id), tokenizer=tok)
+    with pytest.raises(RuntimeError, match="ended with abort"):
+        await aborting(history)
