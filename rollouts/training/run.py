@@ -13,6 +13,8 @@ DataBuffer (order, epoch, partial groups), RNG, optimizer, schedule, step and we
 from __future__ import annotations
 
 import functools
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,11 @@ from rollouts.training.run_setup import (
     watch_signals,
     with_response_text,
 )
-from rollouts.training.weight_sync import sync_weights_to_engines
+from rollouts.training.weight_sync import (
+    default_sync_root,
+    publish_weights,
+    sync_weights_to_engines,
+)
 
 
 def checkpoint_root(config: Config, run_dir: Path, phase: str) -> Path:
@@ -218,16 +224,24 @@ async def _rl_with_engines(
         buffer, config.rollout, pool, tokenizer=tokenizer, reward_fn=reward_fn
     )
     evaluate_fn = _eval_hook(config, pool, tokenizer, reward_fn, manager)
-    weights_dir = run_dir / "weights"
+    # weights-only copies for the engines (in /dev/shm when there is one); one root per run
+    sync_root = default_sync_root(
+        config.training.weight_sync_dir, f"{config.run.name}-{os.getpid()}"
+    )
 
     async def checkpoint(step: int, version: str, buffer_state: dict[str, Any]) -> None:
         extra = {"phase": "rl", "data_buffer": buffer_state}
         await _save(backend, root, step, version, extra, config.checkpoint.keep_last)
 
     async def sync(version: str) -> dict[str, float]:
-        path = weights_dir / f"v{int(version):06d}"
-        await backend.save_weights(path)
-        report = await sync_weights_to_engines(pool.engines, str(path), version)
+        path = await trio.to_thread.run_sync(publish_weights, backend, sync_root, version)
+        report = await sync_weights_to_engines(
+            pool.engines,
+            path,
+            version,
+            attempts=config.training.weight_sync_attempts,
+            pause_mode="keep" if config.rollout.mode == "async" else "abort",
+        )
         return report.metrics()
 
     def log_samples(step: int, batch: Any) -> None:
@@ -246,20 +260,24 @@ async def _rl_with_engines(
         before = await evaluate_fn()
         logger.log(0, before)
         print(f"[train] held-out accuracy before RL: {before['eval/accuracy']:.3f}", flush=True)
-    result = await run_rl_training(
-        backend,
-        buffer,
-        manager,
-        pool,
-        config,
-        logger,
-        hooks=hooks,
-        reward_fn=reward_fn,
-        ref=ref,
-        start_step=start,
-        start_version=version,
-    )
-    logger.close()
+    try:
+        result = await run_rl_training(
+            backend,
+            buffer,
+            manager,
+            pool,
+            config,
+            logger,
+            hooks=hooks,
+            reward_fn=reward_fn,
+            ref=ref,
+            start_step=start,
+            start_version=version,
+        )
+    finally:
+        logger.close()
+        if not config.training.weight_sync_dir:
+            shutil.rmtree(sync_root, ignore_errors=True)
     acc = result.last_metrics.get("eval/accuracy")
     if acc is not None:
         print(f"[train] held-out accuracy after RL: {acc:.3f} (step {result.steps})", flush=True)
