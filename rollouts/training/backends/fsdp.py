@@ -211,9 +211,14 @@ class FSDPBackend:
         """Wait for every rank."""
         dist.barrier()
 
+    def release(self) -> None:
+        """Finish queued work and stop the worker thread; stay in the process group (so another
+        backend, e.g. RL after SFT or a reference model, can be built in the same run)."""
+        self._executor.shutdown(wait=True)
+
     def close(self) -> None:
         """Finish queued work, then leave the process group (after a barrier)."""
-        self._executor.shutdown(wait=True)
+        self.release()
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
