@@ -286,6 +286,7 @@ class AlgorithmConfig(_Section):
     kl_ignore_ref_above: float = 1.0  # < 1: no KL on tokens the reference gives p > this
     value_coef: float = 0.5  # weight of the critic's loss (advantage = "gae")
     value_clip: float = 0.2  # clip range of the critic's prediction around old values
+    value_lr: float = 0.0  # learning rate of the critic's value head; 0 = optim.lr
     ref_update_fn: str = ""  # dotted path, for ref_update = "user"
     reward_transform: str = "absolute"  # "absolute" | "relative" (rank) | "pareto" (vector)
     reward_scope: str = "group"  # where relative / pareto compare: "group" | "batch"
@@ -319,6 +320,7 @@ class AlgorithmConfig(_Section):
         _check(p, 0.0 < self.kl_ignore_ref_above <= 1.0, "algorithm.kl_ignore_ref_above: (0, 1]")
         _check(p, self.value_coef >= 0.0, "algorithm.value_coef: must be >= 0")
         _check(p, self.value_clip > 0.0, "algorithm.value_clip: must be > 0")
+        _check(p, self.value_lr >= 0.0, "algorithm.value_lr: must be >= 0 (0 = optim.lr)")
         _one_of(
             p,
             "algorithm.reward_transform",
@@ -450,11 +452,14 @@ class CheckpointConfig(_Section):
     dir: str = ""  # "" = <run.output_dir>/checkpoints
     every: int = 0  # steps; 0 = only at the end
     keep_last: int = 2
+    best_metric: str = "eval/accuracy"  # the step metric that picks the best checkpoint; "" = off
+    best_mode: str = "max"  # "max" | "min": which direction of best_metric is better
 
     def problems(self) -> list[str]:
         p: list[str] = []
         _check(p, self.every >= 0, f"checkpoint.every = {self.every}: must be >= 0")
         _check(p, self.keep_last >= 1, f"checkpoint.keep_last = {self.keep_last}: must be >= 1")
+        _one_of(p, "checkpoint.best_mode", self.best_mode, ("max", "min"))
         return p
 
 

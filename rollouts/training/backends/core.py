@@ -128,13 +128,14 @@ class TrainerCore:
         return local, plan_micro_batches(local_lengths, s.micro_batch_tokens, s.layout)
 
     def _run(
-        self, mb: MicroBatchTensors, want_entropy: bool
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        self, mb: MicroBatchTensors, want_entropy: bool, want_values: bool = False
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         with self._autocast():
-            lp_N, ent_N = self.model(move_to(mb, self.device), want_entropy)
+            lp_N, ent_N, val_N = self.model(move_to(mb, self.device), want_entropy, want_values)
         lps = split_per_sequence(lp_N, mb.split_sizes)
         ents = split_per_sequence(ent_N, mb.split_sizes) if want_entropy else []
-        return lps, ents
+        vals = split_per_sequence(val_N, mb.split_sizes) if want_values else []
+        return lps, ents, vals
 
     def _dummy(self) -> MicroBatchTensors:
         """A 2-token micro-batch for a rank that has run out of real ones (FSDP lock-step)."""
@@ -142,8 +143,14 @@ class TrainerCore:
         plan = plan_micro_batches([2], 2, "pad")[0]
         return build_tensors(plan, ids, self.settings.pad_id)
 
-    def forward_backward(self, batch: TrainBatch, loss_fn: LossFn, want_entropy: bool) -> Metrics:
-        """Sum gradients of `loss_fn` over micro-batches; metrics summed over them and ranks."""
+    def forward_backward(
+        self, batch: TrainBatch, loss_fn: LossFn, want_entropy: bool, want_values: bool = False
+    ) -> Metrics:
+        """Sum gradients of `loss_fn` over micro-batches; metrics summed over them and ranks.
+
+        Values (the critic head) are computed when `want_values` or `loss_fn.needs_values`.
+        """
+        want_values = want_values or bool(getattr(loss_fn, "needs_values", False))
         t0 = time.perf_counter()
         self.model.train()
         local, plans = self._plans(batch)
@@ -154,14 +161,14 @@ class TrainerCore:
         nonfinite = 0.0
         for k in range(num_mb):
             self.collective.set_grad_sync(k == num_mb - 1)
-            if k >= len(plans):
-                lps, _ = self._run(self._dummy(), False)
-                (lps[0].sum() * 0.0).backward()
+            if k >= len(plans):  # the same parameters get (zero) gradients on every rank
+                lps, _, vals = self._run(self._dummy(), False, want_values)
+                (sum(t.sum() for t in lps + vals) * 0.0).backward()
                 continue
             plan = plans[k]
             mb = build_tensors(plan, local.input_ids, self.settings.pad_id)
-            lps, ents = self._run(mb, want_entropy)
-            outputs = ModelOutputs(logprobs=tuple(lps), entropy=tuple(ents))
+            lps, ents, vals = self._run(mb, want_entropy, want_values)
+            outputs = ModelOutputs(logprobs=tuple(lps), entropy=tuple(ents), values=tuple(vals))
             loss, metrics = loss_fn(outputs, local.select(plan.indices))
             assert loss.dim() == 0, f"loss_fn must return a scalar, got {tuple(loss.shape)=}"
             if not torch.isfinite(loss.detach()).item():
@@ -228,9 +235,18 @@ class TrainerCore:
             "optim_steps": float(self.steps_taken),
         }
 
-    @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, gather: Callable[..., Any]) -> tuple[Any, ...]:
         """Logprobs of every sequence (local ones computed here, then gathered across ranks)."""
+        return self._per_token(batch, gather, values=False)
+
+    def compute_values(self, batch: TrainBatch, gather: Callable[..., Any]) -> tuple[Any, ...]:
+        """Critic values of every sequence, aligned like logprobs (`values[t]` = V(tokens < t))."""
+        return self._per_token(batch, gather, values=True)
+
+    @torch.no_grad()
+    def _per_token(
+        self, batch: TrainBatch, gather: Callable[..., Any], *, values: bool
+    ) -> tuple[Any, ...]:
         self.model.eval()
         lengths = [int(x.shape[0]) for x in batch.input_ids]
         local_idx = self.collective.local_indices(lengths)
@@ -239,10 +255,10 @@ class TrainerCore:
         out: dict[int, torch.Tensor] = {}
         for k in range(num_mb):
             if k >= len(plans):
-                self._run(self._dummy(), False)
+                self._run(self._dummy(), False, values)
                 continue
             mb = build_tensors(plans[k], local.input_ids, self.settings.pad_id)
-            lps, _ = self._run(mb, False)
-            for i, lp in zip(plans[k].indices, lps, strict=True):
-                out[local_idx[i]] = lp.float().cpu()
+            lps, _, vals = self._run(mb, False, values)
+            for i, t in zip(plans[k].indices, vals if values else lps, strict=True):
+                out[local_idx[i]] = t.float().cpu()
         return gather(out, lengths)

@@ -2,7 +2,9 @@
 
 `load_hf_model`, `create_adamw_optimizer` and `create_warmup_cosine_scheduler` are plain
 functions over torch objects; `create_pytorch_backend` / `create_fsdp_backend` wire them from
-`[model]`, `[optim]` and `[training]`.
+`[model]`, `[optim]` and `[training]`. With `algorithm.advantage = "gae"` the RL backend also
+gets a critic: a zero-initialised value head on the policy's last hidden state
+(`model.make_value_head`), in the same optimizer (its own lr `algorithm.value_lr`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from rollouts.config import Config, OptimConfig
 from rollouts.training.backends.core import BackendSettings
+from rollouts.training.backends.model import make_value_head
 from rollouts.training.backends.pytorch import PyTorchBackend
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,6 +81,25 @@ def create_adamw_optimizer(
     )
 
 
+def wants_value_head(config: Config, value_head: bool | None) -> bool:
+    """An explicit choice, else a critic exactly when the advantage estimator is GAE."""
+    return config.algorithm.advantage == "gae" if value_head is None else value_head
+
+
+def create_optimizer_with_head(
+    model_params: Iterable[torch.nn.Parameter],
+    head: torch.nn.Module | None,
+    config: Config,
+    lr: float | None = None,
+) -> torch.optim.AdamW:
+    """AdamW over the model (lr or optim.lr) and, as a second group, the value head (value_lr)."""
+    optimizer = create_adamw_optimizer(model_params, config.optim, lr)
+    if head is not None:
+        head_lr = config.algorithm.value_lr or optimizer.param_groups[0]["lr"]
+        optimizer.add_param_group({"params": list(head.parameters()), "lr": head_lr})
+    return optimizer
+
+
 def warmup_cosine_factor(
     step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float, kind: str = "cosine"
 ) -> float:
@@ -133,8 +155,12 @@ def create_pytorch_backend(
     model_path: str | Path | None = None,
     total_steps: int | None = None,
     lr: float | None = None,
+    value_head: bool | None = None,
 ) -> PyTorchBackend:
-    """A one-device backend for `config` (`model_path` overrides model.path)."""
+    """A one-device backend for `config` (`model_path` overrides model.path).
+
+    `value_head`: add the critic head (None = when algorithm.advantage is "gae").
+    """
     path = model_path_of(config, model_path)
     device = resolve_device(config.training.device)
     m = config.model
@@ -146,7 +172,8 @@ def create_pytorch_backend(
         device=device,
     )
     tokenizer = load_tokenizer(m.tokenizer_path or path)
-    optimizer = create_adamw_optimizer(lm.parameters(), config.optim, lr)
+    head = make_value_head(lm) if wants_value_head(config, value_head) else None
+    optimizer = create_optimizer_with_head(lm.parameters(), head, config, lr)
     steps = config.training.rl_steps if total_steps is None else total_steps
     scheduler = create_warmup_cosine_scheduler(optimizer, config.optim, steps)
     pad_id = tokenizer.pad_token_id or 0
@@ -157,6 +184,7 @@ def create_pytorch_backend(
         settings=backend_settings(config, device, pad_id),
         device=device,
         tokenizer=tokenizer,
+        value_head=head,
     )
 
 

@@ -4,7 +4,8 @@ Every rank builds the same model, shards each decoder layer and the wrapper, and
 batch; the backend picks each rank's sequences (balanced by tokens), keeps ranks in lock-step
 (same number of micro-batches), multiplies the loss by the world size (the gradient reduce
 averages) and sums metrics across ranks. gloo on CPU, nccl on GPU. Checkpoints: HF model files
-gathered on rank 0, optimizer as a distributed (DCP) checkpoint.
+gathered on rank 0, optimizer as a distributed (DCP) checkpoint, the critic's value head (if
+any, a child of the root wrapper, outside `lm`) as `value_head.pt` written by rank 0.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ from torch.distributed.fsdp import fully_shard
 from rollouts.config import Config
 from rollouts.training.backends.batching import shard_indices
 from rollouts.training.backends.core import BackendSettings, TrainerCore
-from rollouts.training.backends.model import TokenLogprobModel
+from rollouts.training.backends.model import VALUE_HEAD_FILE, TokenLogprobModel, make_value_head
 from rollouts.training.backends.protocol import Metrics
-from rollouts.training.backends.pytorch import MODEL_DIR, load_hf_weights, save_hf
+from rollouts.training.backends.pytorch import MODEL_DIR, load_hf_weights, load_value_head, save_hf
 from rollouts.types import LossFn, TrainBatch, TrainFuture
 
 T = TypeVar("T")
 PREFIX = "lm."  # the wrapper holds the HF model as `lm`
+HEAD_PREFIX = "value_head."  # ... and the critic head (when there is one) as `value_head`
 
 
 class DistCollective:
@@ -92,9 +94,11 @@ def init_distributed() -> torch.device:
     return torch.device("cpu")
 
 
-def shard_model(lm: torch.nn.Module, chunk_size: int) -> TokenLogprobModel:
-    """fully_shard every decoder layer, then the wrapper (embeddings, norm, head) as the root."""
-    model = TokenLogprobModel(lm, chunk_size)
+def shard_model(
+    lm: torch.nn.Module, chunk_size: int, value_head: torch.nn.Module | None = None
+) -> TokenLogprobModel:
+    """fully_shard every decoder layer, then the wrapper (embeddings, norm, heads) as the root."""
+    model = TokenLogprobModel(lm, chunk_size, value_head)
     layers = getattr(lm.get_decoder(), "layers", None)
     assert layers is not None, f"{type(lm).__name__}: decoder has no `layers` to shard"
     for layer in layers:
@@ -135,10 +139,10 @@ class FSDPBackend:
         return TrainFuture(self._executor.submit(fn, *args))
 
     def forward_backward(
-        self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False
+        self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False, values: bool = False
     ) -> TrainFuture[Metrics]:
         """Every rank passes the whole batch; each trains its share; metrics summed over ranks."""
-        return self._submit(self.core.forward_backward, batch, loss_fn, entropy)
+        return self._submit(self.core.forward_backward, batch, loss_fn, entropy, values)
 
     def optim_step(self) -> TrainFuture[Metrics]:
         """Clip the (global) gradient norm, step AdamW and the schedule, or skip if non-finite."""
@@ -155,10 +159,24 @@ class FSDPBackend:
         """Logprobs of the whole batch on every rank (each computes its share, then gathers)."""
         return self._submit(self.core.compute_logprobs, batch, self.collective.gather)
 
-    def _full_state(self) -> dict[str, torch.Tensor]:
+    def compute_values(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
+        """Critic values of the whole batch on every rank, aligned like the logprobs."""
+        return self._submit(self.core.compute_values, batch, self.collective.gather)
+
+    @property
+    def has_value_head(self) -> bool:
+        return self.model.value_head is not None
+
+    def _full_states(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(HF state dict of `lm`, state dict of the value head), full, on CPU (rank 0)."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         sd = get_model_state_dict(self.model, options=options)
-        return {k.removeprefix(PREFIX): v for k, v in sd.items()}
+        lm = {k.removeprefix(PREFIX): v for k, v in sd.items() if k.startswith(PREFIX)}
+        head = {k.removeprefix(HEAD_PREFIX): v for k, v in sd.items() if k.startswith(HEAD_PREFIX)}
+        return lm, head
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        return self._full_states()[0]
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """The full HF state dict on CPU on rank 0 ({} elsewhere); every rank must call."""
@@ -170,7 +188,13 @@ class FSDPBackend:
 
     def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         full = {PREFIX + k: v for k, v in weights.items()}
-        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
+        options = StateDictOptions(full_state_dict=True, strict=not self.has_value_head)
+        set_model_state_dict(self.model, full, options=options)
+
+    def _load_head(self, head: Mapping[str, torch.Tensor]) -> None:
+        full = {HEAD_PREFIX + k: v for k, v in head.items()}
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(self.model, full, options=options)
 
     def _save_hf(self, path: Path) -> None:
         state = self._full_state()
@@ -188,6 +212,10 @@ class FSDPBackend:
 
     def _save_checkpoint(self, path: Path) -> None:
         self._save_hf(path / MODEL_DIR)
+        if self.has_value_head:
+            head = self._full_states()[1]
+            if self.rank == 0:
+                torch.save(head, path / VALUE_HEAD_FILE)
         optim = get_optimizer_state_dict(self.model, self.core.optimizer)
         dcp.save({"optim": optim}, checkpoint_id=str(path / "optimizer"))
         if self.rank == 0:
@@ -201,6 +229,8 @@ class FSDPBackend:
 
     def _load_checkpoint(self, path: Path) -> None:
         self._load_weights(load_hf_weights(path / MODEL_DIR))
+        if self.has_value_head:
+            self._load_head(load_value_head(path, torch.device("cpu")))
         state = {"optim": get_optimizer_state_dict(self.model, self.core.optimizer)}
         dcp.load(state, checkpoint_id=str(path / "optimizer"))
         set_optimizer_state_dict(self.model, self.core.optimizer, state["optim"])
@@ -230,8 +260,9 @@ def create_fsdp_backend(
     model_path: str | Path | None = None,
     total_steps: int | None = None,
     lr: float | None = None,
+    value_head: bool | None = None,
 ) -> FSDPBackend:
-    """An FSDP2 backend for `config`; call on every torchrun rank."""
+    """An FSDP2 backend for `config`; call on every torchrun rank (value_head: see pytorch)."""
     from rollouts.training.backends import factories as f
 
     device = init_distributed()
@@ -244,9 +275,10 @@ def create_fsdp_backend(
         gradient_checkpointing=m.gradient_checkpointing,
         device=device,
     )
-    model = shard_model(lm, config.training.logprob_chunk_size)
+    head = make_value_head(lm) if f.wants_value_head(config, value_head) else None
+    model = shard_model(lm, config.training.logprob_chunk_size, head)
     tokenizer = f.load_tokenizer(m.tokenizer_path or path)
-    optimizer = f.create_adamw_optimizer(model.parameters(), config.optim, lr)
+    optimizer = f.create_optimizer_with_head(model.lm.parameters(), model.value_head, config, lr)
     steps = config.training.rl_steps if total_steps is None else total_steps
     scheduler = f.create_warmup_cosine_scheduler(optimizer, config.optim, steps)
     return FSDPBackend(

@@ -5,6 +5,11 @@ target token, and applies the LM head in chunks of `chunk_size` tokens (recomput
 pass when there are several chunks), so a large vocabulary never holds [tokens, vocab] logits for
 the whole micro-batch at once. It is also the FSDP2 root module, so one forward call all-gathers
 everything it needs.
+
+With a value head (a critic sharing the policy's trunk, PPO with GAE) the same forward also gives
+per-token values, ALIGNED LIKE THE LOGPROBS: `values[t]` = V(tokens < t), the head applied to the
+hidden state that predicts token t (the state in which token t is chosen); position 0 is 0.
+The head is `value_head` on the wrapper, outside `lm`, so HF exports of `lm` never contain it.
 """
 
 from __future__ import annotations
@@ -54,19 +59,36 @@ def token_stats(
     return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
 
-class TokenLogprobModel(nn.Module):
-    """Wraps an HF causal LM (`lm`) to return flat next-token logprobs (and entropy)."""
+VALUE_HEAD_FILE = "value_head.pt"  # a checkpoint's critic weights (never in the HF `model/`)
 
-    def __init__(self, lm: nn.Module, chunk_size: int) -> None:
+
+def make_value_head(lm: nn.Module) -> nn.Linear:
+    """A Linear(hidden, 1) critic head, zero-initialised (V = 0 until trained), on lm's device."""
+    hidden = int(lm.config.hidden_size)
+    param = next(lm.parameters())
+    head = nn.Linear(hidden, 1, device=param.device, dtype=torch.float32)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    return head
+
+
+class TokenLogprobModel(nn.Module):
+    """Wraps an HF causal LM (`lm`) to return flat next-token logprobs (entropy, values)."""
+
+    def __init__(self, lm: nn.Module, chunk_size: int, value_head: nn.Module | None = None) -> None:
         super().__init__()
         assert chunk_size >= 1, f"{chunk_size=}"
         self.lm = lm
         self.chunk_size = chunk_size
+        self.value_head = value_head
 
     def forward(
-        self, mb: MicroBatchTensors, want_entropy: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat [N] logprobs and entropies of every next-token prediction listed in `mb`."""
+        self, mb: MicroBatchTensors, want_entropy: bool = False, want_values: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Flat [N] logprobs, entropies and values of every next-token prediction in `mb`.
+
+        Entropies are zeros unless `want_entropy`; values are empty unless `want_values`.
+        """
         decoder = self.lm.get_decoder()
         out = decoder(
             input_ids=mb.input_ids_R_L,
@@ -78,7 +100,16 @@ class TokenLogprobModel(nn.Module):
         hidden_N_H = hidden_R_L_H[mb.pred_rows, mb.pred_cols]
         targets_N = mb.input_ids_R_L[mb.pred_rows, mb.pred_cols + 1]
         head = self.lm.get_output_embeddings()
-        return token_stats(head, hidden_N_H, targets_N, self.chunk_size, want_entropy)
+        lp_N, ent_N = token_stats(head, hidden_N_H, targets_N, self.chunk_size, want_entropy)
+        if not want_values:
+            return lp_N, ent_N, lp_N.new_zeros(0)
+        if self.value_head is None:
+            raise ValueError(
+                "values were asked for but the backend has no value head: build it with "
+                "algorithm.advantage = 'gae' (factories add the critic head then)"
+            )
+        values_N = self.value_head(hidden_N_H.float()).squeeze(-1).float()
+        return lp_N, ent_N, values_N
 
 
 def split_per_sequence(flat_N: torch.Tensor, split_sizes: tuple[int, ...]) -> list[torch.Tensor]:

@@ -2,7 +2,8 @@
 
 All model work runs on one worker thread (a single-thread executor), in submission order, and
 comes back as a `TrainFuture`. Checkpoint files: `model/` (HF safetensors + config + tokenizer),
-`optimizer.pt`, `scheduler.pt`, `backend.json`.
+`optimizer.pt`, `scheduler.pt`, `backend.json`, and `value_head.pt` when the model has a critic
+head (PPO with GAE): the head is outside `model/`, so engines always load a plain HF causal LM.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from rollouts.training.backends.core import BackendSettings, LocalCollective, TrainerCore
-from rollouts.training.backends.model import TokenLogprobModel
+from rollouts.training.backends.model import VALUE_HEAD_FILE, TokenLogprobModel
 from rollouts.training.backends.protocol import Metrics
 from rollouts.types import LossFn, TrainBatch, TrainFuture
 
@@ -52,6 +53,18 @@ def load_hf_weights(path: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+def load_value_head(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    """The critic head's weights saved in checkpoint `path` (an error naming the fix if absent)."""
+    file = path / VALUE_HEAD_FILE
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{file}: the backend has a value head (algorithm.advantage = 'gae') but the "
+            "checkpoint has none (it was written without a critic); resume with the algorithm "
+            "it was trained with, or start a new run"
+        )
+    return torch.load(file, map_location=device, weights_only=True)
+
+
 class PyTorchBackend:
     """A model, AdamW and its schedule on one device; see `TrainingBackend`."""
 
@@ -67,11 +80,13 @@ class PyTorchBackend:
         settings: BackendSettings,
         device: torch.device,
         tokenizer: Any = None,
+        value_head: torch.nn.Module | None = None,
     ) -> None:
         self.lm = lm
         self.tokenizer = tokenizer
         self.device = device
-        model = TokenLogprobModel(lm, settings.logprob_chunk_size)
+        self.value_head = value_head  # the critic (its params must be in `optimizer` too)
+        model = TokenLogprobModel(lm, settings.logprob_chunk_size, value_head)
         self.core = TrainerCore(
             model=model,
             optimizer=optimizer,
@@ -86,14 +101,14 @@ class PyTorchBackend:
         return TrainFuture(self._executor.submit(fn, *args))
 
     def forward_backward(
-        self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False
+        self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False, values: bool = False
     ) -> TrainFuture[Metrics]:
         """Accumulate gradients of `loss_fn` over `batch`; see `TrainingBackend`."""
-        return self._submit(self.core.forward_backward, batch, loss_fn, entropy)
+        return self._submit(self.core.forward_backward, batch, loss_fn, entropy, values)
 
     def optim_step(self) -> TrainFuture[Metrics]:
         """Clip to `max_grad_norm`, step AdamW and the schedule (or skip a non-finite step)."""
-        params = [p for p in self.lm.parameters() if p.requires_grad]
+        params = [p for p in self.core.model.parameters() if p.requires_grad]
         max_norm = self.core.settings.max_grad_norm
 
         def clip() -> torch.Tensor:
@@ -104,6 +119,10 @@ class PyTorchBackend:
     def compute_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
         """Per-sequence logprobs under the current weights (no grad)."""
         return self._submit(self.core.compute_logprobs, batch, gather_local)
+
+    def compute_values(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
+        """Per-sequence critic values (no grad, CPU float32), aligned like the logprobs."""
+        return self._submit(self.core.compute_values, batch, gather_local)
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the full HF state dict."""
@@ -137,6 +156,8 @@ class PyTorchBackend:
         torch.save(self.core.optimizer.state_dict(), path / "optimizer.pt")
         torch.save(self.core.scheduler.state_dict(), path / "scheduler.pt")
         (path / "backend.json").write_text(json.dumps(self.core.state_dict()))
+        if self.value_head is not None:
+            torch.save(self.value_head.state_dict(), path / VALUE_HEAD_FILE)
 
     def load_checkpoint(self, path: Path) -> TrainFuture[None]:
         """Restore model, optimizer, scheduler and counters from `path`."""
@@ -144,6 +165,8 @@ class PyTorchBackend:
 
     def _load_checkpoint(self, path: Path) -> None:
         self._load_weights(load_hf_weights(path / MODEL_DIR))
+        if self.value_head is not None:
+            self.value_head.load_state_dict(load_value_head(path, self.device))
         optim = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
         self.core.optimizer.load_state_dict(optim)
         self.core.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))

@@ -28,11 +28,13 @@ from rollouts.algorithms.schedule import load_schedule
 from rollouts.config import AlgorithmConfig, Config
 from rollouts.inference.http import EngineError
 from rollouts.training.loops.rl_batch import (
+    epoch_metrics,
     mini_batches,
     prefixed,
     prepare_groups,
     rollout_metrics,
     train_batch_of,
+    value_input_batch,
 )
 from rollouts.training.metrics import MetricsLogger
 from rollouts.types import RolloutBatch, TrainBatch
@@ -96,19 +98,35 @@ async def _logprobs_for(
     return batch, time.monotonic() - started
 
 
+async def _critic_values(
+    backend: Any, groups: Any, algo: AlgorithmConfig
+) -> tuple[Any, ...] | None:
+    """The critic's values before the update (GAE needs them); None for other estimators."""
+    if algo.advantage != "gae":
+        return None
+    if not hasattr(backend, "compute_values"):
+        raise ValueError(
+            "algorithm.advantage = 'gae' needs a critic: the backend has no compute_values"
+        )
+    return tuple(await backend.compute_values(value_input_batch(groups)))
+
+
 async def _kl_in_reward_batch(
-    groups: Any, algo: AlgorithmConfig, config: Config, backend: Any, ref: ReferencePolicy
+    groups: Any,
+    algo: AlgorithmConfig,
+    config: Config,
+    backend: Any,
+    ref: ReferencePolicy,
+    values: tuple[Any, ...] | None = None,
 ) -> tuple[TrainBatch, dict[str, float]]:
     """KL in the reward: per-token penalties from old vs reference logprobs, then advantages."""
-    plain = train_batch_of(groups, algo, max_new_tokens=config.rollout.sampling.max_new_tokens)
+    max_new = config.rollout.sampling.max_new_tokens
+    plain = train_batch_of(groups, algo, max_new_tokens=max_new, values=values)
     old = await backend.compute_logprobs(plain)
     ref_lp = await ref.logprobs(plain)
     penalties, batch_kl = kl_reward_penalties(old, ref_lp, plain.loss_mask, algo, algo.kl_coef)
     batch = train_batch_of(
-        groups,
-        algo,
-        max_new_tokens=config.rollout.sampling.max_new_tokens,
-        kl_penalties=penalties,
+        groups, algo, max_new_tokens=max_new, kl_penalties=penalties, values=values
     )
     batch = dataclasses.replace(batch, old_logprobs=tuple(old), ref_logprobs=tuple(ref_lp))
     return batch, {"train/reward_kl": batch_kl}
@@ -121,19 +139,25 @@ async def train_step(
     max_new = config.rollout.sampling.max_new_tokens
     times: dict[str, float] = {}
     extra: dict[str, float] = {}
+    started = time.monotonic()
+    values = await _critic_values(backend, groups, algo)
+    if values is not None:
+        times["values"] = time.monotonic() - started
     if algo.kl_in == "reward" and algo.kl_coef > 0.0 and ref is not None:
         started = time.monotonic()
-        batch, extra = await _kl_in_reward_batch(groups, algo, config, backend, ref)
+        batch, extra = await _kl_in_reward_batch(groups, algo, config, backend, ref, values)
         times["logprobs"] = time.monotonic() - started
         algo = dataclasses.replace(algo, kl_coef=0.0)  # the KL is in the reward, not the loss
     else:
-        batch = train_batch_of(groups, algo, max_new_tokens=max_new)
+        batch = train_batch_of(groups, algo, max_new_tokens=max_new, values=values)
         batch, times["logprobs"] = await _logprobs_for(batch, backend, ref, algo)
     loss_fn = make_loss_fn(algo)
     started = time.monotonic()
     summed: dict[str, float] = {}
+    per_epoch: list[dict[str, float]] = []
     n_updates = 0
     for _ in range(algo.ppo_epochs):
+        per_epoch.append({"_n": 0.0})
         for indices in mini_batches(groups, algo.mini_batch_size):
             mb = batch if len(indices) == len(batch) else _renormalised(batch, indices)
             if algo.policy_loss == "pairwise":  # per mini-batch: each divides by its own pairs
@@ -142,10 +166,14 @@ async def train_step(
             opt = await backend.optim_step()
             for key, value in {**fb, **opt}.items():
                 summed[key] = summed.get(key, 0.0) + float(value)
+                per_epoch[-1][key] = per_epoch[-1].get(key, 0.0) + float(value)
+            per_epoch[-1]["_n"] += 1.0
             n_updates += 1
     times["train"] = time.monotonic() - started
     metrics = {k: v / n_updates for k, v in summed.items()}  # mean over optimizer updates
     metrics = prefixed(metrics, "train") | extra
+    if algo.ppo_epochs > 1 or values is not None:
+        metrics |= epoch_metrics(per_epoch)
     metrics["train/updates"] = float(n_updates)
     metrics["train/tokens"] = float(sum(len(t) for t in batch.input_ids))
     return metrics, times

@@ -80,10 +80,12 @@ def train_batch_of(
     *,
     max_new_tokens: int,
     kl_penalties: Sequence[torch.Tensor] | None = None,
+    values: Sequence[torch.Tensor] | None = None,
 ) -> TrainBatch:
     """Shaped rewards -> advantages (optionally with per-token KL penalties) -> TrainBatch.
 
-    Dr.GRPO's constant T_max is the sampling budget `max_new_tokens`.
+    Dr.GRPO's constant T_max is the sampling budget `max_new_tokens`. `values` (flat, one per
+    sample, aligned with its tokens: `values[t]` = V(tokens < t)) are the critic's, for GAE.
     """
     assert groups, "no group to train on"
     shaped = shape_rewards(groups, algo)
@@ -91,8 +93,38 @@ def train_batch_of(
     if kl_penalties is not None:
         token_rewards = outcome_token_rewards(shaped, nest(kl_penalties, shaped))
     return build_train_batch(
-        shaped, algo, token_rewards=token_rewards, max_response_length=max_new_tokens
+        shaped,
+        algo,
+        token_rewards=token_rewards,
+        values=None if values is None else nest(values, shaped),
+        max_response_length=max_new_tokens,
     )
+
+
+def value_input_batch(groups: Sequence[Group]) -> TrainBatch:
+    """The token sequences of `groups` (flat), for the critic's pre-update values (GAE)."""
+    samples = [s for g in groups for s in g]
+    assert samples, "no sample to compute values for"
+    return TrainBatch(
+        input_ids=tuple(torch.tensor(s.tokens, dtype=torch.long) for s in samples),
+        loss_mask=tuple(torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples),
+    )
+
+
+def epoch_metrics(per_epoch: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """`train/clipfrac_epoch{k}`, `train/ratio_abs_dev_epoch{k}` (and value loss) per PPO epoch.
+
+    `per_epoch[k]` holds the epoch's metrics summed over its mini-batches and `_n` their count.
+    Epoch 0 starts at ratio 1 (old logprobs are the pre-update weights); later epochs show how far
+    the updates moved the policy.
+    """
+    out: dict[str, float] = {}
+    for k, sums in enumerate(per_epoch):
+        n = max(sums.get("_n", 0.0), 1.0)
+        for key in ("clipfrac", "ratio_abs_dev", "value_loss"):
+            if key in sums:
+                out[f"train/{key}_epoch{k}"] = sums[key] / n
+    return out
 
 
 def mini_batches(groups: Sequence[Group], mini_batch_size: int) -> list[list[int]]:
