@@ -71,7 +71,12 @@ async def _save(backend: Any, root: Path, step: int, version: str, extra: dict, 
 
 
 async def sft_phase(
-    config: Config, run_dir: Path, base: Path, resume: bool, stop: StopFlag
+    config: Config,
+    run_dir: Path,
+    base: Path,
+    resume: bool,
+    stop: StopFlag,
+    make_backend: Any = create_backend,
 ) -> Path:
     """Run (or resume, or skip when already finished) SFT; return the final model directory."""
     root = checkpoint_root(config, run_dir, "sft")
@@ -82,7 +87,7 @@ async def sft_phase(
     train, held = split_eval(examples, config.data.sft_eval_fraction, config.run.seed)
     total = total_sft_steps(config, len(train))
     latest = find_latest_checkpoint(root) if resume else None
-    backend = create_backend(
+    backend = make_backend(
         config, model_path=base, total_steps=total, lr=config.training.sft_lr or None
     )
     try:
@@ -149,6 +154,7 @@ async def rl_phase(
     resume: bool,
     stop: StopFlag,
     reward_fn: Any = None,
+    make_backend: Any = create_backend,
 ) -> dict[str, float]:
     """RL from `model_dir` (or from the latest RL checkpoint); returns the last step's metrics."""
     root = checkpoint_root(config, run_dir, "rl")
@@ -164,7 +170,7 @@ async def rl_phase(
         raise ValueError("rollout.reward_fn is empty: name a reward function by dotted path")
     reward = load_function(reward_fn or config.rollout.reward_fn, RewardFn)
     reward_fn = with_response_text(reward, tokenizer)
-    backend = create_backend(config, model_path=model_dir, total_steps=config.training.rl_steps)
+    backend = make_backend(config, model_path=model_dir, total_steps=config.training.rl_steps)
     ref = None
     try:
         start, version = 0, 0
@@ -172,7 +178,7 @@ async def rl_phase(
             state = await trio.to_thread.run_sync(load_checkpoint, backend, latest)
             buffer.load_state_dict(state.extra_state["data_buffer"])
             start, version = state.step, int(state.weight_version)
-        ref = build_reference(config, model_dir)
+        ref = build_reference(config, model_dir, make_backend)
         engine_model = latest / MODEL_DIR if latest is not None else model_dir
         async with open_engines(config, engine_model, str(version)) as pool:
             return await _rl_with_engines(
@@ -194,14 +200,14 @@ async def rl_phase(
             ref.backend.close()
 
 
-def build_reference(config: Config, model_dir: Path) -> Any:
+def build_reference(config: Config, model_dir: Path, make_backend: Any = create_backend) -> Any:
     """A reference model when the algorithm (or its schedule) can use KL; else None."""
     from rollouts.training.loops.rl import ReferencePolicy
 
     a = config.algorithm
     if a.kl_coef <= 0.0 and not a.schedule and a.policy_loss != "pairwise":
         return None
-    return ReferencePolicy(create_backend(config, model_path=model_dir, total_steps=1))
+    return ReferencePolicy(make_backend(config, model_path=model_dir, total_steps=1))
 
 
 async def _rl_with_engines(
@@ -284,7 +290,9 @@ async def _rl_with_engines(
     return result.last_metrics
 
 
-async def _main(mode: str, config: Config, resume: bool, config_path: str) -> int:
+async def _main(
+    mode: str, config: Config, resume: bool, config_path: str, make_backend: Any
+) -> int:
     run_dir = prepare_run_dir(config, config_path, resume)
     prepare_data(config)
     model_dir = prepare_base_model(config)
@@ -292,10 +300,10 @@ async def _main(mode: str, config: Config, resume: bool, config_path: str) -> in
     async with trio.open_nursery() as nursery:
         nursery.start_soon(watch_signals, stop, nursery.cancel_scope)
         if mode in ("sft", "sft+rl"):
-            model_dir = await sft_phase(config, run_dir, model_dir, resume, stop)
+            model_dir = await sft_phase(config, run_dir, model_dir, resume, stop, make_backend)
             print(f"[train] SFT model: {model_dir}", flush=True)
         if mode in ("rl", "sft+rl") and not stop():
-            await rl_phase(config, run_dir, model_dir, resume, stop)
+            await rl_phase(config, run_dir, model_dir, resume, stop, make_backend=make_backend)
         nursery.cancel_scope.cancel()
     if stop():
         print(f"[train] stopped by signal; resume with --resume (run dir {run_dir})", flush=True)
@@ -305,5 +313,22 @@ async def _main(mode: str, config: Config, resume: bool, config_path: str) -> in
 
 
 def run_training(mode: str, config: Config, *, resume: bool = False, config_path: str = "") -> int:
-    """Run `mode` ("sft", "rl" or "sft+rl") for `config`; the process exit code."""
-    return trio.run(_main, mode, config, resume, config_path)
+    """Run `mode` ("sft", "rl" or "sft+rl") for `config`; the process exit code.
+
+    Under torchrun with several ranks (the FSDP backend), rank 0 runs the driver and the other
+    ranks mirror its backend calls (`backends/mirror.py`).
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return trio.run(_main, mode, config, resume, config_path, create_backend)
+    from rollouts.training.backends.mirror import BackendHub
+
+    if config.training.backend != "fsdp":
+        raise ValueError("several torchrun ranks need training.backend = 'fsdp'")
+    hub = BackendHub()
+    if hub.rank != 0:
+        hub.follow()
+        return 0
+    try:
+        return trio.run(_main, mode, config, resume, config_path, hub.create)
+    finally:
+        hub.shutdown()

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from rollouts.data.buffer import DataBuffer
 from rollouts.data.loaders import load_prompts
 
@@ -163,3 +165,19 @@ def test_rl_only_from_a_model_directory(tmp_path: Path) -> None:
     done = _train("--mode", "rl", "--config", str(config))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert _steps(tmp_path / "run" / "metrics.jsonl") == [0, 1, 2]
+
+
+def test_nproc_2_relaunches_under_torchrun_and_matches_one_process(tmp_path: Path) -> None:
+    """--nproc 2: rank 0 drives, rank 1 mirrors its FSDP calls; SFT losses match one process."""
+    losses = {}
+    for nproc in (1, 2):
+        work = tmp_path / f"n{nproc}"
+        work.mkdir()
+        config = _config(work, training={"sft_steps": 3, "rl_steps": 1})
+        done = _train("--mode", "sft+rl", "--config", str(config), "--nproc", str(nproc))
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        rows = (work / "run" / "sft_metrics.jsonl").read_text().splitlines()
+        losses[nproc] = [json.loads(line)["sft/loss"] for line in rows]
+        assert _steps(work / "run" / "metrics.jsonl") == [0, 1]
+    assert "re-launching under torchrun" in done.stdout
+    assert losses[2] == pytest.approx(losses[1], rel=1e-4)
