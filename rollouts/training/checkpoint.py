@@ -9,17 +9,24 @@ Layout of one checkpoint (the backend writes the model part):
       manifest.json     written last: step, weight version, every file with its size
 Everything is written into `.tmp-step_NNNNNN/` and renamed, so a crash never leaves a directory
 named `step_*` that is incomplete; `find_latest_checkpoint` also checks the manifest's files.
+
+The best checkpoint: when a save is given the step's metrics and a `BestSpec`
+(`checkpoint.best_metric`, `checkpoint.best_mode`), `best.json` in the checkpoints root names the
+checkpoint with the best value seen so far (step, directory, metric, value); that directory is
+exempt from the keep-last-K rotation, so the root holds the last K plus the best.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import random
 import re
 import shutil
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +38,7 @@ from rollouts.training.backends.protocol import TrainingBackend
 MANIFEST = "manifest.json"
 EXTRA_STATE = "extra_state.json"
 FORMAT = 1
+BEST_FILE = "best.json"
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
@@ -42,6 +50,62 @@ class CheckpointState:
     step: int
     weight_version: str
     extra_state: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class BestSpec:
+    """Which step metric picks the best checkpoint, and whether higher ("max") is better."""
+
+    metric: str = "eval/accuracy"
+    mode: str = "max"
+
+    def __post_init__(self) -> None:
+        assert self.metric, "BestSpec.metric is empty (no best tracking: pass best=None)"
+        assert self.mode in ("max", "min"), f"{self.mode=} not in ('max', 'min')"
+
+
+def is_better(value: float, best: float | None, mode: str) -> bool:
+    """`value` beats the recorded `best` (None: nothing recorded yet); ties keep the older one."""
+    assert mode in ("max", "min"), f"{mode=}"
+    if not math.isfinite(value):
+        return False
+    if best is None:
+        return True
+    return value > best if mode == "max" else value < best
+
+
+def read_best(root: str | Path) -> dict[str, Any] | None:
+    """The `best.json` record of `root` ({step, name, metric, value, mode}), or None when there
+    is none or the checkpoint it names is gone or incomplete."""
+    root = Path(root)
+    try:
+        record = json.loads((root / BEST_FILE).read_text())
+        name = str(record["name"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return record if is_complete(root / name) else None
+
+
+def find_best_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint `best.json` names (complete), or None."""
+    record = read_best(root)
+    return None if record is None else Path(root) / str(record["name"])
+
+
+def _best_update(
+    root: Path, step: int, metrics: Mapping[str, Any] | None, best: BestSpec | None
+) -> dict[str, Any] | None:
+    """The new `best.json` record if step `step`'s metrics beat the recorded best, else None."""
+    if best is None or not metrics or best.metric not in metrics:
+        return None
+    value = float(metrics[best.metric])
+    current = read_best(root)
+    same_spec = current is not None and current.get("metric") == best.metric
+    recorded = float(current["value"]) if same_spec and current is not None else None
+    if not is_better(value, recorded, best.mode):
+        return None
+    name = checkpoint_name(step)
+    return {"step": step, "name": name, "metric": best.metric, "value": value, "mode": best.mode}
 
 
 def checkpoint_name(step: int) -> str:
@@ -115,8 +179,15 @@ def find_latest_checkpoint(root: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def _publish(tmp: Path, final: Path, keep_last: int) -> None:
-    """Rename `tmp` to `final` (replacing an older one of the same step) and prune (rank 0)."""
+def _write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".tmp-{path.name}")
+    _write_json(tmp, data)
+    tmp.rename(path)
+
+
+def _publish(tmp: Path, final: Path, keep_last: int, new_best: dict[str, Any] | None) -> None:
+    """Rename `tmp` to `final` (replacing an older one of the same step), record a new best, and
+    prune all but the last `keep_last` and the best (rank 0)."""
     if final.exists():
         old = final.with_name(f".old-{final.name}-{time.time_ns()}")
         final.rename(old)
@@ -124,8 +195,12 @@ def _publish(tmp: Path, final: Path, keep_last: int) -> None:
         shutil.rmtree(old)
     else:
         tmp.rename(final)
+    if new_best is not None:
+        _write_json_atomic(final.parent / BEST_FILE, new_best)
+    best = find_best_checkpoint(final.parent)
     for stale in list_checkpoints(final.parent)[:-keep_last]:
-        shutil.rmtree(stale)
+        if stale != best:
+            shutil.rmtree(stale)
 
 
 def save_checkpoint(
@@ -136,8 +211,15 @@ def save_checkpoint(
     weight_version: str,
     extra_state: dict[str, Any] | None = None,
     keep_last: int = 2,
+    metrics: Mapping[str, Any] | None = None,
+    best: BestSpec | None = None,
 ) -> Path:
-    """Write `root/step_NNNNNN` atomically and keep the last `keep_last`; every rank calls it."""
+    """Write `root/step_NNNNNN` atomically and keep the last `keep_last`; every rank calls it.
+
+    With `best` and the step's `metrics`: when `metrics[best.metric]` beats the value in
+    `root/best.json`, this checkpoint becomes the best (recorded there, and kept through the
+    rotation). A step whose metrics lack `best.metric` (no eval that step) is never the best.
+    """
     assert keep_last >= 1, f"{keep_last=}"
     root = Path(root)
     final = root / checkpoint_name(step)
@@ -162,7 +244,7 @@ def save_checkpoint(
             "files": _file_sizes(tmp),
         }
         _write_json(tmp / MANIFEST, manifest)
-        _publish(tmp, final, keep_last)
+        _publish(tmp, final, keep_last, _best_update(root, step, metrics, best))
     backend.barrier()
     return final
 
