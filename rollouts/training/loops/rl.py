@@ -44,7 +44,9 @@ from rollouts.types import RolloutBatch, TrainBatch
 class RLHooks:
     """What the driver plugs into the loop (all async; each returns quickly or is bounded)."""
 
-    checkpoint: Callable[[int, str, dict[str, Any]], Awaitable[None]]  # step, version, buffer
+    # (step, version, buffer_state, *, metrics): metrics = the step's (train + eval), so the
+    # driver can keep the best checkpoint (`checkpoint.best_metric`)
+    checkpoint: Callable[..., Awaitable[None]]
     sync_weights: Callable[[str], Awaitable[dict[str, float]]]  # version -> phase times
     evaluate: Callable[[], Awaitable[dict[str, float]]] | None = None
     should_stop: Callable[[], bool] = lambda: False
@@ -336,7 +338,8 @@ async def _one_step(
     every = config.checkpoint.every
     if (every and step % every == 0) or step == total or stopping:
         t = time.monotonic()
-        await hooks.checkpoint(step, str(state["version"]), batches.state_for_resume(step + 1))
+        resume_state = batches.state_for_resume(step + 1)
+        await hooks.checkpoint(step, str(state["version"]), resume_state, metrics=metrics)
         times["checkpoint"] = time.monotonic() - t
     return metrics | _timing(times, time.monotonic() - started, rollout, state["version"])
 
