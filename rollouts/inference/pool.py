@@ -32,12 +32,26 @@ def pick_engine(in_flight: Sequence[int], up: Sequence[bool], tried: set[int]) -
 class EnginePool:
     """Routes requests over engines; satisfies InferenceEngine itself."""
 
-    def __init__(self, engines: Sequence[InferenceEngine], *, health_interval_s: float = 5.0):
+    def __init__(
+        self,
+        engines: Sequence[InferenceEngine],
+        *,
+        health_interval_s: float = 5.0,
+        down_after_failed_checks: int = 3,
+        wait_for_up_s: float = 60.0,
+    ):
         assert engines, "an EnginePool needs at least one engine"
         assert health_interval_s > 0, f"{health_interval_s=}"
+        assert down_after_failed_checks >= 1, f"{down_after_failed_checks=}"
+        assert wait_for_up_s >= 0, f"{wait_for_up_s=}"
         self.engines = list(engines)
         self.url = ",".join(e.url for e in self.engines)
         self.health_interval_s = health_interval_s
+        # a slow /health answer on a loaded machine is not a dead engine: several in a row are
+        self.down_after_failed_checks = down_after_failed_checks
+        # with every engine down, a request waits (bounded) for a health check to bring one back
+        self.wait_for_up_s = wait_for_up_s
+        self.failed_checks = [0] * len(self.engines)
         self.up = [True] * len(self.engines)
         self.in_flight = [0] * len(self.engines)
         self.version: str | None = None  # set by update_weights_from_disk
@@ -49,9 +63,13 @@ class EnginePool:
     async def generate(
         self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None
     ) -> Completion:
-        """Generate on the least-loaded healthy engine; on EngineUnavailable try the next one."""
+        """Generate on the least-loaded healthy engine; on EngineUnavailable try the next one.
+
+        When no engine is up, wait up to `wait_for_up_s` for a health check to bring one back.
+        """
         tried: set[int] = set()
         errors: list[str] = []
+        await self._wait_for_up()
         while (index := pick_engine(self.in_flight, self.up, tried)) is not None:
             tried.add(index)
             self.in_flight[index] += 1
@@ -63,6 +81,11 @@ class EnginePool:
             finally:
                 self.in_flight[index] -= 1
         raise EngineUnavailable(f"no healthy engine could generate: {errors or 'all are down'}")
+
+    async def _wait_for_up(self) -> None:
+        with trio.move_on_after(self.wait_for_up_s):
+            while not any(self.up):
+                await trio.sleep(min(0.2, self.health_interval_s))
 
     async def _each_up(self, call: Callable[[InferenceEngine], Awaitable[Any]]) -> list[Any]:
         """`call` on every engine that is up, concurrently; an unreachable one is marked down."""
@@ -132,7 +155,11 @@ class EnginePool:
                 healthy = await engine.weight_version() == self.version
             except EngineError:
                 healthy = False
-        self.up[i] = healthy
+        self.failed_checks[i] = 0 if healthy else self.failed_checks[i] + 1
+        if healthy:
+            self.up[i] = True
+        elif self.failed_checks[i] >= self.down_after_failed_checks or not self.up[i]:
+            self.up[i] = False
 
     async def run_health_checks(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Check every `health_interval_s` until cancelled (start it in the owner's nursery)."""

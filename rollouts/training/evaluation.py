@@ -13,10 +13,11 @@ from typing import Any
 
 import trio
 
+from rollouts.inference.http import EngineError
 from rollouts.inference.protocol import InferenceEngine, SamplingParams
 from rollouts.plugins import call_maybe_async
 from rollouts.rollout.agent import generate_multi_turn
-from rollouts.rollout.generate import generate_single_turn
+from rollouts.rollout.generate import fail_sample, generate_single_turn
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.types import PromptItem, Sample, Status
 
@@ -101,7 +102,10 @@ async def evaluate(
 
     async def one(i: int, item: PromptItem) -> None:
         async with limiter:
-            sample = await _rollout(engine, tokenizer, item, spec)
+            try:
+                sample = await _rollout(engine, tokenizer, item, spec)
+            except EngineError as e:  # counted in `failed`; all failing is an error below
+                sample = fail_sample(_pending(item), f"{type(e).__name__}: {e}")
         reward = (
             0.0 if sample.status is Status.FAILED else await call_maybe_async(reward_fn, sample)
         )
@@ -113,11 +117,14 @@ async def evaluate(
                 nursery.start_soon(one, i, item)
     samples = tuple(s for s in results if s is not None)
     assert len(samples) == len(items), f"{len(samples)=} != {len(items)=}"
+    failed = [s for s in samples if s.status is Status.FAILED]
+    if len(failed) == len(samples):
+        raise RuntimeError(f"every eval rollout failed; first: {failed[0].metadata.get('error')}")
     rewards = [float(s.reward) for s in samples]  # type: ignore[arg-type]
     return EvalResult(
         accuracy=sum(r >= correct_at for r in rewards) / len(rewards),
         reward_mean=sum(rewards) / len(rewards),
         response_length_mean=sum(s.response_length for s in samples) / len(samples),
-        failed=sum(s.status is Status.FAILED for s in samples),
+        failed=len(failed),
         samples=samples,
     )
