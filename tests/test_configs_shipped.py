@@ -1,0 +1,30 @@
+"""Every config shipped in configs/ loads and names functions that exist."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rollouts.config import load_config
+from rollouts.plugins import import_object
+from rollouts.rollout.filters import resolve_filters
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
+
+
+def test_there_are_configs() -> None:
+    names = {p.name for p in CONFIGS}
+    assert {"demo-cpu.toml", "demo-tools-cpu.toml", "gpu-sglang.toml", "gpu-vllm.toml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_loads_and_its_plugins_resolve(path: Path) -> None:
+    config = load_config(path)
+    for dotted in (config.rollout.reward_fn, config.data.prepare, config.algorithm.schedule):
+        if dotted:
+            assert callable(import_object(dotted)), dotted
+    assert len(resolve_filters(config.rollout.filters)) == len(config.rollout.filters)
+    if config.engines.kind != "builtin":
+        assert config.engines.urls
+        assert config.training.backend == "fsdp"
