@@ -235,7 +235,9 @@ async def _rl_with_engines(
         config.training.weight_sync_dir, f"{config.run.name}-{os.getpid()}"
     )
 
-    async def checkpoint(step: int, version: str, buffer_state: dict[str, Any]) -> None:
+    async def checkpoint(
+        step: int, version: str, buffer_state: dict[str, Any], metrics: Any = None
+    ) -> None:
         extra = {"phase": "rl", "data_buffer": buffer_state}
         await _save(backend, root, step, version, extra, config.checkpoint.keep_last)
 

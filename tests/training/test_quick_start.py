@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rollouts.training.quick_start import quick_start_training
+from rollouts.types import Sample
+
+
+def reward_len_mod_2(sample: Sample) -> float:
+    return float(sample.response_length % 2)
+
+
+def test_quick_start_runs_rl_steps_with_a_plain_function(tiny_model_dir: Path, tmp_path: Path):
+    prompts = [{"prompt": f"{a}+{a}=", "label": str(2 * a)} for a in range(10, 20)]
+    metrics = quick_start_training(
+        tiny_model_dir,
+        prompts,
+        reward_len_mod_2,
+        num_iterations=2,
+        output_dir=tmp_path / "run",
+        overrides={
+            "rollout": {
+                "batch_size": 2,
+                "n_samples_per_prompt": 2,
+                "sampling": {"max_new_tokens": 6},
+            },
+            "logging": {"console": False},
+        },
+    )
+    assert metrics["policy/version"] == 2.0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert (tmp_path / "run" / "checkpoints" / "rl" / "step_000002" / "model").is_dir()
+
+
+def test_quick_start_rejects_bad_prompts(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"prompts\[1\] must be a string or a dict"):
+        quick_start_training(tiny_model_dir, ["ok", 3], reward_len_mod_2, num_iterations=1)
