@@ -223,6 +223,7 @@ class EnginesConfig(_Section):
     api_key: str = ""
     logprobs_from: str = "raw"  # "raw" logits | "scaled" (temperature-scaled)
     device: str = "cpu"
+    torch_threads: int = 0  # built-in engines' torch threads; 0 = a share of the cores on CPU
     request_timeout_s: float = 300.0
     startup_timeout_s: float = 120.0
     health_interval_s: float = 5.0
@@ -236,6 +237,7 @@ class EnginesConfig(_Section):
         _check(p, self.max_batch >= 1, "engines.max_batch: must be >= 1")
         _check(p, self.max_queue >= 1, "engines.max_queue: must be >= 1")
         _check(p, self.max_retries >= 0, "engines.max_retries: must be >= 0")
+        _check(p, self.torch_threads >= 0, "engines.torch_threads: must be >= 0 (0 = default)")
         _check(
             p,
             self.kind == "builtin" or bool(self.urls),
@@ -412,6 +414,7 @@ class TrainingConfig(_Section):
     backend: str = "pytorch"  # "pytorch" | "fsdp"
     nproc: int = 1
     device: str = "auto"  # "auto" | "cpu" | "cuda"
+    torch_threads: int = 0  # trainer's torch threads; 0 = a share of the cores (CPU + builtin)
     micro_batch_tokens: int = 4096
     rl_steps: int = 10
     sft_steps: int = 0  # 0 = sft_epochs over the data
@@ -431,6 +434,7 @@ class TrainingConfig(_Section):
         _one_of(p, "training.backend", self.backend, ("pytorch", "fsdp"))
         _one_of(p, "training.device", self.device, ("auto", "cpu", "cuda"))
         _check(p, self.nproc >= 1, f"training.nproc = {self.nproc}: must be >= 1")
+        _check(p, self.torch_threads >= 0, "training.torch_threads: must be >= 0 (0 = default)")
         _check(p, self.micro_batch_tokens >= 1, "training.micro_batch_tokens: must be >= 1")
         _check(p, self.rl_steps >= 0, "training.rl_steps: must be >= 0")
         _check(p, self.sft_steps >= 0, "training.sft_steps: must be >= 0")

@@ -53,6 +53,7 @@ class EngineSpec:
     logprobs_from: str = "raw"
     device: str = "cpu"
     weight_version: str = "default"
+    torch_threads: int = 0  # 0 = torch's default
     extra_args: tuple[str, ...] = ()
     startup_timeout_s: float = 120.0
     log_path: str | None = None  # None = a temp file
@@ -97,6 +98,8 @@ def server_command(spec: EngineSpec, port: int) -> list[str]:
     cmd += ["--host", spec.host, "--port", str(port), "--max-batch", str(spec.max_batch)]
     cmd += ["--max-queue", str(spec.max_queue), "--logprobs-from", spec.logprobs_from]
     cmd += ["--device", spec.device, "--weight-version", spec.weight_version]
+    if spec.torch_threads:
+        cmd += ["--torch-threads", str(spec.torch_threads)]
     if spec.api_key:
         cmd += ["--api-key", spec.api_key]
     return cmd + list(spec.extra_args)

@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 import trio
 
 from rollouts.config import Config
@@ -27,10 +28,10 @@ from rollouts.inference.pool import EnginePool
 from rollouts.plugins import load_function
 from rollouts.rewards.protocol import RewardFn
 from rollouts.rollout.manager import AsyncRolloutManager
-from rollouts.training.backends.factories import create_backend, load_tokenizer
+from rollouts.training.backends.factories import create_backend, load_tokenizer, resolve_device
 from rollouts.training.backends.pytorch import MODEL_DIR
 from rollouts.training.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
-from rollouts.training.engines import open_engines
+from rollouts.training.engines import cpu_share, open_engines
 from rollouts.training.evaluation import EvalSpec, evaluate
 from rollouts.training.loops.rl import RLHooks, run_rl_training
 from rollouts.training.loops.sft import run_sft_training, split_eval, tokenize_all, total_sft_steps
@@ -295,6 +296,11 @@ async def _rl_with_engines(
 async def _main(
     mode: str, config: Config, resume: bool, config_path: str, make_backend: Any
 ) -> int:
+    e = config.engines
+    on_cpu = resolve_device(config.training.device).type == "cpu" and e.kind == "builtin"
+    threads = cpu_share(config.training.torch_threads, "cpu" if on_cpu else "gpu", e.num_engines)
+    if threads:
+        torch.set_num_threads(threads)
     run_dir = prepare_run_dir(config, config_path, resume)
     prepare_data(config)
     model_dir = prepare_base_model(config)

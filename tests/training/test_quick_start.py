@@ -39,3 +39,36 @@ def test_quick_start_runs_rl_steps_with_a_plain_function(tiny_model_dir: Path, t
 def test_quick_start_rejects_bad_prompts(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"prompts\[1\] must be a string or a dict"):
         quick_start_training(tiny_model_dir, ["ok", 3], reward_len_mod_2, num_iterations=1)
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for e in error.exceptions for leaf in _leaves(e)]
+    return [error]
+
+
+def always_raises(sample: Sample) -> float:
+    raise ValueError("verifier crashed")
+
+
+def test_a_reward_fn_that_always_raises_stops_the_run(tiny_model_dir: Path, tmp_path: Path):
+    """Every sample FAILED (never a reward of 0): after 3 empty steps the run stops, loudly."""
+    with pytest.raises(BaseException) as info:
+        quick_start_training(
+            tiny_model_dir,
+            ["1+1=", "2+2="],
+            always_raises,
+            num_iterations=5,
+            output_dir=tmp_path / "run",
+            overrides={
+                "rollout": {
+                    "batch_size": 1,
+                    "n_samples_per_prompt": 2,
+                    "sampling": {"max_new_tokens": 4},
+                },
+                "logging": {"console": False},
+            },
+        )
+    messages = [str(e) for e in _leaves(info.value)]
+    assert any("3 RL steps in a row had no trainable sample" in m for m in messages), messages
+    assert any("verifier crashed" in m for m in messages), messages

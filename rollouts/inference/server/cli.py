@@ -35,6 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default="")
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads (0 = torch's default); 1 avoids OpenMP spin-waits when the "
+        "server shares a few CPU cores with a trainer",
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> Any:
@@ -70,9 +77,13 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"--{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    import torch
     import trio
 
     from rollouts.inference.server.app import serve
+
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
 
     try:
         trio.run(serve, options_from_args(args))

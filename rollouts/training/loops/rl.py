@@ -39,6 +39,8 @@ from rollouts.training.loops.rl_batch import (
 from rollouts.training.metrics import MetricsLogger
 from rollouts.types import RolloutBatch, TrainBatch
 
+MAX_EMPTY_STEPS = 3  # steps in a row without a trainable sample before the run stops
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RLHooks:
@@ -312,6 +314,13 @@ async def _one_step(
     times = {"generate": wait_s if is_async else gen_s}
     if is_async:
         metrics["time/generate_overlapped_s"] = gen_s
+    state["empty_steps"] = 0 if prep.groups else state.get("empty_steps", 0) + 1
+    if state["empty_steps"] >= MAX_EMPTY_STEPS:
+        errors = list(rollout.metadata.get("errors", []))[:3]
+        raise RuntimeError(
+            f"{MAX_EMPTY_STEPS} RL steps in a row had no trainable sample "
+            f"({prep.failed_samples} failed in the last one); first errors: {errors}"
+        )
     if prep.groups:
         train_metrics, train_times = await train_step(backend, prep.groups, algo, config, ref)
         metrics |= train_metrics
