@@ -30,7 +30,12 @@ from rollouts.rewards.protocol import RewardFn
 from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.training.backends.factories import create_backend, load_tokenizer, resolve_device
 from rollouts.training.backends.pytorch import MODEL_DIR
-from rollouts.training.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+from rollouts.training.checkpoint import (
+    BestSpec,
+    find_latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from rollouts.training.engines import cpu_share, open_engines
 from rollouts.training.evaluation import EvalSpec, evaluate
 from rollouts.training.loops.rl import RLHooks, run_rl_training
@@ -57,7 +62,16 @@ def checkpoint_root(config: Config, run_dir: Path, phase: str) -> Path:
     return Path(config.checkpoint.dir or run_dir / "checkpoints") / phase
 
 
-async def _save(backend: Any, root: Path, step: int, version: str, extra: dict, keep: int) -> None:
+async def _save(
+    backend: Any,
+    root: Path,
+    step: int,
+    version: str,
+    extra: dict,
+    keep: int,
+    metrics: Any = None,
+    best: BestSpec | None = None,
+) -> None:
     await trio.to_thread.run_sync(
         functools.partial(
             save_checkpoint,
@@ -67,6 +81,8 @@ async def _save(backend: Any, root: Path, step: int, version: str, extra: dict, 
             weight_version=version,
             extra_state=extra,
             keep_last=keep,
+            metrics=metrics,
+            best=best,
         )
     )
 
@@ -240,7 +256,9 @@ async def _rl_with_engines(
         step: int, version: str, buffer_state: dict[str, Any], metrics: Any = None
     ) -> None:
         extra = {"phase": "rl", "data_buffer": buffer_state}
-        await _save(backend, root, step, version, extra, config.checkpoint.keep_last)
+        c = config.checkpoint
+        best = BestSpec(metric=c.best_metric, mode=c.best_mode) if c.best_metric else None
+        await _save(backend, root, step, version, extra, c.keep_last, metrics, best)
 
     async def sync(version: str) -> dict[str, float]:
         path = await trio.to_thread.run_sync(publish_weights, backend, sync_root, version)

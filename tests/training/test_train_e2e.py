@@ -104,8 +104,11 @@ def test_sft_then_rl_end_to_end(tmp_path: Path) -> None:
     assert last["policy/version"] == 3.0
     assert "held-out accuracy before RL" in done.stdout
     assert "held-out accuracy after RL" in done.stdout
-    ckpts = sorted(p.name for p in (run / "checkpoints" / "rl").iterdir())
+    rl_root = run / "checkpoints" / "rl"
+    ckpts = sorted(p.name for p in rl_root.iterdir() if p.name.startswith("step_"))
     assert ckpts == ["step_000002", "step_000003"]  # keep_last = 2
+    best = json.loads((rl_root / "best.json").read_text())  # eval/accuracy ran at step 3 only
+    assert "step_000003" in json.dumps(best)
     assert (run / "checkpoints" / "rl" / "step_000003" / "model" / "config.json").is_file()
     assert json.loads((run / "config.json").read_text())["config"]["rollout"]["batch_size"] == 2
     rows = (run / "rollouts.jsonl").read_text().splitlines()
