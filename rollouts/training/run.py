@@ -105,7 +105,11 @@ async def sft_phase(
     total = total_sft_steps(config, len(train))
     latest = find_latest_checkpoint(root) if resume else None
     backend = make_backend(
-        config, model_path=base, total_steps=total, lr=config.training.sft_lr or None
+        config,
+        model_path=base,
+        total_steps=total,
+        lr=config.training.sft_lr or None,
+        value_head=False,
     )
     try:
         start = 0
@@ -224,7 +228,9 @@ def build_reference(config: Config, model_dir: Path, make_backend: Any = create_
     a = config.algorithm
     if a.kl_coef <= 0.0 and not a.schedule and a.policy_loss != "pairwise":
         return None
-    return ReferencePolicy(make_backend(config, model_path=model_dir, total_steps=1))
+    return ReferencePolicy(
+        make_backend(config, model_path=model_dir, total_steps=1, value_head=False)
+    )
 
 
 async def _rl_with_engines(

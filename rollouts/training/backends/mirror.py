@@ -116,15 +116,18 @@ class MirroredBackend:
         return TrainFuture(self.hub.submit(("call", self.backend_id, name, args, kwargs)))
 
     def forward_backward(
-        self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False
+        self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False, values: bool = False
     ) -> TrainFuture[dict[str, float]]:
-        return self._call("forward_backward", batch, loss_fn, entropy=entropy)
+        return self._call("forward_backward", batch, loss_fn, entropy=entropy, values=values)
 
     def optim_step(self) -> TrainFuture[dict[str, float]]:
         return self._call("optim_step")
 
     def compute_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
         return self._call("compute_logprobs", batch)
+
+    def compute_values(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
+        return self._call("compute_values", batch)
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         return self._call("get_weights").result()
