@@ -137,7 +137,7 @@ class TrainerCore:
         vals = split_per_sequence(val_N, mb.split_sizes) if want_values else []
         return lps, ents, vals
 
-    def _dummy(self) -> MicroBatchTensors:
+    def _filler_micro_batch(self) -> MicroBatchTensors:
         """A 2-token micro-batch for a rank that has run out of real ones (FSDP lock-step)."""
         ids = (torch.full((2,), self.settings.pad_id, dtype=torch.long),)
         plan = plan_micro_batches([2], 2, "pad")[0]
@@ -162,7 +162,7 @@ class TrainerCore:
         for k in range(num_mb):
             self.collective.set_grad_sync(k == num_mb - 1)
             if k >= len(plans):  # the same parameters get (zero) gradients on every rank
-                lps, _, vals = self._run(self._dummy(), False, want_values)
+                lps, _, vals = self._run(self._filler_micro_batch(), False, want_values)
                 (sum(t.sum() for t in lps + vals) * 0.0).backward()
                 continue
             plan = plans[k]
@@ -255,7 +255,7 @@ class TrainerCore:
         out: dict[int, torch.Tensor] = {}
         for k in range(num_mb):
             if k >= len(plans):
-                self._run(self._dummy(), False, values)
+                self._run(self._filler_micro_batch(), False, values)
                 continue
             mb = build_tensors(plans[k], local.input_ids, self.settings.pad_id)
             lps, _, vals = self._run(mb, False, values)
