@@ -36,10 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=0, help="processes (FSDP); 0 = config")
 
 
-def torchrun_command(args: argparse.Namespace, nproc: int, script: str) -> list[str]:
-    """The command that re-runs this invocation under torchrun with `nproc` processes."""
+def torchrun_command(args: argparse.Namespace, nproc: int) -> list[str]:
+    """The command that re-runs this invocation under torchrun with `nproc` processes.
+
+    It runs `-m rollouts.cli train`, so train.py and the `rollouts train` console script both
+    re-launch the same way.
+    """
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
-    cmd = [torchrun, "--standalone", f"--nproc_per_node={nproc}", script]
+    cmd = [torchrun, "--standalone", f"--nproc_per_node={nproc}", "-m", "rollouts.cli", "train"]
     cmd += ["--mode", args.mode, "--config", args.config]
     for override in args.overrides:
         cmd += ["--set", override]
@@ -49,7 +53,7 @@ def torchrun_command(args: argparse.Namespace, nproc: int, script: str) -> list[
     return cmd
 
 
-def run(args: argparse.Namespace, script: str | None = None) -> int:
+def run(args: argparse.Namespace) -> int:
     """Load the config, re-launch under torchrun if asked, then run the training."""
     overrides = list(args.overrides)
     if args.nproc:
@@ -61,7 +65,7 @@ def run(args: argparse.Namespace, script: str | None = None) -> int:
         return 2
     nproc = config.training.nproc
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
-        cmd = torchrun_command(args, nproc, script or os.path.abspath(sys.argv[0]))
+        cmd = torchrun_command(args, nproc)
         print(f"[train] re-launching under torchrun: {' '.join(cmd)}", flush=True)
         os.execv(cmd[0], cmd)
     from rollouts.training.run import run_training
