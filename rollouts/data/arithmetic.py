@@ -132,10 +132,10 @@ def _check_paths(data: DataConfig) -> Path:
 
 
 def prepare_addition_tool_data(data: DataConfig) -> None:
-    """`data.prepare` hook of the tools demo: 3-digit sums; SFT calls the calculator tool."""
+    """`data.prepare` hook of the tools demo: 2-digit sums; SFT calls the calculator tool."""
     out = _check_paths(data)
     if not all((out / f"{k}.jsonl").is_file() for k in ("sft", "train", "eval")):
-        write_demo_datasets(out, digits=3, n_sft=2000, tool=True)
+        write_demo_datasets(out, digits=2, tool=True)
 
 
 def final_answer_reward(sample: Any) -> float:
