@@ -12,30 +12,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from bench_timing import timed
 
 from rollouts.algorithms.loss_fn import make_loss_fn
 from rollouts.config import AlgorithmConfig
 from rollouts.types import ModelOutputs, TrainBatch
-
-
-def timed(fn: Callable[[], None], device: str, reps: int) -> float:
-    """Median seconds of `fn` over `reps` runs after one warm-up."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def make_batch(b: int, t: int, device: str, gen: torch.Generator) -> TrainBatch:

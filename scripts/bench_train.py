@@ -17,12 +17,12 @@ import dataclasses
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import trio
+from bench_timing import timed
 from safetensors.torch import load_file, save_file
 
 from rollouts.config import Config, ModelConfig, OptimConfig, TrainingConfig
@@ -43,21 +43,6 @@ def nll_loss(outputs: ModelOutputs, batch: TrainBatch) -> tuple[torch.Tensor, di
         for lp, m in zip(outputs.logprobs, batch.loss_mask, strict=True)
     )
     return total / batch.num_global_tokens, {}
-
-
-def timed(fn: Callable[[], None], device: str, reps: int) -> float:
-    """Median seconds of `fn` over `reps` runs after one warm-up."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def make_batch(lengths: list[int], vocab: int) -> TrainBatch:

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from rollouts.data.sft import TemplateError, encode
 from rollouts.envs import TextGameEnvironment, calculator_env
@@ -18,11 +16,6 @@ from rollouts.types import Sample, Status
 from tests.rollout.fakes import ScriptedEngine
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3*4"}}</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir: Path):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def spans(tok, tokens, mask) -> list[tuple[str, int]]:

@@ -7,15 +7,13 @@ many generate requests are in flight at once (it delegates everything to the rea
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Iterator, Sequence
-from pathlib import Path
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
 
 from rollouts.envs import ConversationEnvironment, ModelUser, TextGameEnvironment
-from rollouts.inference.launch import EngineProcess, engine_server_sync
+from rollouts.inference.launch import EngineProcess
 from rollouts.inference.protocol import Completion, SamplingParams
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.rewards.trajectory import TrajectoryRewardSpec, trajectory_reward
@@ -48,17 +46,6 @@ class CountingEngine:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path) -> Iterator[EngineProcess]:
-    with engine_server_sync(tiny_model_dir, max_batch=32) as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir: Path):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture

@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from transformers import AutoTokenizer
 
 from tests.rollout import manager_cases as cases
 from tests.rollout.fakes import RandomEngine
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir: Path):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture

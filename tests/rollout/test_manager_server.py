@@ -5,28 +5,15 @@ One server per module (started as a subprocess on a free port); each test gets i
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import pytest
-from transformers import AutoTokenizer
 
-from rollouts.inference.launch import EngineProcess, engine_server_sync
+from rollouts.inference.launch import EngineProcess
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.types import Status
 from tests.rollout import manager_cases as cases
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path) -> Iterator[EngineProcess]:
-    with engine_server_sync(tiny_model_dir, max_batch=32) as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir: Path):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture

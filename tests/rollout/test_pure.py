@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.data.buffer import DataBuffer
@@ -139,11 +137,6 @@ def test_apply_sample_transforms_raising_reward_is_failed_not_zero() -> None:
     assert dropped == {"failed": 1}
     kept, dropped = apply_sample_transforms(groups[:1], reward_fn=lambda s: "high")
     assert dropped == {"failed": 1}
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir: Path):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def completion(ids, reason=FinishReason.ABORT, version="1") -> Completion:

@@ -1,0 +1,23 @@
+"""Fixtures shared by the rollout tests that drive a real built-in engine server."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from rollouts.inference.launch import EngineProcess, engine_server_sync
+
+
+@pytest.fixture(scope="package")
+def server(tiny_model_dir: Path) -> Iterator[EngineProcess]:
+    """One `rollouts serve` process on a free loopback port for every rollout test module."""
+    with engine_server_sync(tiny_model_dir, max_batch=32) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="package")
+def tok(tiny_model_dir: Path):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
