@@ -1,0 +1,61 @@
+"""The frozen configuration tree, read from TOML.
+
+Every section is a frozen dataclass; `load_config` walks the TOML table against the dataclass
+fields and collects EVERY problem (unknown key with a "did you mean", wrong type, out-of-range
+value) into one `ConfigError` that names the key path and the fix. Range checks live in each
+section's `problems()` so that a config built in code is checked the same way.
+
+Layout: `base` (ConfigError, check helpers, `_Section`), one module per group of sections
+(`model`, `rollout`, `algorithm`, `training`), and `loader` (the root `Config`, TOML loading,
+overrides). Import from `rollouts.config`; the submodules are an implementation detail.
+"""
+
+from __future__ import annotations
+
+from rollouts.config.algorithm import (
+    ADVANTAGES,
+    AGG_MODES,
+    KL_ESTIMATORS,
+    PAIR_SELECTORS,
+    POLICY_LOSSES,
+    AlgorithmConfig,
+)
+from rollouts.config.base import ConfigError
+from rollouts.config.loader import (
+    Config,
+    RunConfig,
+    apply_overrides,
+    config_from_dict,
+    config_to_dict,
+    load_config,
+)
+from rollouts.config.model import DataConfig, ModelConfig, RunSection, TinyModelConfig
+from rollouts.config.rollout import EnginesConfig, RolloutConfig, SamplingConfig
+from rollouts.config.training import CheckpointConfig, LoggingConfig, OptimConfig, TrainingConfig
+
+__all__ = [
+    "ADVANTAGES",
+    "AGG_MODES",
+    "KL_ESTIMATORS",
+    "PAIR_SELECTORS",
+    "POLICY_LOSSES",
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "EnginesConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "RunSection",
+    "SamplingConfig",
+    "TinyModelConfig",
+    "TrainingConfig",
+    "apply_overrides",
+    "config_from_dict",
+    "config_to_dict",
+    "load_config",
+]

@@ -1,0 +1,151 @@
+"""The root `Config` and the TOML loader: walk a table against the dataclass fields and collect
+EVERY problem into one `ConfigError`; `--set` overrides; back to a plain dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rollouts.config.algorithm import AlgorithmConfig
+from rollouts.config.base import ConfigError, _Section
+from rollouts.config.model import DataConfig, ModelConfig, RunSection
+from rollouts.config.rollout import EnginesConfig, RolloutConfig
+from rollouts.config.training import CheckpointConfig, LoggingConfig, OptimConfig, TrainingConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Config(_Section):
+    """The whole run: one frozen tree, built once in train.py and passed down."""
+
+    run: RunSection = dataclasses.field(default_factory=RunSection)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    engines: EnginesConfig = dataclasses.field(default_factory=EnginesConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+
+
+RunConfig = Config  # the name the design uses for the whole tree
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
+    """Check `value` against the annotation `tp`; return it (ints widen to floats)."""
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            problems.append(f"{key} = {value!r}: must be a list of {_type_name(item_tp)}")
+            return value
+        return [_coerce(v, item_tp, f"{key}[{i}]", problems) for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            sub: list[str] = []
+            out = _coerce(value, option, key, sub)
+            if not sub:
+                return out
+        problems.append(f"{key} = {value!r}: must be {tp}")
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if (tp is int and isinstance(value, bool)) or not isinstance(value, tp):
+        problems.append(f"{key} = {value!r}: must be {_type_name(tp)}, got {type(value).__name__}")
+    return value
+
+
+def _build(cls: type, table: Mapping[str, Any], prefix: str, problems: list[str]) -> Any:
+    """Build section `cls` from `table`, appending every problem found (with key paths)."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in table.items():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+            valid = ", ".join(sorted(fields))
+            problems.append(f"{path}: unknown key{hint}; valid keys here: {valid}")
+            continue
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                problems.append(f"{path}: must be a table [{path}], got {type(value).__name__}")
+                continue
+            kwargs[key] = _build(tp, value, f"{path}.", problems)
+        else:
+            before = len(problems)
+            coerced = _coerce(value, tp, path, problems)
+            if len(problems) == before:  # a badly typed value is reported, not range-checked
+                kwargs[key] = coerced
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        problems.extend(e.problems)
+    except (TypeError, AssertionError) as e:
+        problems.append(f"{prefix or 'config'}: {e}")
+    return cls()  # a placeholder so that the walk goes on; the error is raised by the caller
+
+
+def config_from_dict(table: Mapping[str, Any], source: str = "") -> Config:
+    """Build and validate a `Config` from a plain dict (parsed TOML)."""
+    problems: list[str] = []
+    config = _build(Config, table, "", problems)
+    if problems:
+        raise ConfigError(problems, source)
+    return config
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError([f"--set {text!r}: must look like section.key=value"])
+    key, raw = text.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare string: --set run.name=demo
+    return key.strip().split("."), value
+
+
+def apply_overrides(table: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `section.key=value` overrides (values parsed as TOML, else taken as strings)."""
+    for text in overrides:
+        path, value = _parse_override(text)
+        node = table
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError([f"--set {text!r}: {part} is not a table"])
+        node[path[-1]] = value
+    return table
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file into a validated `Config`; `overrides` are `key.path=value` strings."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"{path}: no such config file"])
+    try:
+        table = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError([f"{path}: invalid TOML: {e}"], str(path)) from e
+    table = apply_overrides(table, overrides or [])
+    return config_from_dict(table, str(path))
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """The config as a plain dict (for writing the resolved config of a run)."""
+    return dataclasses.asdict(config)

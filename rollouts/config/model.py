@@ -1,0 +1,88 @@
+"""[run], [model] (with [model.tiny]) and [data] sections."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rollouts.config.base import _check, _one_of, _Section
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RunSection(_Section):
+    """[run]: naming, output and seeding of a run."""
+
+    name: str = "run"
+    output_dir: str = "runs/run"
+    seed: int = 0
+    overwrite: bool = False  # a fresh (not --resume) run may replace an earlier run's directory
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TinyModelConfig(_Section):
+    """[model.tiny]: build a tiny model with the tiny-model kit when `model.path` is missing."""
+
+    enabled: bool = False
+    tokenizer: str = "char"  # "char" | "bpe"
+    vocab_size: int = 512  # BPE only
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 256
+    max_position_embeddings: int = 512
+    corpus_path: str = ""  # text the tokenizer is trained on ("" = the data files)
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _one_of(p, "model.tiny.tokenizer", self.tokenizer, ("char", "bpe"))
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size"):
+            _check(p, getattr(self, name) >= 1, f"model.tiny.{name}: must be >= 1")
+        _check(
+            p,
+            self.hidden_size % max(self.num_heads, 1) == 0,
+            f"model.tiny.hidden_size = {self.hidden_size}: must be divisible by num_heads",
+        )
+        return p
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig(_Section):
+    """[model]: which model to train and how to hold it."""
+
+    path: str = ""
+    tokenizer_path: str = ""  # "" = same as path
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+    gradient_checkpointing: bool = False
+    tiny: TinyModelConfig = dataclasses.field(default_factory=TinyModelConfig)
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _one_of(p, "model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        _one_of(p, "model.attn_implementation", self.attn_implementation, ("sdpa", "eager"))
+        return p
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig(_Section):
+    """[data]: prompt and conversation datasets (JSONL)."""
+
+    train_path: str = ""
+    eval_path: str = ""
+    sft_path: str = ""
+    sft_eval_fraction: float = 0.05
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    messages_key: str = "messages"
+    shuffle: bool = True
+    eval_size: int = 0  # 0 = the whole eval set
+    prepare: str = ""  # dotted path to `fn(data_config) -> None` writing missing data files
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _check(
+            p,
+            0.0 <= self.sft_eval_fraction < 1.0,
+            f"data.sft_eval_fraction = {self.sft_eval_fraction}: must be in [0, 1)",
+        )
+        _check(p, self.eval_size >= 0, f"data.eval_size = {self.eval_size}: must be >= 0")
+        return p

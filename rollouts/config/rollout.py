@@ -1,0 +1,123 @@
+"""[rollout] (with [rollout.sampling]) and [engines] sections."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rollouts.config.base import _check, _one_of, _Section
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingConfig(_Section):
+    """[rollout.sampling]: sampling parameters sent to the engines."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _check(
+            p,
+            self.max_new_tokens >= 1,
+            f"rollout.sampling.max_new_tokens = {self.max_new_tokens}: must be >= 1",
+        )
+        _check(
+            p,
+            self.temperature >= 0.0,
+            f"rollout.sampling.temperature = {self.temperature}: must be >= 0 (0 = greedy)",
+        )
+        _check(p, 0.0 < self.top_p <= 1.0, f"rollout.sampling.top_p = {self.top_p}: in (0, 1]")
+        _check(p, self.top_k == -1 or self.top_k >= 1, "rollout.sampling.top_k: -1 or >= 1")
+        _check(p, 0.0 <= self.min_p < 1.0, f"rollout.sampling.min_p = {self.min_p}: in [0, 1)")
+        return p
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutConfig(_Section):
+    """[rollout]: how batches of groups are generated, filtered and kept."""
+
+    batch_size: int = 8  # groups (prompts) per training batch
+    n_samples_per_prompt: int = 4
+    over_sampling_factor: float = 1.5
+    max_concurrency: int = 64
+    max_over_sampling_rounds: int = 4
+    on_short_batch: str = "warn"  # "warn" (train on a smaller batch) | "error"
+    partial_rollouts: bool = True
+    mask_off_policy_partial: bool = False
+    filters: list[str] = dataclasses.field(default_factory=list)  # dotted paths or built-in names
+    generate_fn: str = ""  # dotted path; "" = the engine pool
+    reward_fn: str = ""  # dotted path
+    env: str = ""  # dotted path or built-in env name; "" = single-turn
+    max_turns: int = 1
+    max_total_tokens: int = 1024
+    generate_timeout_s: float = 300.0
+    reward_timeout_s: float = 10.0
+    mode: str = "sync"  # "sync" | "async"
+    max_staleness: int = 1
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _check(p, self.batch_size >= 1, f"rollout.batch_size = {self.batch_size}: must be >= 1")
+        _check(
+            p,
+            self.n_samples_per_prompt >= 1,
+            f"rollout.n_samples_per_prompt = {self.n_samples_per_prompt}: must be >= 1",
+        )
+        _check(
+            p,
+            self.over_sampling_factor >= 1.0,
+            f"rollout.over_sampling_factor = {self.over_sampling_factor}: must be >= 1.0",
+        )
+        _check(p, self.max_concurrency >= 1, "rollout.max_concurrency: must be >= 1")
+        _check(
+            p, self.max_over_sampling_rounds >= 1, "rollout.max_over_sampling_rounds: must be >= 1"
+        )
+        _one_of(p, "rollout.on_short_batch", self.on_short_batch, ("warn", "error"))
+        _one_of(p, "rollout.mode", self.mode, ("sync", "async"))
+        _check(p, self.max_turns >= 1, f"rollout.max_turns = {self.max_turns}: must be >= 1")
+        _check(p, self.max_staleness >= 0, "rollout.max_staleness: must be >= 0")
+        _check(p, self.generate_timeout_s > 0, "rollout.generate_timeout_s: must be > 0")
+        _check(p, self.reward_timeout_s > 0, "rollout.reward_timeout_s: must be > 0")
+        return p
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class EnginesConfig(_Section):
+    """[engines]: the inference servers (built-in, SGLang or vLLM)."""
+
+    kind: str = "builtin"  # "builtin" | "sglang" | "vllm"
+    urls: list[str] = dataclasses.field(default_factory=list)  # for sglang / vllm
+    num_engines: int = 1  # built-in engines to start
+    max_batch: int = 64
+    max_queue: int = 1024
+    api_key: str = ""
+    logprobs_from: str = "raw"  # "raw" logits | "scaled" (temperature-scaled)
+    device: str = "cpu"
+    torch_threads: int = 0  # built-in engines' torch threads; 0 = a share of the cores on CPU
+    request_timeout_s: float = 300.0
+    startup_timeout_s: float = 120.0
+    health_interval_s: float = 5.0
+    max_retries: int = 3
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _one_of(p, "engines.kind", self.kind, ("builtin", "sglang", "vllm"))
+        _one_of(p, "engines.logprobs_from", self.logprobs_from, ("raw", "scaled"))
+        _check(p, self.num_engines >= 1, f"engines.num_engines = {self.num_engines}: must be >= 1")
+        _check(p, self.max_batch >= 1, "engines.max_batch: must be >= 1")
+        _check(p, self.max_queue >= 1, "engines.max_queue: must be >= 1")
+        _check(p, self.max_retries >= 0, "engines.max_retries: must be >= 0")
+        _check(p, self.torch_threads >= 0, "engines.torch_threads: must be >= 0 (0 = default)")
+        _check(
+            p,
+            self.kind == "builtin" or bool(self.urls),
+            f"engines.urls: must list the server URLs when engines.kind = {self.kind!r}",
+        )
+        return p

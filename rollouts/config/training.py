@@ -1,0 +1,113 @@
+"""[optim], [training], [checkpoint] and [logging] sections."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rollouts.config.base import _check, _one_of, _Section
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class OptimConfig(_Section):
+    """[optim]: AdamW and the warmup + cosine schedule."""
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    scheduler: str = "cosine"  # "cosine" | "constant"
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _check(p, self.lr > 0.0, f"optim.lr = {self.lr}: must be > 0")
+        _check(p, self.weight_decay >= 0.0, "optim.weight_decay: must be >= 0")
+        _check(p, 0.0 <= self.beta1 < 1.0, "optim.beta1: must be in [0, 1)")
+        _check(p, 0.0 <= self.beta2 < 1.0, "optim.beta2: must be in [0, 1)")
+        _check(p, self.warmup_steps >= 0, "optim.warmup_steps: must be >= 0")
+        _one_of(p, "optim.scheduler", self.scheduler, ("cosine", "constant"))
+        _check(p, 0.0 <= self.min_lr_ratio <= 1.0, "optim.min_lr_ratio: must be in [0, 1]")
+        _check(p, self.max_grad_norm > 0.0, "optim.max_grad_norm: must be > 0")
+        return p
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TrainingConfig(_Section):
+    """[training]: backend, steps and batching of the trainer."""
+
+    backend: str = "pytorch"  # "pytorch" | "fsdp"
+    nproc: int = 1
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    torch_threads: int = 0  # trainer's torch threads; 0 = a share of the cores (CPU + builtin)
+    micro_batch_tokens: int = 4096
+    rl_steps: int = 10
+    sft_steps: int = 0  # 0 = sft_epochs over the data
+    sft_epochs: int = 1
+    sft_batch_size: int = 16
+    sft_lr: float = 0.0  # 0 = optim.lr
+    sync_every: int = 1
+    eval_every: int = 0  # 0 = only at the start and the end
+    max_consecutive_nonfinite: int = 3
+    logprob_chunk_size: int = 1024
+    micro_batch_layout: str = "pad"  # "pad" (length-bucketed, right-padded) | "pack" (one row)
+    weight_sync_dir: str = ""  # weights-only copies for engines; "" = /dev/shm (else a temp dir)
+    weight_sync_attempts: int = 3  # tries per engine before a sync fails
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _one_of(p, "training.backend", self.backend, ("pytorch", "fsdp"))
+        _one_of(p, "training.device", self.device, ("auto", "cpu", "cuda"))
+        _check(p, self.nproc >= 1, f"training.nproc = {self.nproc}: must be >= 1")
+        _check(p, self.torch_threads >= 0, "training.torch_threads: must be >= 0 (0 = default)")
+        _check(p, self.micro_batch_tokens >= 1, "training.micro_batch_tokens: must be >= 1")
+        _check(p, self.rl_steps >= 0, "training.rl_steps: must be >= 0")
+        _check(p, self.sft_steps >= 0, "training.sft_steps: must be >= 0")
+        _check(p, self.sft_epochs >= 1, "training.sft_epochs: must be >= 1")
+        _check(p, self.sft_batch_size >= 1, "training.sft_batch_size: must be >= 1")
+        _check(p, self.sync_every >= 1, "training.sync_every: must be >= 1")
+        _check(p, self.eval_every >= 0, "training.eval_every: must be >= 0")
+        _check(p, self.max_consecutive_nonfinite >= 1, "training.max_consecutive_nonfinite: >= 1")
+        _check(p, self.logprob_chunk_size >= 1, "training.logprob_chunk_size: must be >= 1")
+        _one_of(p, "training.micro_batch_layout", self.micro_batch_layout, ("pad", "pack"))
+        _check(p, self.weight_sync_attempts >= 1, "training.weight_sync_attempts: must be >= 1")
+        return p
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointConfig(_Section):
+    """[checkpoint]: where, how often and how many."""
+
+    dir: str = ""  # "" = <run.output_dir>/checkpoints
+    every: int = 0  # steps; 0 = only at the end
+    keep_last: int = 2
+    best_metric: str = "eval/accuracy"  # the step metric that picks the best checkpoint; "" = off
+    best_mode: str = "max"  # "max" | "min": which direction of best_metric is better
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _check(p, self.every >= 0, f"checkpoint.every = {self.every}: must be >= 0")
+        _check(p, self.keep_last >= 1, f"checkpoint.keep_last = {self.keep_last}: must be >= 1")
+        _one_of(p, "checkpoint.best_mode", self.best_mode, ("max", "min"))
+        return p
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LoggingConfig(_Section):
+    """[logging]: console, metrics files, TensorBoard, wandb."""
+
+    console: bool = True
+    progress_bar: bool = True
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "rollouts"
+    wandb_mode: str = "offline"
+    rollouts_per_step: int = 4  # samples written to rollouts.jsonl per step
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _one_of(p, "logging.wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
+        _check(p, self.rollouts_per_step >= 0, "logging.rollouts_per_step: must be >= 0")
+        return p
