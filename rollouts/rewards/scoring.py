@@ -1,8 +1,10 @@
 """Time-bounded scoring of finished samples with a user reward function.
 
 A reward function that raises, times out, or returns something that is not a reward (None, a
-string, NaN) marks that sample FAILED with the error in `metadata["error"]`: it is counted and
-never trained on, never a silent 0 (verl PR #5635). Sync functions run in a worker thread under
+string, NaN, an infinity) marks that sample FAILED with the error in `metadata["error"]`, which
+names the function: it is counted and never trained on, never a silent 0 (verl PR #5635).
+Training (the rollout manager) and evaluation score through `score_sample`, so a bad reward is
+treated the same in both. Sync functions run in a worker thread under
 `trio.fail_after` (abandoned on timeout: a hung verifier cannot hang the loop); async ones are
 awaited under the same bound. Records are never mutated: `dataclasses.replace` only.
 """
@@ -24,14 +26,17 @@ SCORABLE = (Status.COMPLETED, Status.TRUNCATED)
 
 
 def as_reward(value: Any) -> Reward:
-    """`value` as a Reward (float, or tuple of floats); raise TypeError/ValueError otherwise."""
-    if isinstance(value, bool) or value is None:
+    """`value` as a Reward (float, or tuple of floats); raise TypeError/ValueError otherwise.
+
+    A bool counts as 0.0 / 1.0 (`return answer == label`); a string such as "1.0" is an error.
+    """
+    if value is None:
         raise TypeError(f"returned {value!r}: expected a float or a tuple of floats")
     if isinstance(value, (int, float)):
         out: Reward = float(value)
         items = (out,)
     elif isinstance(value, (tuple, list)) and value:
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        if not all(isinstance(v, (int, float)) for v in value):
             raise TypeError(f"returned {value!r}: a vector reward must hold only floats")
         out = tuple(float(v) for v in value)
         items = out
@@ -47,6 +52,16 @@ def failed(sample: Sample, error: str) -> Sample:
     return dataclasses.replace(
         sample, status=Status.FAILED, reward=None, metadata={**sample.metadata, "error": error}
     )
+
+
+def reward_name(reward_fn: Callable[..., Any]) -> str:
+    """The name errors give a reward function: module and qualified name (or its type's)."""
+    inner: Any = reward_fn
+    for _ in range(8):  # through wrappers (`__wrapped__`) and functools.partial (`func`)
+        inner = getattr(inner, "__wrapped__", None) or getattr(inner, "func", None) or inner
+    name = getattr(inner, "__qualname__", None) or type(inner).__qualname__
+    module = getattr(inner, "__module__", None)
+    return f"{module}.{name}" if module and module not in ("builtins", "__main__") else name
 
 
 async def _call(reward_fn: Callable[[Sample], Any], sample: Sample) -> Any:
@@ -67,17 +82,18 @@ async def score_sample(
     assert timeout_s > 0, f"{timeout_s=} must be > 0"
     if sample.status not in SCORABLE:
         return sample
+    name = f"reward_fn {reward_name(reward_fn)}"
     try:
         with trio.fail_after(timeout_s):
             value = await _call(reward_fn, sample)
     except trio.TooSlowError:
-        return failed(sample, f"reward_fn timed out after {timeout_s} s")
+        return failed(sample, f"{name} timed out after {timeout_s} s")
     except Exception as e:  # a user function: any error is that sample's error
-        return failed(sample, f"reward_fn raised {type(e).__name__}: {e}")
+        return failed(sample, f"{name} raised {type(e).__name__}: {e}")
     try:
         return dataclasses.replace(sample, reward=as_reward(value))
     except (TypeError, ValueError) as e:
-        return failed(sample, f"reward_fn {e}")
+        return failed(sample, f"{name} {e}")
 
 
 async def score_group(

@@ -28,13 +28,13 @@ from rollouts.envs.protocol import EnvFactory
 from rollouts.inference.protocol import InferenceEngine
 from rollouts.plugins import call_maybe_async, load_function
 from rollouts.rewards.protocol import RewardFn
+from rollouts.rewards.scoring import score_group
 from rollouts.rollout.agent import generate_multi_turn
 from rollouts.rollout.batch import (
     ShortBatchError,
     build_batch_metadata,
     convert_to_batch,
     short_batch_message,
-    with_reward,
 )
 from rollouts.rollout.filters import resolve_filters, run_filters
 from rollouts.rollout.generate import (
@@ -230,19 +230,8 @@ class AsyncRolloutManager:
             samples[i] = out
 
     async def _score(self, samples: list[Sample], reward: Callable[..., Any]) -> Group:
-        out = []
-        for s in samples:
-            if s.status is Status.FAILED:
-                out.append(s)
-                continue
-            try:
-                with trio.fail_after(self.config.reward_timeout_s):
-                    value = await call_maybe_async(reward, s)
-            except Exception as e:
-                out.append(fail_sample(s, f"reward_fn raised {type(e).__name__}: {e}"))
-                continue
-            out.append(with_reward(s, value))
-        return tuple(out)
+        """A group's samples scored concurrently, each bounded by `reward_timeout_s`."""
+        return await score_group(samples, reward, self.config.reward_timeout_s)
 
     async def _abort_until_cancelled(self) -> None:
         """Abort surplus requests, and again while draining (a request may land after one)."""
@@ -261,7 +250,8 @@ class AsyncRolloutManager:
         run.counts["generated_tokens"] += result.gen_tokens
         run.gen_time_s["total"] += result.gen_time_s
         failed = [s for s in group if s.status is Status.FAILED]
-        run.counts["failed_samples"] += len(failed)
+        if not is_unfinished(group) or not self.config.partial_rollouts:
+            run.counts["failed_samples"] += len(failed)  # every group, kept or not; once each
         run.errors += [str(s.metadata.get("error", "")) for s in failed][: 10 - len(run.errors)]
         if is_unfinished(group):
             run.counts["aborted_samples"] += sum(s.status is Status.ABORTED for s in group)

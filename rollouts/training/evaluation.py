@@ -2,7 +2,10 @@
 
 It runs the same generate function as training (single-turn, or the multi-turn agent loop with
 its environment) against the engines, with temperature 0, so it measures exactly what the
-engines serve after a weight sync, not a copy of the weights held by the trainer.
+engines serve after a weight sync, not a copy of the weights held by the trainer. Rewards are
+scored exactly as in training (`rollouts.rewards.scoring.score_sample`): a reward function that
+raises, times out or returns a non-reward (None, a string, NaN, an infinity) marks that sample
+FAILED with an error that names the function; it is counted in `eval/failed`, never correct.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import trio
 from rollouts.inference.http import EngineError
 from rollouts.inference.protocol import InferenceEngine, SamplingParams
 from rollouts.plugins import call_maybe_async
+from rollouts.rewards.scoring import score_sample
 from rollouts.rollout.agent import generate_multi_turn
 from rollouts.rollout.generate import fail_sample, generate_single_turn
 from rollouts.rollout.protocol import GenerateContext
@@ -51,6 +55,7 @@ class EvalSpec:
     max_turns: int = 1
     env_factory: Any = None
     generate_fn: Callable[..., Any] | None = None  # None = single-turn or the agent loop
+    reward_timeout_s: float = 10.0  # per sample, as `rollout.reward_timeout_s` in training
 
 
 def _pending(item: PromptItem) -> Sample:
@@ -93,8 +98,8 @@ async def evaluate(
 ) -> EvalResult:
     """Greedy-roll out every item, score it, and return accuracy and mean reward.
 
-    A reward function that raises fails the evaluation (it is never counted as wrong silently);
-    a rollout that FAILED (engine error) is counted in `failed` and scores 0.
+    A rollout that FAILED (engine error) or a sample whose reward FAILED is counted in `failed`
+    and scores 0; when every sample failed the evaluation is an error naming the first cause.
     """
     assert items, "evaluation needs at least one item"
     results: list[Sample | None] = [None] * len(items)
@@ -106,10 +111,7 @@ async def evaluate(
                 sample = await _rollout(engine, tokenizer, item, spec)
             except EngineError as e:  # counted in `failed`; all failing is an error below
                 sample = fail_sample(_pending(item), f"{type(e).__name__}: {e}")
-        reward = (
-            0.0 if sample.status is Status.FAILED else await call_maybe_async(reward_fn, sample)
-        )
-        results[i] = dataclasses.replace(sample, reward=float(reward))
+        results[i] = await score_sample(sample, reward_fn, spec.reward_timeout_s)
 
     with trio.fail_after(timeout_s):
         async with trio.open_nursery() as nursery:
@@ -120,7 +122,7 @@ async def evaluate(
     failed = [s for s in samples if s.status is Status.FAILED]
     if len(failed) == len(samples):
         raise RuntimeError(f"every eval rollout failed; first: {failed[0].metadata.get('error')}")
-    rewards = [float(s.reward) for s in samples]  # type: ignore[arg-type]
+    rewards = [0.0 if s.status is Status.FAILED else _scalar(s.reward) for s in samples]
     return EvalResult(
         accuracy=sum(r >= correct_at for r in rewards) / len(rewards),
         reward_mean=sum(rewards) / len(rewards),
@@ -128,3 +130,8 @@ async def evaluate(
         failed=len(failed),
         samples=samples,
     )
+
+
+def _scalar(reward: Any) -> float:
+    assert reward is not None, "a scored sample that did not fail has a reward"
+    return float(sum(reward)) if isinstance(reward, tuple) else float(reward)

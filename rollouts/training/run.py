@@ -159,6 +159,7 @@ def _eval_hook(config: Config, pool: Any, tokenizer: Any, reward_fn: Any, manage
         max_turns=r.max_turns,
         env_factory=manager.env_factory,
         generate_fn=manager.generate_fn,
+        reward_timeout_s=r.reward_timeout_s,
     )
 
     async def run_eval() -> dict[str, float]:

@@ -17,7 +17,7 @@ import trio
 
 from rollouts.config import Config, config_to_dict
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
-from rollouts.plugins import call_maybe_async, import_object
+from rollouts.plugins import import_object, is_async_callable
 from rollouts.training.metrics import ConsoleSink, JsonlSink, MetricsLogger, truncate_jsonl
 
 SFT_METRICS = "sft_metrics.jsonl"
@@ -116,17 +116,29 @@ def prepare_base_model(config: Config) -> Path:
 
 
 def with_response_text(reward_fn: Any, tokenizer: Any) -> Any:
-    """Wrap a reward function so each sample carries `metadata['response_text']` (decoded)."""
+    """Wrap a reward function so each sample carries `metadata['response_text']` (decoded).
 
-    async def reward(sample: Any) -> Any:
-        if "response_text" not in sample.metadata:
-            text = tokenizer.decode(list(sample.response_tokens), skip_special_tokens=True)
-            sample = dataclasses.replace(
-                sample, metadata={**sample.metadata, "response_text": text}
-            )
-        return await call_maybe_async(reward_fn, sample)
+    The wrapper is sync for a sync function and async for an async one, so the time-bounded
+    scorer (`rollouts.rewards.scoring`) still runs a sync one in an abandonable worker thread.
+    """
 
-    reward.__qualname__ = getattr(reward_fn, "__qualname__", "reward")
+    def with_text(sample: Any) -> Any:
+        if "response_text" in sample.metadata:
+            return sample
+        text = tokenizer.decode(list(sample.response_tokens), skip_special_tokens=True)
+        return dataclasses.replace(sample, metadata={**sample.metadata, "response_text": text})
+
+    if is_async_callable(reward_fn):
+
+        async def reward(sample: Any) -> Any:
+            return await reward_fn(with_text(sample))
+
+    else:
+
+        def reward(sample: Any) -> Any:
+            return reward_fn(with_text(sample))
+
+    reward.__wrapped__ = reward_fn  # type: ignore[attr-defined]  # errors name the user's function
     return reward
 
 

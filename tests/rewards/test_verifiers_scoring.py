@@ -79,7 +79,8 @@ def test_response_text_decodes_tokens_when_no_text_stored():
 def test_as_reward():
     assert as_reward(1) == 1.0
     assert as_reward([1, 0.5]) == (1.0, 0.5)
-    for bad in (None, True, "1", float("nan"), [], [1.0, "x"]):
+    assert as_reward(True) == 1.0  # `return answer == label`
+    for bad in (None, "1", "1.0", float("nan"), float("inf"), -float("inf"), [], [1.0, "x"]):
         with pytest.raises((TypeError, ValueError)):
             as_reward(bad)
 

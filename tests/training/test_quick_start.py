@@ -73,3 +73,8 @@ def test_a_reward_fn_that_always_raises_stops_the_run(tiny_model_dir: Path, tmp_
     messages = [str(e) for e in _leaves(info.value)]
     assert any("3 RL steps in a row had no trainable sample" in m for m in messages), messages
     assert any("verifier crashed" in m for m in messages), messages
+    assert any("quick_start.always_raises raised ValueError" in m for m in messages), messages
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]  # step 3 raised
+    for r in rows:  # every sample of every group the batch saw, not 0
+        assert r["rollout/failed_samples"] == 2 * r["rollout/submitted_groups"] > 0, r

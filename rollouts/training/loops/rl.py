@@ -306,8 +306,10 @@ async def _one_step(
         rollout.groups, str(state["version"]), config.rollout.max_staleness if is_async else None
     )
     metrics = rollout_metrics(prep.groups, rollout.metadata)
+    # failed samples of every group the batch saw (a group of FAILED ones is never kept)
+    failed = int(rollout.metadata.get("failed_samples", prep.failed_samples))
     metrics |= {
-        "rollout/failed_samples": float(prep.failed_samples),
+        "rollout/failed_samples": float(failed),
         "rollout/stale_groups_dropped": float(prep.stale_groups),
         "rollout/staleness_max": float(prep.max_staleness_seen),
     }
@@ -319,7 +321,7 @@ async def _one_step(
         errors = list(rollout.metadata.get("errors", []))[:3]
         raise RuntimeError(
             f"{MAX_EMPTY_STEPS} RL steps in a row had no trainable sample "
-            f"({prep.failed_samples} failed in the last one); first errors: {errors}"
+            f"({failed} failed in the last one); first errors: {errors}"
         )
     if prep.groups:
         train_metrics, train_times = await train_step(backend, prep.groups, algo, config, ref)
