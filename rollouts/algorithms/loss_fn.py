@@ -136,7 +136,7 @@ def policy_loss(
     total = pg
     metrics |= _policy_metrics(terms, logp, old, mask, counts)
     metrics["pg_loss"] = float(pg.detach())
-    if batch.rollout_logprobs and batch.old_logprobs:
+    if batch.rollout_logprobs:  # `old` is the training forward's own when none were given
         gap = (old - pad(batch.rollout_logprobs, device)).abs()
         metrics["logprob_mismatch"] = token_mean(gap, mask, counts)
     return _extra_terms(config, outputs, batch, logp, mask, counts, total, metrics)

@@ -37,6 +37,9 @@ class AlgorithmConfig(_Section):
     lam: float = 1.0
     ppo_epochs: int = 1
     mini_batch_size: int = 0  # groups per mini-batch; 0 = the whole batch
+    # "auto": on-policy updates (ppo_epochs = 1, one mini-batch) take the old logprobs from the
+    # training forward itself (ratio = 1); "always": a separate no-grad pass before the update
+    recompute_old_logprobs: str = "auto"
     pair_beta: float = 0.1  # policy_loss = "pairwise": beta of -log sigmoid(beta * margin)
     pair_selector: str = "best_vs_worst"  # | "all_pairs_above_margin" | dotted path to a selector
     pair_margin: float = 0.0  # a pair needs r_chosen - r_rejected > pair_margin
@@ -122,6 +125,12 @@ class AlgorithmConfig(_Section):
         _check(p, 0.0 <= self.lam <= 1.0, "algorithm.lam: must be in [0, 1]")
         _check(p, self.ppo_epochs >= 1, "algorithm.ppo_epochs: must be >= 1")
         _check(p, self.mini_batch_size >= 0, "algorithm.mini_batch_size: must be >= 0")
+        _one_of(
+            p,
+            "algorithm.recompute_old_logprobs",
+            self.recompute_old_logprobs,
+            ("auto", "always"),
+        )
         _check(p, self.pair_beta > 0.0, f"algorithm.pair_beta = {self.pair_beta}: must be > 0")
         _check(p, self.pair_margin >= 0.0, "algorithm.pair_margin: must be >= 0")
         _check(

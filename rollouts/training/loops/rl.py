@@ -30,6 +30,7 @@ from rollouts.inference.http import EngineError
 from rollouts.training.loops.rl_batch import (
     epoch_metrics,
     mini_batches,
+    needs_old_logprobs_pass,
     prefixed,
     prepare_groups,
     rollout_metrics,
@@ -86,12 +87,19 @@ class ReferencePolicy:
 
 
 async def _logprobs_for(
-    batch: TrainBatch, backend: Any, ref: ReferencePolicy | None, algo: AlgorithmConfig
+    batch: TrainBatch,
+    backend: Any,
+    ref: ReferencePolicy | None,
+    algo: AlgorithmConfig,
+    separate_old: bool,
 ) -> tuple[TrainBatch, float]:
-    """Old logprobs (always: they give the engine/trainer mismatch) and reference logprobs."""
+    """Old logprobs when a separate pass is needed (`needs_old_logprobs_pass`) and reference
+    logprobs. Without old logprobs the loss takes them from the training forward (ratio = 1),
+    and the engine/trainer mismatch and TIS too."""
     started = time.monotonic()
-    old = await backend.compute_logprobs(batch)
-    batch = dataclasses.replace(batch, old_logprobs=tuple(old))
+    if separate_old:
+        old = await backend.compute_logprobs(batch)
+        batch = dataclasses.replace(batch, old_logprobs=tuple(old))
     if make_loss_fn(algo).needs_ref_logprobs:
         if ref is None:
             raise ValueError(
@@ -154,7 +162,8 @@ async def train_step(
         algo = dataclasses.replace(algo, kl_coef=0.0)  # the KL is in the reward, not the loss
     else:
         batch = train_batch_of(groups, algo, max_new_tokens=max_new, values=values)
-        batch, times["logprobs"] = await _logprobs_for(batch, backend, ref, algo)
+        separate = needs_old_logprobs_pass(algo, len(mini_batches(groups, algo.mini_batch_size)))
+        batch, times["logprobs"] = await _logprobs_for(batch, backend, ref, algo, separate)
     loss_fn = make_loss_fn(algo)
     started = time.monotonic()
     summed: dict[str, float] = {}
