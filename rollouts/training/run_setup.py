@@ -16,6 +16,7 @@ from typing import Any
 import trio
 
 from rollouts.config import Config, config_to_dict
+from rollouts.models.sources import fetch_source
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
 from rollouts.plugins import import_object, is_async_callable
 from rollouts.training.metrics import ConsoleSink, JsonlSink, MetricsLogger, truncate_jsonl
@@ -88,10 +89,15 @@ def _corpus(config: Config) -> list[str]:
 
 
 def prepare_base_model(config: Config) -> Path:
-    """model.path, built with the tiny-model kit first when model.tiny.enabled and it is missing."""
+    """model.path, built first when missing: from model.source (converted and verified once,
+    cached) or with the tiny-model kit when model.tiny.enabled."""
+    if config.model.source:
+        return fetch_source(config.model.source, config.model.path or None)
     path = Path(config.model.path)
     if not config.model.path:
-        raise ValueError("model.path is empty: point it at an HF model directory")
+        raise ValueError(
+            "model.path is empty: point it at an HF model directory, or set model.source"
+        )
     if (path / "config.json").is_file():
         return path
     tiny = config.model.tiny
