@@ -1,4 +1,4 @@
-"""Advantage estimators: GRPO, Dr.GRPO, RLOO, REINFORCE, REINFORCE++ (baseline), GAE.
+"""Advantage estimators: GRPO, Dr.GRPO, RLOO, REINFORCE, REINFORCE++ (plain and baseline), GAE.
 
 Input: groups of scored Samples (one group = the samples of one prompt). Output: one float tensor
 per sample, aligned with `sample.tokens` (length len(tokens)), zero wherever `loss_mask` is 0.
@@ -170,12 +170,15 @@ def compute_advantages(
     token_rewards: PerToken | None = None,
     values: PerToken | None = None,
 ) -> PerToken:
-    """Per-token advantages of every sample, by `config.advantage`.
+    """Per-token advantages of every sample, by `config.advantage` (names as verl's estimators).
 
     grpo (config.norm_adv_by_std), dr_grpo (no std), rloo: sequence scores broadcast over trained
-    tokens. reinforce: discounted reward-to-go (gamma), no baseline. reinforce_pp: group mean
-    subtracted from the score, reward-to-go, then whitened over the batch's trained tokens (with
-    gamma = 1 and outcome rewards: verl's REINFORCE++-baseline). gae: needs `values` (critic);
+    tokens. reinforce: discounted reward-to-go (gamma), no baseline, unwhitened.
+    reinforce_plus_plus (verl `compute_reinforce_plus_plus_outcome_advantage`): discounted
+    reward-to-go whitened over the batch's trained tokens, no group baseline.
+    reinforce_plus_plus_baseline (alias reinforce_pp; verl's REINFORCE++-baseline): the group's
+    mean score subtracted (mean 0 for a group of one, as verl), reward-to-go, then whitened over
+    the batch (with gamma = 1 and outcome rewards this is exactly verl's). gae: needs `values`;
     use `compute_gae` to also get the returns. `token_rewards` default: `outcome_token_rewards`.
     """
     assert all(len(group) >= 1 for group in groups), "every group must hold a sample"
@@ -188,8 +191,10 @@ def compute_advantages(
         return _broadcast(groups, [rloo_scores(s) for s in _seq_scores(rewards)])
     if kind == "reinforce":
         return _reward_to_go(groups, rewards, config.gamma)
-    if kind == "reinforce_pp":
-        means = [float(s.mean()) for s in _seq_scores(rewards)]
+    if kind == "reinforce_plus_plus":
+        return _whiten_all(_reward_to_go(groups, rewards, config.gamma), groups)
+    if kind in ("reinforce_plus_plus_baseline", "reinforce_pp"):
+        means = [group_baseline(s) for s in _seq_scores(rewards)]
         centred = tuple(
             tuple(
                 rewards[g][i] + _last_token_value(mask_of(s), -means[g])
@@ -202,6 +207,16 @@ def compute_advantages(
     if values is None:
         raise ValueError("algorithm.advantage = 'gae' needs critic values: pass values=")
     return compute_gae(groups, values, config, rewards)[0]
+
+
+def group_baseline(scores_G: torch.Tensor) -> float:
+    """The REINFORCE++-baseline's group mean: 0 for a group of one (verl), else the mean.
+
+    Subtracting a lone sample's own score would zero every advantage of an n = 1 run.
+    """
+    assert scores_G.ndim == 1, f"{scores_G.shape=}"
+    assert len(scores_G) >= 1, "a group must hold at least one sample"
+    return 0.0 if len(scores_G) == 1 else float(scores_G.mean())
 
 
 def _reward_to_go(groups: Groups, rewards: PerToken, gamma: float) -> PerToken:

@@ -52,11 +52,16 @@ def aggregate(
 ) -> torch.Tensor:
     """Reduce a per-token loss to a scalar with `mode`, normalised by global `counts`.
 
-    Same definitions as verl `agg_loss` (names and formulas), with N, B, T_max global:
+    verl `agg_loss`'s names; the first three are its formulas, with N, B, T_max global:
     - token-mean:              sum(L*M) / N
     - seq-mean-token-sum:      sum_i [sum_t L*M] / B
     - seq-mean-token-mean:     sum_i [sum_t L*M / (sum_t M + 1e-8)] / B
     - seq-mean-token-sum-norm: sum(L*M) / (B * T_max)          (Dr.GRPO)
+    Dr.GRPO differs from verl on purpose: verl divides by T alone (the padded length, or its
+    `loss_scale_factor`), so its loss grows with the number of sequences in a micro-batch. We
+    divide by B * T_max, as the Dr.GRPO paper's code (a constant normaliser per sequence, then
+    the batch mean) and the reference sheet do: the scale is independent of the batch size, and
+    with global B it stays exact under gradient accumulation. To get verl's, scale by B.
     A zero count gives a zero loss (the numerator is then zero too), never a NaN.
     """
     assert loss_BT.shape == mask_BT.shape, f"{loss_BT.shape=} != {mask_BT.shape=}"

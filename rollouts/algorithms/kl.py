@@ -147,6 +147,24 @@ def batch_kl(kl: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> float
     return total / count if count else 0.0
 
 
+def sequence_mean_kl(
+    old_logprobs: Sequence[torch.Tensor],
+    ref_logprobs: Sequence[torch.Tensor],
+    masks: Sequence[torch.Tensor],
+    config: AlgorithmConfig,
+) -> float:
+    """The KL the adaptive controller observes, as verl `apply_kl_penalty`: each sequence's token
+    mean of kl(logp_old, logp_ref) (sum / (n + 1e-8)), averaged over the batch's sequences."""
+    assert len(old_logprobs) == len(ref_logprobs) == len(masks), f"{len(masks)=}"
+    if not masks:
+        return 0.0
+    per_seq = [
+        float((config_kl(old, ref, config) * m).sum()) / (float(m.sum()) + 1e-8)
+        for old, ref, m in zip(old_logprobs, ref_logprobs, masks, strict=True)
+    ]
+    return sum(per_seq) / len(per_seq)
+
+
 def kl_reward_penalties(
     old_logprobs: Sequence[torch.Tensor],
     ref_logprobs: Sequence[torch.Tensor],
@@ -170,7 +188,8 @@ class AdaptiveKL:
     """KL coefficient of the reward: fixed (target = 0) or adaptive towards a target KL.
 
     The adaptive rule of Ziegler et al. (2019), as verl `AdaptiveKLController`:
-    err = clamp(kl / target - 1, -0.2, 0.2); coef *= 1 + err * n_steps / horizon.
+    err = clamp(kl / target - 1, -0.2, 0.2); coef *= 1 + err * n_steps / horizon, where kl is
+    `sequence_mean_kl` of the batch and n_steps its number of sequences (verl: the batch size).
     """
 
     coef: float
@@ -184,6 +203,16 @@ class AdaptiveKL:
     @classmethod
     def from_config(cls, config: AlgorithmConfig) -> AdaptiveKL:
         return cls(coef=config.kl_coef, target=config.kl_target, horizon=config.kl_horizon)
+
+    def state_dict(self) -> dict[str, float]:
+        """The controller's state for a checkpoint (the current coefficient)."""
+        return {"coef": self.coef}
+
+    def load_state_dict(self, state: dict[str, float]) -> AdaptiveKL:
+        """The controller with a checkpoint's coefficient (target and horizon from the config)."""
+        coef = float(state["coef"])
+        assert coef >= 0.0, f"checkpointed KL coefficient {coef=} must be >= 0"
+        return dataclasses.replace(self, coef=coef)
 
     def update(self, current_kl: float, n_steps: int = 1) -> AdaptiveKL:
         """The next controller after observing `current_kl` over `n_steps` steps."""

@@ -1,6 +1,6 @@
 """`make_loss_fn(config)`: the `LossFn` a training backend calls once per micro-batch.
 
-total = pg_loss(policy_loss, TIS-weighted) - entropy_coef * agg(entropy)
+total = pg_loss(policy_loss, TIS-weighted, rejection-masked) - entropy_coef * agg(entropy)
         + kl_coef * agg(kl(logp, logp_ref))   [kl_in = "loss"]
         + value_coef * agg(value_loss)        [advantage = "gae", when the backend gives values]
 policy_loss = "pairwise" replaces pg_loss by the pairwise preference surrogate
@@ -20,16 +20,17 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from rollouts.algorithms.aggregation import GlobalCounts, aggregate, token_mean
+from rollouts.algorithms.aggregation import GlobalCounts, aggregate, seq_mean, token_mean
 from rollouts.algorithms.kl import config_kl
 from rollouts.algorithms.losses import (
     PolicyTerms,
+    cispo_loss,
     gspo_loss,
     ppo_clip_loss,
     reinforce_loss,
     value_loss,
 )
-from rollouts.algorithms.off_policy import tis_weights
+from rollouts.algorithms.off_policy import rejection_keep_mask, tis_weights
 from rollouts.algorithms.pairwise import pairwise_surrogate
 from rollouts.config import AlgorithmConfig
 from rollouts.types import ModelOutputs, TrainBatch
@@ -89,6 +90,10 @@ def _policy_terms(
         return gspo_loss(
             logp, old, adv, mask, eps_low=config.clip_eps_low, eps_high=config.clip_eps_high
         )
+    if config.policy_loss == "cispo":
+        return cispo_loss(
+            logp, old, adv, eps_low=config.cispo_clip_eps_low, eps_high=config.cispo_clip_eps_high
+        )
     assert config.policy_loss == "ppo", f"{config.policy_loss=}"
     return ppo_clip_loss(
         logp,
@@ -119,19 +124,8 @@ def policy_loss(
         metrics["ppo_kl"] = token_mean(old - logp.detach(), mask, counts)
         return _extra_terms(config, outputs, batch, logp, mask, counts, pg, metrics)
     terms = _policy_terms(config, logp, old, adv, mask)
-    pg_per_token = terms.loss
     metrics: dict[str, float] = {}
-    if config.tis:
-        if not batch.rollout_logprobs:
-            raise ValueError(
-                "algorithm.tis = true needs TrainBatch.rollout_logprobs: the engine must return "
-                "per-token logprobs for every sample (or set algorithm.tis = false)"
-            )
-        rollout = pad(batch.rollout_logprobs, device)
-        w = tis_weights(old, rollout, mask, cap=config.tis_cap, level=config.tis_level)
-        pg_per_token = pg_per_token * w
-        metrics["tis_weight_mean"] = token_mean(w, mask, counts)
-        metrics["tis_truncated_frac"] = token_mean((w >= config.tis_cap).float(), mask, counts)
+    pg_per_token = _rollout_corrected(config, terms.loss, old, mask, batch, counts, metrics)
     pg = aggregate(pg_per_token, mask, config.loss_agg, counts)
     total = pg
     metrics |= _policy_metrics(terms, logp, old, mask, counts)
@@ -140,6 +134,40 @@ def policy_loss(
         gap = (old - pad(batch.rollout_logprobs, device)).abs()
         metrics["logprob_mismatch"] = token_mean(gap, mask, counts)
     return _extra_terms(config, outputs, batch, logp, mask, counts, total, metrics)
+
+
+def _rollout_corrected(config, pg_per_token, old, mask, batch, counts, metrics) -> torch.Tensor:
+    """The per-token pg loss times TIS weights and the rejection keep-mask (when configured).
+
+    Rejected tokens weigh 0 but the normalisers stay the batch's (masked importance sampling), so
+    micro-batches still sum to the full batch's gradient.
+    """
+    if not config.tis and config.rollout_rs == "none":
+        return pg_per_token
+    if not batch.rollout_logprobs:
+        raise ValueError(
+            "algorithm.tis / algorithm.rollout_rs need TrainBatch.rollout_logprobs: the engine "
+            "must return per-token logprobs for every sample (or set algorithm.tis = false and "
+            "algorithm.rollout_rs = 'none')"
+        )
+    rollout = pad(batch.rollout_logprobs, mask.device)
+    if config.tis:
+        w = tis_weights(old, rollout, mask, cap=config.tis_cap, level=config.tis_level)
+        pg_per_token = pg_per_token * w
+        metrics["tis_weight_mean"] = token_mean(w, mask, counts)
+        metrics["tis_truncated_frac"] = token_mean((w >= config.tis_cap).float(), mask, counts)
+    if config.rollout_rs != "none":
+        upper = config.rollout_rs_threshold
+        lower = config.rollout_rs_threshold_lower or 1.0 / upper
+        keep = rejection_keep_mask(
+            old, rollout, mask, mode=config.rollout_rs, lower=lower, upper=upper
+        )
+        pg_per_token = pg_per_token * keep
+        metrics["rollout_rs_dropped_frac"] = token_mean(mask - keep, mask, counts)
+        has_tokens = (mask.sum(dim=-1) > 0).float()
+        seq_dropped = ((mask - keep).sum(dim=-1) > 0).float()
+        metrics["rollout_rs_dropped_seq_frac"] = seq_mean(seq_dropped, has_tokens, counts)
+    return pg_per_token
 
 
 def _extra_terms(config, outputs, batch, logp, mask, counts, total, metrics):

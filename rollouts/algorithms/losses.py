@@ -1,4 +1,4 @@
-"""Per-token policy losses (REINFORCE, PPO with dual clip and clip-higher, GSPO), value, entropy.
+"""Per-token policy losses (REINFORCE, PPO dual clip + clip-higher, GSPO, CISPO), value, entropy.
 
 Every function here works on padded [B, T] tensors and returns the UNAGGREGATED per-token loss
 plus per-token indicator tensors for metrics; `aggregation.aggregate` reduces them with global
@@ -120,16 +120,52 @@ def gspo_loss(
     return _clipped_terms(ratio, adv_BT, eps_low, eps_high, None)
 
 
+def cispo_loss(
+    logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor,
+    adv_BT: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+) -> PolicyTerms:
+    """CISPO (MiniMax-M1): l_t = -sg(clamp(r_t, 1 - eps_low, 1 + eps_high)) * A_t * logp_t.
+
+    The importance weight is clipped and DETACHED, so every token keeps its REINFORCE gradient
+    (scaled by the weight); the PPO clip would drop the gradient of tokens past 1 +- eps instead.
+    eps_low = 1 (the default) puts no lower bound on the weight, as the paper. `clipped` marks
+    tokens whose weight was clipped (they are still trained).
+    """
+    assert logp_BT.shape == old_logp_BT.shape == adv_BT.shape, f"{logp_BT.shape=}"
+    assert 0.0 <= eps_low <= 1.0, f"{eps_low=} must be in [0, 1]"
+    log_ratio = torch.clamp(logp_BT.detach() - old_logp_BT, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    high = (ratio > 1.0 + eps_high).float()
+    low = (ratio < 1.0 - eps_low).float()
+    return PolicyTerms(
+        loss=-weight * adv_BT * logp_BT,
+        ratio=ratio,
+        clipped=torch.maximum(high, low),
+        clipped_high=high * (adv_BT > 0).float(),
+        clipped_low=low * (adv_BT < 0).float(),
+        dual_clipped=_zeros(ratio),
+    )
+
+
 def value_loss(
     values_BT: torch.Tensor, old_values_BT: torch.Tensor, returns_BT: torch.Tensor, clip: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss per token (verl `compute_value_loss`), and its clip indicator.
 
-    v_clip = clamp(v, old - clip, old + clip); l = 0.5 * max((v - R)^2, (v_clip - R)^2).
+    v_clip = clamp(v, old - clip, old + clip); l = 0.5 * max((v - R)^2, (v_clip - R)^2); the
+    indicator is verl's vf_clipfrac, (v_clip - R)^2 > (v - R)^2. v_clip is a clamp of v itself
+    (not old + clamp(v - old)), so an unclipped value is bit-identical to v and rounding never
+    counts it as clipped.
     """
     assert values_BT.shape == old_values_BT.shape == returns_BT.shape, f"{values_BT.shape=}"
     assert clip > 0, f"{clip=} must be > 0"
-    v_clipped = old_values_BT + torch.clamp(values_BT - old_values_BT, -clip, clip)
+    old = old_values_BT.detach()
+    v_clipped = torch.clamp(values_BT, old - clip, old + clip)
     l1 = (values_BT - returns_BT) ** 2
     l2 = (v_clipped - returns_BT) ** 2
     return 0.5 * torch.maximum(l1, l2), (l2 > l1).float()

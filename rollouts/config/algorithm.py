@@ -7,8 +7,18 @@ import dataclasses
 from rollouts.config.base import _check, _one_of, _Section
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp", "gae")
-POLICY_LOSSES = ("ppo", "reinforce", "gspo", "pairwise")
+ADVANTAGES = (
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "reinforce",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "reinforce_pp",  # = reinforce_plus_plus_baseline (the name older configs use)
+    "gae",
+)
+POLICY_LOSSES = ("ppo", "reinforce", "gspo", "cispo", "pairwise")
+ROLLOUT_RS_MODES = ("none", "token", "sequence", "geometric")
 PAIR_SELECTORS = ("best_vs_worst", "all_pairs_above_margin")
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 
@@ -45,6 +55,14 @@ class AlgorithmConfig(_Section):
     pair_margin: float = 0.0  # a pair needs r_chosen - r_rejected > pair_margin
     schedule: str = ""  # dotted path to `step -> AlgorithmConfig`
     tis_level: str = "token"  # "token" | "sequence"
+    # rejection of samples the engine made too unlike the trainer (verl rollout_rs): drop tokens
+    # ("token") or whole sequences ("sequence": product of ratios; "geometric": their geometric
+    # mean) whose ratio pi_trainer / pi_engine is outside [threshold_lower, threshold]
+    rollout_rs: str = "none"
+    rollout_rs_threshold: float = 2.0
+    rollout_rs_threshold_lower: float = 0.0  # 0 = 1 / rollout_rs_threshold
+    cispo_clip_eps_low: float = 1.0  # policy_loss = "cispo": weight >= 1 - this (1 = no bound)
+    cispo_clip_eps_high: float = 0.28  # policy_loss = "cispo": weight <= 1 + this
     kl_target: float = 0.0  # > 0: adaptive KL coefficient towards this KL (kl_in = "reward")
     kl_horizon: int = 10000  # steps of the adaptive KL controller
     kl_cap: float = 0.0  # > 0: clamp per-token KL at this value
@@ -80,6 +98,35 @@ class AlgorithmConfig(_Section):
         )
         _one_of(p, "algorithm.tis_level", self.tis_level, ("token", "sequence"))
         _check(p, self.kl_target >= 0.0, "algorithm.kl_target: must be >= 0 (0 = fixed kl_coef)")
+        _check(
+            p,
+            self.kl_target == 0.0 or (self.kl_in == "reward" and self.kl_coef > 0.0),
+            f"algorithm.kl_target = {self.kl_target}: the adaptive KL controller steers the KL "
+            "in the reward (as verl): set algorithm.kl_in = 'reward' and kl_coef > 0 (its "
+            "initial value), or kl_target = 0",
+        )
+        _one_of(p, "algorithm.rollout_rs", self.rollout_rs, ROLLOUT_RS_MODES)
+        _check(
+            p,
+            self.rollout_rs_threshold > 1.0,
+            f"algorithm.rollout_rs_threshold = {self.rollout_rs_threshold}: must be > 1",
+        )
+        _check(
+            p,
+            0.0 <= self.rollout_rs_threshold_lower < 1.0,
+            f"algorithm.rollout_rs_threshold_lower = {self.rollout_rs_threshold_lower}: must be "
+            "in [0, 1) (0 = 1 / rollout_rs_threshold)",
+        )
+        _check(
+            p,
+            0.0 <= self.cispo_clip_eps_low <= 1.0,
+            f"algorithm.cispo_clip_eps_low = {self.cispo_clip_eps_low}: must be in [0, 1]",
+        )
+        _check(
+            p,
+            self.cispo_clip_eps_high >= 0.0,
+            f"algorithm.cispo_clip_eps_high = {self.cispo_clip_eps_high}: must be >= 0",
+        )
         _check(p, self.kl_horizon >= 1, "algorithm.kl_horizon: must be >= 1")
         _check(p, self.kl_cap >= 0.0, "algorithm.kl_cap: must be >= 0 (0 = no cap)")
         _check(p, 0.0 < self.kl_ignore_ref_above <= 1.0, "algorithm.kl_ignore_ref_above: (0, 1]")
@@ -142,8 +189,10 @@ class AlgorithmConfig(_Section):
         pairwise = self.policy_loss == "pairwise"
         _check(
             p,
-            not pairwise or (self.advantage != "gae" and not self.tis),
+            not pairwise
+            or (self.advantage != "gae" and not self.tis and self.rollout_rs == "none"),
             "algorithm.policy_loss = 'pairwise' uses no advantages and no TIS: set "
-            "algorithm.advantage to a critic-free estimator (e.g. 'grpo') and tis = false",
+            "algorithm.advantage to a critic-free estimator (e.g. 'grpo'), tis = false and "
+            "rollout_rs = 'none'",
         )
         return p

@@ -195,11 +195,12 @@ async def rl_phase(
     backend = make_backend(config, model_path=model_dir, total_steps=config.training.rl_steps)
     ref = None
     try:
-        start, version = 0, 0
+        start, version, loop_state = 0, 0, {}
         if latest is not None:
             state = await trio.to_thread.run_sync(load_checkpoint, backend, latest)
             buffer.load_state_dict(state.extra_state["data_buffer"])
             start, version = state.step, int(state.weight_version)
+            loop_state = state.extra_state.get("rl_loop", {})
         ref = build_reference(config, model_dir, make_backend)
         engine_model = latest / MODEL_DIR if latest is not None else model_dir
         async with open_engines(config, engine_model, str(version)) as pool:
@@ -215,6 +216,7 @@ async def rl_phase(
                 start,
                 version,
                 stop,
+                loop_state=loop_state,
             )
     finally:
         backend.close()
@@ -246,6 +248,7 @@ async def _rl_with_engines(
     start: int,
     version: int,
     stop: StopFlag,
+    loop_state: dict[str, Any] | None = None,
 ) -> dict[str, float]:
     root = checkpoint_root(config, run_dir, "rl")
     total = config.training.rl_steps
@@ -260,9 +263,13 @@ async def _rl_with_engines(
     )
 
     async def checkpoint(
-        step: int, version: str, buffer_state: dict[str, Any], metrics: Any = None
+        step: int,
+        version: str,
+        buffer_state: dict[str, Any],
+        metrics: Any = None,
+        loop_state: dict[str, Any] | None = None,
     ) -> None:
-        extra = {"phase": "rl", "data_buffer": buffer_state}
+        extra = {"phase": "rl", "data_buffer": buffer_state, "rl_loop": loop_state or {}}
         c = config.checkpoint
         best = BestSpec(metric=c.best_metric, mode=c.best_mode) if c.best_metric else None
         await _save(backend, root, step, version, extra, c.keep_last, metrics, best)
@@ -307,6 +314,7 @@ async def _rl_with_engines(
             ref=ref,
             start_step=start,
             start_version=version,
+            loop_state=loop_state,
         )
     finally:
         logger.close()

@@ -116,6 +116,32 @@ def test_reinforce_pp_baseline_and_batch_whitening():
     assert out[0][1].tolist() == pytest.approx([0.0, 0.0, -w, -w], abs=1e-6)
 
 
+def test_reinforce_pp_group_of_one_keeps_its_score():
+    # defect: with n_samples_per_prompt = 1 the group mean was the sample's own score -> all 0.
+    # verl's REINFORCE++-baseline: a group of one has mean 0, so the batch whitening decides.
+    groups = [[sample(1.0, group=0)], [sample(0.0, group=1)]]
+    for name in ("reinforce_pp", "reinforce_plus_plus_baseline"):
+        out = compute_advantages(groups, AlgorithmConfig(advantage=name))
+        # scores 1 and 0 (mean 0 each) -> tokens 1,1,0,0 -> whitened: mean .5, var 1/3
+        w = 0.5 / math.sqrt(1 / 3 + 1e-8)
+        assert out[0][0].tolist() == pytest.approx([0.0, 0.0, w, w], abs=1e-6)
+        assert out[1][0].tolist() == pytest.approx([0.0, 0.0, -w, -w], abs=1e-6)
+
+
+def test_reinforce_plus_plus_whitens_discounted_returns_without_baseline():
+    # verl compute_reinforce_plus_plus_outcome_advantage: returns with gamma, masked_whiten over
+    # the batch, no group mean. One group of two: scores 1 and 1 (a baseline would give 0).
+    groups = [[sample(1.0, mask=(0, 1, 1)), sample(1.0, mask=(0, 1, 1), index=1)]]
+    out = compute_advantages(groups, AlgorithmConfig(advantage="reinforce_plus_plus", gamma=0.5))
+    # returns per sample: t1 = 0.5, t2 = 1.0 -> over 4 tokens mean .75, unbiased var
+    # (4 * .0625) / 3 = 1/12 -> (.5 - .75) / sqrt(1/12 + 1e-8) = -0.866025, +0.866025
+    w = 0.25 / math.sqrt(1 / 12 + 1e-8)
+    for row in out[0]:
+        assert row.tolist() == pytest.approx([0.0, -w, w], abs=1e-6)
+    baseline = compute_advantages(groups, AlgorithmConfig(advantage="reinforce_pp", gamma=0.5))
+    assert baseline[0][0].tolist() == pytest.approx([0.0, 0.0, 0.0], abs=1e-6)
+
+
 def test_gae_hand_values():
     r = torch.tensor([0.0, 0.0, 1.0])
     v = torch.tensor([0.5, 0.5, 0.5])

@@ -126,6 +126,20 @@ def test_value_loss_clipped():
     assert clipped.tolist() == [1.0, 0.0]
 
 
+def test_value_clipfrac_is_zero_when_nothing_is_clipped():
+    # defect: v_clip = old + clamp(v - old) rounds in fp32, so with a clip range no value reaches
+    # (1e3) rounding marked ~10% of tokens as clipped; verl reports 0 here.
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(4096, generator=g)
+    old = torch.randn(4096, generator=g) * 7.0
+    ret = torch.randn(4096, generator=g)
+    old_form = old + torch.clamp(v - old, -1e3, 1e3)
+    assert ((old_form - ret) ** 2 > (v - ret) ** 2).float().mean() > 0.01  # the old bug
+    loss, clipped = value_loss(v, old, ret, 1e3)
+    assert clipped.sum().item() == 0.0
+    assert torch.equal(loss, 0.5 * (v - ret) ** 2)
+
+
 def test_entropy_from_logits():
     # uniform over 4 -> log 4 ; one-hot-ish (huge logit) -> ~0
     assert entropy_from_logits(torch.zeros(4)).item() == pytest.approx(math.log(4))

@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-from rollouts.algorithms.kl import kl_reward_penalties
+from rollouts.algorithms.kl import AdaptiveKL, kl_reward_penalties, sequence_mean_kl
 from rollouts.algorithms.loss_fn import make_loss_fn
 from rollouts.algorithms.pairwise import groups_of, prepare_pairwise_batch
 from rollouts.algorithms.reference import update_reference
@@ -47,8 +47,9 @@ MAX_EMPTY_STEPS = 3  # steps in a row without a trainable sample before the run 
 class RLHooks:
     """What the driver plugs into the loop (all async; each returns quickly or is bounded)."""
 
-    # (step, version, buffer_state, *, metrics): metrics = the step's (train + eval), so the
-    # driver can keep the best checkpoint (`checkpoint.best_metric`)
+    # (step, version, buffer_state, *, metrics, loop_state): metrics = the step's (train + eval),
+    # so the driver can keep the best checkpoint (`checkpoint.best_metric`); loop_state = the
+    # loop's own JSON-safe state (e.g. the adaptive KL coefficient), given back on resume
     checkpoint: Callable[..., Awaitable[None]]
     sync_weights: Callable[[str], Awaitable[dict[str, float]]]  # version -> phase times
     evaluate: Callable[[], Awaitable[dict[str, float]]] | None = None
@@ -141,7 +142,12 @@ async def _kl_in_reward_batch(
         groups, algo, max_new_tokens=max_new, kl_penalties=penalties, values=values
     )
     batch = dataclasses.replace(batch, old_logprobs=tuple(old), ref_logprobs=tuple(ref_lp))
-    return batch, {"train/reward_kl": batch_kl}
+    seq_kl = sequence_mean_kl(old, ref_lp, plain.loss_mask, algo)
+    return batch, {
+        "train/reward_kl": batch_kl,
+        "train/reward_kl_seq_mean": seq_kl,
+        "train/kl_coef": algo.kl_coef,
+    }
 
 
 async def train_step(
@@ -159,7 +165,8 @@ async def train_step(
         started = time.monotonic()
         batch, extra = await _kl_in_reward_batch(groups, algo, config, backend, ref, values)
         times["logprobs"] = time.monotonic() - started
-        algo = dataclasses.replace(algo, kl_coef=0.0)  # the KL is in the reward, not the loss
+        # the KL is in the reward, not the loss (the controller, if any, already steered it)
+        algo = dataclasses.replace(algo, kl_coef=0.0, kl_target=0.0)
     else:
         batch = train_batch_of(groups, algo, max_new_tokens=max_new, values=values)
         separate = needs_old_logprobs_pass(algo, len(mini_batches(groups, algo.mini_batch_size)))
@@ -260,13 +267,20 @@ async def run_rl_training(
     ref: ReferencePolicy | None = None,
     start_step: int = 0,
     start_version: int = 0,
+    loop_state: dict[str, Any] | None = None,
 ) -> RLResult:
-    """Run RL steps `start_step + 1 .. training.rl_steps` (see the module docstring)."""
+    """Run RL steps `start_step + 1 .. training.rl_steps` (see the module docstring).
+
+    `loop_state` is what the checkpoint hook was given last (a resumed run passes it back).
+    """
     schedule = load_schedule(config.algorithm)
     total = config.training.rl_steps
     is_async = config.rollout.mode == "async"
     batches = _Batches(rollout_manager, reward_fn, data_buffer)
-    state = {"version": start_version, "synced": start_version, "metrics": {}}
+    kl_ctl = AdaptiveKL.from_config(config.algorithm)
+    if loop_state and "kl_ctl" in loop_state:
+        kl_ctl = kl_ctl.load_state_dict(loop_state["kl_ctl"])
+    state = {"version": start_version, "synced": start_version, "metrics": {}, "kl_ctl": kl_ctl}
     step = start_step
     async with trio.open_nursery() as nursery:
         if is_async:
@@ -310,7 +324,7 @@ async def _one_step(
     started = time.monotonic()
     rollout, gen_s = await batches.next(step)
     wait_s = time.monotonic() - started
-    algo = schedule(step - 1)
+    algo = _with_kl_controller(schedule(step - 1), state["kl_ctl"])
     prep = prepare_groups(
         rollout.groups, str(state["version"]), config.rollout.max_staleness if is_async else None
     )
@@ -335,6 +349,10 @@ async def _one_step(
     if prep.groups:
         train_metrics, train_times = await train_step(backend, prep.groups, algo, config, ref)
         metrics |= train_metrics
+        if "train/reward_kl_seq_mean" in train_metrics:  # verl: n_steps = the batch size
+            n_seqs = sum(len(g) for g in prep.groups)
+            kl_ctl = state["kl_ctl"].update(train_metrics["train/reward_kl_seq_mean"], n_seqs)
+            state["kl_ctl"] = kl_ctl
         times |= train_times
         state["version"] += 1
         if ref is not None:
@@ -359,9 +377,19 @@ async def _one_step(
     if (every and step % every == 0) or step == total or stopping:
         t = time.monotonic()
         resume_state = batches.state_for_resume(step + 1)
-        await hooks.checkpoint(step, str(state["version"]), resume_state, metrics=metrics)
+        loop_state = {"kl_ctl": state["kl_ctl"].state_dict()}
+        await hooks.checkpoint(
+            step, str(state["version"]), resume_state, metrics=metrics, loop_state=loop_state
+        )
         times["checkpoint"] = time.monotonic() - t
     return metrics | _timing(times, time.monotonic() - started, rollout, state["version"])
+
+
+def _with_kl_controller(algo: AlgorithmConfig, kl_ctl: AdaptiveKL) -> AlgorithmConfig:
+    """The step's config with the adaptive controller's coefficient (when it is adaptive)."""
+    if kl_ctl.target <= 0.0:
+        return algo
+    return dataclasses.replace(algo, kl_coef=kl_ctl.coef)
 
 
 def _timing(
