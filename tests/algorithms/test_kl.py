@@ -15,10 +15,11 @@ from rollouts.algorithms.kl import (
     full_kl_chunked,
     kl_estimate,
     kl_reward_penalties,
+    sequence_mean_kl,
     reverse_kl,
     truncate_kl,
 )
-from rollouts.config import AlgorithmConfig
+from rollouts.config import AlgorithmConfig, ConfigError
 
 LN2 = math.log(2.0)
 
@@ -84,6 +85,23 @@ def test_adaptive_kl_controller():
     assert ctl.update(0.05, n_steps=2).coef == pytest.approx(0.096)
     cfg = AlgorithmConfig(kl_coef=0.3, kl_target=0.02, kl_horizon=5, kl_in="reward")
     assert AdaptiveKL.from_config(cfg) == AdaptiveKL(coef=0.3, target=0.02, horizon=5)
+    moved = ctl.update(0.2)
+    assert ctl.load_state_dict(moved.state_dict()) == moved  # a resume continues with it
+    with pytest.raises(ConfigError, match="kl_in = 'reward'"):
+        AlgorithmConfig(kl_coef=0.3, kl_target=0.02)  # adaptive KL steers the reward's KL
+
+
+def test_sequence_mean_kl_is_verls_current_kl():
+    # verl apply_kl_penalty: masked_mean over each sequence, then the mean over sequences
+    old = [torch.tensor([0.0, 1.0, 3.0]), torch.tensor([0.0, 2.0])]
+    ref = [torch.zeros(3), torch.zeros(2)]
+    masks = [torch.tensor([0.0, 1.0, 1.0]), torch.tensor([0.0, 1.0])]
+    config = AlgorithmConfig(kl_estimator="k1")
+    # seq 0: (1 + 3) / 2 = 2 ; seq 1: 2 / 1 = 2 -> 2 (the token mean would be 6 / 3 = 2 too)
+    assert sequence_mean_kl(old, ref, masks, config) == pytest.approx(2.0)
+    old[1] = torch.tensor([0.0, 5.0])
+    # seq means 2 and 5 -> 3.5, where the batch token mean is 9 / 3 = 3
+    assert sequence_mean_kl(old, ref, masks, config) == pytest.approx(3.5)
 
 
 @pytest.mark.parametrize("direction", ["reverse", "forward"])

@@ -104,6 +104,53 @@ def test_tis_in_the_loss_is_detached_and_truncated():
         loss_fn(ModelOutputs(logprobs=tuple(logp)), no_rollout)
 
 
+def test_cispo_hand_values_every_token_keeps_a_gradient():
+    batch = small_batch()
+    logp = [
+        torch.tensor([0.0, math.log(1.5), math.log(0.5)], requires_grad=True),
+        torch.tensor([0.0, math.log(4.0)], requires_grad=True),
+    ]
+    batch = dataclasses.replace(batch, old_logprobs=(torch.zeros(3), torch.zeros(2)))
+    config = AlgorithmConfig(policy_loss="cispo", cispo_clip_eps_high=0.28)
+    loss, metrics = make_loss_fn(config)(ModelOutputs(logprobs=tuple(logp)), batch)
+    # weights sg(clamp(r, 0, 1.28)): r = 1.5 -> 1.28, r = .5 -> .5 (no lower bound), r = 4 -> 1.28
+    # l = -w A logp: -1.28 log 1.5, -.5 log .5, +1.28 log 4 ; token-mean over N = 3
+    expected = (-1.28 * math.log(1.5) - 0.5 * math.log(0.5) + 1.28 * math.log(4.0)) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert metrics["clipfrac"] == pytest.approx(2 / 3)  # weights clipped, tokens still trained
+    loss.backward()
+    # dl/dlogp = -w A / N on every token; PPO would give 0 for r = 1.5 (A > 0, clipped)
+    assert logp[0].grad.tolist() == pytest.approx([0.0, -1.28 / 3, -0.5 / 3], rel=1e-6)
+    assert logp[1].grad.tolist() == pytest.approx([0.0, 1.28 / 3], rel=1e-6)
+    ppo = [t.detach().clone().requires_grad_(True) for t in logp]
+    make_loss_fn(AlgorithmConfig())(ModelOutputs(logprobs=tuple(ppo)), batch)[0].backward()
+    assert ppo[0].grad[1].item() == 0.0
+
+
+@pytest.mark.parametrize(
+    ("mode", "loss", "dropped", "dropped_seqs"),
+    [
+        ("token", -1 / 3, 2 / 3, 1.0),  # ratio 3 and ratio .4 tokens dropped
+        ("sequence", 0.0, 1.0, 1.0),  # seq 0: 1.5 * 3 = 4.5 > 2.2 ; seq 1: .4 < 1 / 2.2
+        ("geometric", -2 / 3, 1 / 3, 0.5),  # seq 0: sqrt(4.5) = 2.12 kept ; seq 1 dropped
+    ],
+)
+def test_rollout_rejection_modes_hand_values(mode, loss, dropped, dropped_seqs):
+    # logp = old = -1 everywhere (ratio 1, per-token loss -A); engine logprobs chosen so that
+    # pi_trainer / pi_engine = exp(old - rollout) is 1.5, 3 (seq 0) and 0.4 (seq 1)
+    rollout = ((-1 - math.log(1.5), -1 - math.log(3.0)), (-1 + math.log(2.5),))
+    batch = small_batch(rollout=rollout)
+    outputs = outputs_for([[-1.0] * 3, [-1.0] * 2])
+    config = AlgorithmConfig(rollout_rs=mode, rollout_rs_threshold=2.2)
+    value, metrics = make_loss_fn(config)(outputs, batch)
+    # kept tokens of -1, -1, +1 summed over N = 3 (the batch's N: rejected tokens weigh 0)
+    assert value.item() == pytest.approx(loss, abs=1e-6)
+    assert metrics["rollout_rs_dropped_frac"] == pytest.approx(dropped)
+    assert metrics["rollout_rs_dropped_seq_frac"] == pytest.approx(dropped_seqs)
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        make_loss_fn(config)(outputs, dataclasses.replace(batch, rollout_logprobs=()))
+
+
 def test_entropy_and_kl_terms():
     batch = small_batch()
     ref = (torch.tensor([0.0, math.log(0.5), 0.0]), torch.tensor([0.0, 0.0]))
@@ -163,6 +210,7 @@ def grads(loss_fn, batch, params, micro_batches):
 
 COMBOS = [(p, m) for p in ("ppo", "reinforce") for m in AGG_MODES]
 COMBOS.append(("gspo", "seq-mean-token-mean"))  # GSPO is defined with this mode only
+COMBOS += [("cispo", m) for m in AGG_MODES]
 
 
 @pytest.mark.parametrize(("policy", "mode"), COMBOS)
@@ -230,3 +278,22 @@ def test_gae_batch_and_value_loss():
     assert metrics["value_clipfrac"] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="critic"):
         build_train_batch(groups, config)
+
+
+@pytest.mark.parametrize("policy", ["ppo", "cispo"])
+@pytest.mark.parametrize(
+    ("mode", "threshold"), [("token", 1.5), ("sequence", 1.5), ("geometric", 1.1)]
+)
+def test_gradient_accumulation_with_rollout_rejection(policy, mode, threshold):
+    batch, params = random_batch(seed=2)
+    config = AlgorithmConfig(
+        policy_loss=policy, rollout_rs=mode, rollout_rs_threshold=threshold, tis=True
+    )
+    loss_fn = make_loss_fn(config)
+    full, full_metrics = grads(loss_fn, batch, params, [list(range(8))])
+    micro, micro_metrics = grads(loss_fn, batch, params, [[0, 1, 2], [3, 4], [5, 6, 7]])
+    for a, b in zip(full, micro, strict=True):
+        assert torch.allclose(a, b, atol=1e-6), (a, b)
+    assert 0.0 < full_metrics["rollout_rs_dropped_frac"] < 1.0  # some kept, some rejected
+    for key, value in full_metrics.items():
+        assert micro_metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 
 from rollouts.config import Config
+from rollouts.training.backends import building as f
 from rollouts.training.backends.batching import shard_indices
 from rollouts.training.backends.core import BackendSettings, TrainerCore
 from rollouts.training.backends.model import VALUE_HEAD_FILE, TokenLogprobModel, make_value_head
@@ -263,8 +264,6 @@ def create_fsdp_backend(
     value_head: bool | None = None,
 ) -> FSDPBackend:
     """An FSDP2 backend for `config`; call on every torchrun rank (value_head: see pytorch)."""
-    from rollouts.training.backends import factories as f
-
     device = init_distributed()
     path = f.model_path_of(config, model_path)
     m = config.model
