@@ -15,8 +15,8 @@ from rollouts.algorithms.kl import (
     full_kl_chunked,
     kl_estimate,
     kl_reward_penalties,
-    sequence_mean_kl,
     reverse_kl,
+    sequence_mean_kl,
     truncate_kl,
 )
 from rollouts.config import AlgorithmConfig, ConfigError
