@@ -20,11 +20,16 @@ from rollouts.inference.protocol import (
     FinishReason,
     SamplingParams,
 )
+from rollouts.inference.versions import SyncBracket, completion_version, span_versions
 
 HEALTH_TIMEOUT_S = 5.0
 WAIT_POLL_S = 0.05
-# our pause modes -> SGLang's /pause_generation modes ("wait" has none: drain, then in_place)
-SGLANG_PAUSE = {"abort": "abort", "wait": "in_place", "keep": "in_place"}
+# our pause modes -> SGLang's /pause_generation modes ("wait" has none: drain, then retract).
+# Not "in_place": the reload flushes the prefix cache (stale KV must not outlive the weights), and
+# SGLang refuses that flush (0.5.22+) or crashes on it (0.5.21) while an in_place pause holds
+# running requests. "retract" moves them back to the waiting queue (outputs so far kept); they
+# continue after /continue_generation, re-prefilled with the new weights (0.5.8+).
+SGLANG_PAUSE = {"abort": "abort", "wait": "retract", "keep": "retract"}
 
 
 def sampling_body(sampling: SamplingParams) -> dict[str, Any]:
@@ -77,12 +82,19 @@ def finish_reason(obj: Any) -> tuple[FinishReason, int | str | None]:
     return FinishReason.ERROR, None
 
 
-def parse_generate(answer: Any) -> Completion:
-    """One /generate answer object -> Completion (checks ids and logprobs line up)."""
+def one_answer(answer: Any) -> dict[str, Any]:
+    """The answer object of a one-prompt /generate (an EngineError if it has no meta_info)."""
     if isinstance(answer, list) and len(answer) == 1:
         answer = answer[0]
-    if not isinstance(answer, dict) or "meta_info" not in answer:
+    if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
         raise EngineError(f"/generate answer has no meta_info: {str(answer)[:200]}")
+    return answer
+
+
+def parse_generate(answer: Any, version: str | None = None) -> Completion:
+    """One /generate answer -> Completion (checks ids and logprobs line up); `version`, when
+    given, replaces meta_info.weight_version (the client's bracket, `versions.py`)."""
+    answer = one_answer(answer)
     meta = answer["meta_info"]
     output_ids = tuple(int(t) for t in answer.get("output_ids", ()))
     entries = meta.get("output_token_logprobs") or []
@@ -95,7 +107,7 @@ def parse_generate(answer: Any) -> Completion:
         output_ids=output_ids,
         logprobs=tuple(float(e[0]) for e in entries),
         finish_reason=reason,
-        weight_version=str(meta.get("weight_version", "default")),
+        weight_version=version or str(meta.get("weight_version", "default")),
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         completion_tokens=len(output_ids),
         text=str(answer.get("text", "")),
@@ -116,15 +128,28 @@ class SGLangEngine:
     ) -> None:
         self.http = EngineHttp(url, api_key=api_key, options=options, transport=transport)
         self.url = self.http.url
+        self._paused = False  # between this client's pause and resume
+        self.bracket = SyncBracket()
 
     async def generate(
         self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None
     ) -> Completion:
         """POST /generate with input_ids; an abort answers 200 with the partial output."""
-        answer = await self.http.json(
-            "POST", "/generate", json_body=generate_body(input_ids, sampling, rid)
+        submitted = self.bracket.at_submit()
+        answer = one_answer(
+            await self.http.json(
+                "POST", "/generate", json_body=generate_body(input_ids, sampling, rid)
+            )
         )
-        return parse_generate(answer)
+        meta = answer["meta_info"]
+        reported = meta.get("weight_version")
+        version = completion_version(
+            spans=span_versions(meta.get("weight_versions")),
+            reported=None if reported is None else str(reported),
+            submitted=submitted,
+            bracket=self.bracket,
+        )
+        return parse_generate(answer, version)
 
     async def update_weights_from_disk(self, path: str, version: str) -> None:
         """POST /update_weights_from_disk; raises with the server's message on failure."""
@@ -135,36 +160,48 @@ class SGLangEngine:
             "abort_all_requests": False,
             "weight_version": str(version),
         }
+        self.bracket.begin_sync()
         answer = await self.http.json("POST", "/update_weights_from_disk", json_body=body)
         if not answer.get("success", False):
             raise EngineError(f"{self.url}: weight update failed: {answer.get('message')}")
+        self.bracket.served(str(version))
 
     async def pause(self, mode: str = "abort") -> None:
-        """POST /pause_generation: abort -> abort, keep -> in_place; wait polls /v1/loads until
-        nothing runs (bounded by the client timeout), then pauses in_place."""
+        """POST /pause_generation: abort -> abort, keep -> retract; wait polls /v1/loads until
+        nothing runs (bounded by the client timeout), then pauses with retract."""
         assert mode in PAUSE_MODES, f"{mode=} not in {PAUSE_MODES}"
         if mode == "wait":
             with trio.fail_after(self.http.options.timeout_s):
                 while (await self.load()).total > 0:
                     await trio.sleep(WAIT_POLL_S)
+        self._paused = True  # also if the call fails: the engine may have paused anyway
         await self.http.call("POST", "/pause_generation", json_body={"mode": SGLANG_PAUSE[mode]})
 
     async def resume(self) -> None:
         """POST /continue_generation."""
         await self.http.call("POST", "/continue_generation", json_body={})
+        self._paused = False
 
     async def abort_all(self) -> None:
         """POST /abort_request {"abort_all": true}."""
         await self.http.call("POST", "/abort_request", json_body={"abort_all": True})
 
     async def health(self) -> bool:
-        """GET /health is 200."""
-        return await self.http.ok("/health", HEALTH_TIMEOUT_S)
+        """GET /health is 200; while this client has the engine paused, GET /model_info is.
+
+        SGLang's /health runs a one-token generation, which waits while generation is paused
+        (503 after 20 s): a paused engine is alive, so liveness then uses a route that does not
+        generate.
+        """
+        path = "/model_info" if self._paused else "/health"
+        return await self.http.ok(path, HEALTH_TIMEOUT_S)
 
     async def weight_version(self) -> str:
         """From GET /model_info."""
         info = await self.http.json("GET", "/model_info")
-        return str(info.get("weight_version", "default"))
+        version = str(info.get("weight_version", "default"))
+        self.bracket.served(version)
+        return version
 
     async def load(self) -> EngineLoad:
         """From GET /v1/loads (summed over data-parallel ranks)."""

@@ -2,12 +2,15 @@
 
 Generation is `/v1/completions` with token-id prompts, `return_token_ids` and `logprobs: 0`
 (the sampled token's logprob only). Weight reload, pause and abort use vLLM's dev-mode routes
-(`VLLM_SERVER_DEV_MODE=1`): `/collective_rpc reload_weights` then `/update_weight_version`.
+(`VLLM_SERVER_DEV_MODE=1`, vLLM >= 0.27): `/collective_rpc reload_weights` then
+`/update_weight_version {"new_version"}`. vLLM < 0.33 ignores `return_weight_versions`: the
+client then says so once and takes each sample's version from its sync bracket (`versions.py`).
 The built-in server answers the same routes.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +24,9 @@ from rollouts.inference.protocol import (
     FinishReason,
     SamplingParams,
 )
+from rollouts.inference.versions import SyncBracket, completion_version, span_versions
 
+log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 5.0
 FINISH = {
     "stop": FinishReason.STOP,
@@ -49,6 +54,7 @@ def completion_body(
         "ignore_eos": sampling.ignore_eos,
         "include_stop_str_in_output": sampling.no_stop_trim,
         "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,  # as the SGLang client: same decoded text
         "n": 1,
         "logprobs": 0,
         "return_token_ids": True,
@@ -64,8 +70,8 @@ def completion_body(
     return body
 
 
-def parse_completion(answer: Any, fallback_version: str) -> Completion:
-    """A /v1/completions answer with one choice -> Completion."""
+def parse_completion(answer: Any, version: str) -> Completion:
+    """A /v1/completions answer with one choice -> Completion served by weight `version`."""
     choices = answer.get("choices") if isinstance(answer, dict) else None
     if not choices:
         raise EngineError(f"/v1/completions answer has no choices: {str(answer)[:200]}")
@@ -76,8 +82,6 @@ def parse_completion(answer: Any, fallback_version: str) -> Completion:
     logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
     if len(logprobs) != len(output_ids):
         raise EngineError(f"{len(logprobs)} logprobs for {len(output_ids)} output tokens")
-    spans = choice.get("weight_versions") or []
-    version = str(spans[-1]["version"]) if spans else fallback_version
     usage = answer.get("usage") or {}
     prompt_ids = choice.get("prompt_token_ids")
     prompt_tokens = len(prompt_ids) if prompt_ids is not None else usage.get("prompt_tokens", 0)
@@ -108,31 +112,54 @@ class VLLMEngine:
         self.http = EngineHttp(url, api_key=api_key, options=options, transport=transport)
         self.url = self.http.url
         self.model = model
-        self._version = "default"  # last version seen; used when an answer has none
+        self.bracket = SyncBracket()
+        self.reports_versions: bool | None = None  # does the server answer weight_versions?
         self._in_flight = 0
 
     async def generate(
         self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None
     ) -> Completion:
         """POST /v1/completions with a token-id prompt."""
+        if self.bracket.version is None and self.reports_versions is not True:
+            await self.weight_version()  # the bracket needs a starting version
         body = completion_body(input_ids, sampling, rid, self.model)
+        submitted = self.bracket.at_submit()
         self._in_flight += 1
         try:
             answer = await self.http.json("POST", "/v1/completions", json_body=body)
         finally:
             self._in_flight -= 1
-        completion = parse_completion(answer, self._version)
-        self._version = completion.weight_version
-        return completion
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        choice = choices[0] if isinstance(choices, list) and choices else {}
+        self._note_reporting("weight_versions" in choice)
+        spans = span_versions(choice.get("weight_versions"))
+        version = completion_version(
+            spans=spans, reported=None, submitted=submitted, bracket=self.bracket
+        )
+        return parse_completion(answer, version)
+
+    def _note_reporting(self, reports: bool) -> None:
+        """Say once when the server does not report weight versions (vLLM < 0.33)."""
+        if self.reports_versions is None and not reports:
+            log.warning(
+                "%s does not report weight versions per request (return_weight_versions needs "
+                "vLLM >= 0.33): each sample's version comes from this client's pause/sync "
+                "bracket (exact unless a sync ran during the request, then the older version)",
+                self.url,
+            )
+        self.reports_versions = reports if self.reports_versions is None else self.reports_versions
 
     async def update_weights_from_disk(self, path: str, version: str) -> None:
         """`/collective_rpc reload_weights` from `path`, then `/update_weight_version`."""
         rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+        self.bracket.begin_sync()
         await self.http.call("POST", "/collective_rpc", json_body=rpc)
-        await self.http.call(
-            "POST", "/update_weight_version", json_body={"weight_version": str(version)}
+        answer = await self.http.json(
+            "POST", "/update_weight_version", json_body={"new_version": str(version)}
         )
-        self._version = str(version)
+        if not isinstance(answer, dict) or answer.get("success") is not True:
+            raise EngineError(f"{self.url}: /update_weight_version answered {answer!r}")
+        self.bracket.served(str(version))
 
     async def pause(self, mode: str = "abort") -> None:
         """POST /pause?mode=abort|wait|keep."""
@@ -148,14 +175,16 @@ class VLLMEngine:
         await self.http.call("POST", "/abort_requests", json_body={"request_ids": []})
 
     async def health(self) -> bool:
-        """GET /health is 200."""
+        """GET /health is 200 (vLLM's does not generate: it also answers while paused)."""
         return await self.http.ok("/health", HEALTH_TIMEOUT_S)
 
     async def weight_version(self) -> str:
-        """From GET /weight_info."""
+        """From GET /weight_info (also what the sync bracket starts from)."""
         info = await self.http.json("GET", "/weight_info")
-        self._version = str(info.get("weight_version", self._version))
-        return self._version
+        if not isinstance(info, dict) or info.get("weight_version") is None:
+            raise EngineError(f"{self.url}/weight_info has no weight_version: {info!r}")
+        self.bracket.served(str(info["weight_version"]))
+        return str(info["weight_version"])
 
     async def load(self) -> EngineLoad:
         """vLLM has no load route in its API: this client's own in-flight requests."""

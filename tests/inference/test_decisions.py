@@ -156,6 +156,7 @@ def test_client_bodies_use_the_wire_field_names() -> None:
         "ignore_eos",
         "include_stop_str_in_output",
         "skip_special_tokens",
+        "spaces_between_special_tokens",
         "n",
         "logprobs",
         "return_token_ids",
@@ -165,6 +166,10 @@ def test_client_bodies_use_the_wire_field_names() -> None:
         "request_id",
     }
     assert body["max_tokens"] == 8 and body["logprobs"] == 0 and body["prompt"] == [1, 2]
+    # both clients decode alike (slime's choice): no spaces between special tokens
+    assert body["spaces_between_special_tokens"] is False
+    sglang_params = generate_body([1], sampling, None)["sampling_params"]
+    assert sglang_params["spaces_between_special_tokens"] is False
 
 
 def test_pick_engine_least_loaded_up_untried() -> None:

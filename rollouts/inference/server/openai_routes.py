@@ -85,8 +85,7 @@ def completion_choice(state: ServerState, seq: Sequence, index: int, body: dict)
         choice["logprobs"] = {
             "tokens": [name(t) for t in seq.output_ids],
             "token_logprobs": list(seq.logprobs),
-            "top_logprobs": [{name(t): lp for lp, t in step} for step in seq.top]
-            or [None] * len(seq.output_ids),
+            "top_logprobs": _top_logprobs(seq, name),
             "text_offset": _offsets(state, seq.output_ids),
         }
     else:
@@ -98,6 +97,18 @@ def completion_choice(state: ServerState, seq: Sequence, index: int, body: dict)
     if body.get("return_weight_versions"):
         choice["weight_versions"] = _weight_versions(seq)
     return choice
+
+
+def _top_logprobs(seq: Sequence, name: Any) -> list[dict[str, float]]:
+    """vLLM's per-token dict: the sampled token first, then the top `logprobs` candidates."""
+    tops = seq.top or [[] for _ in seq.output_ids]
+    out = []
+    for lp, tok, top in zip(seq.logprobs, seq.output_ids, tops, strict=True):
+        step = {name(tok): lp}
+        for top_lp, top_tok in top:
+            step.setdefault(name(top_tok), top_lp)
+        out.append(step)
+    return out
 
 
 def _offsets(state: ServerState, ids: list[int]) -> list[int]:
@@ -165,6 +176,8 @@ def chat_choice(state: ServerState, seq: Sequence, index: int, body: dict) -> di
         }
     if body.get("return_token_ids"):
         choice["token_ids"] = list(seq.output_ids)
+    if body.get("return_weight_versions"):
+        choice["weight_versions"] = _weight_versions(seq)
     return choice
 
 

@@ -124,7 +124,11 @@ async def generate(request: Request) -> Response:
 
 
 async def update_weights_from_disk(request: Request) -> Response:
-    """POST /update_weights_from_disk: reload HF safetensors; 400 with success false on failure."""
+    """POST /update_weights_from_disk: reload HF safetensors; 400 with success false on failure.
+
+    Like SGLang 0.5.22+, `flush_cache` (default true) is refused while an in_place pause holds
+    running requests (SGLang cannot flush their KV cache; 0.5.21 crashed): pause with retract.
+    """
     state = state_of(request)
     body = await json_body(request)
     path = body.get("model_path")
@@ -132,23 +136,41 @@ async def update_weights_from_disk(request: Request) -> Response:
         raise BadRequest("model_path", "must be the path of an HF-format checkpoint directory")
     version = body.get("weight_version")
     version = None if version is None else str(version)
+    running, _ = state.core.load()
+    if body.get("flush_cache", True) and state.sglang_pause == "in_place" and running:
+        message = (
+            f"Cache not flushed: {running} running requests under an in_place pause "
+            "(pause with mode retract to flush)"
+        )
+        return JSONResponse(
+            {"success": False, "message": message, "num_paused_requests": 0}, status_code=400
+        )
     try:
         await state.reload(path, version, bool(body.get("abort_all_requests")))
     except ValueError as exc:
-        return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
-    message = f"loaded {path} (weight_version {state.core.weight_version})"
+        return JSONResponse(
+            {"success": False, "message": str(exc), "num_paused_requests": 0}, status_code=400
+        )
+    message = f"Succeeded to update model weights from {path}."
     return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
 
 
 async def update_weight_version(request: Request) -> Response:
-    """POST /update_weight_version {"new_version": "13"} (also accepts "weight_version")."""
+    """POST /update_weight_version {"new_version": "13"}: as SGLang and vLLM (>= 0.27) take it.
+
+    `abort_all_requests` (SGLang's field) is honoured when true; its default here is vLLM's
+    behaviour (nothing aborted), since the vLLM client is the one that calls this route.
+    """
     state = state_of(request)
     body = await json_body(request)
-    version = body.get("new_version", body.get("weight_version"))
-    if version is None:
-        raise BadRequest("new_version", "is required")
-    await state.set_version(str(version))
-    return JSONResponse({"success": True, "message": f"weight_version set to {version}"})
+    version = body.get("new_version")
+    if not isinstance(version, str):
+        raise BadRequest("new_version", f"{version!r}: must be the new version as a string")
+    if body.get("abort_all_requests"):
+        await state.abort(None)
+    await state.set_version(version)
+    message = f"Weight version updated to {version}"
+    return JSONResponse({"success": True, "message": message, "new_version": version})
 
 
 async def pause_generation(request: Request) -> Response:
@@ -159,13 +181,14 @@ async def pause_generation(request: Request) -> Response:
     if mode not in PAUSE_MODES:
         raise BadRequest("mode", f"{mode!r} must be one of {list(PAUSE_MODES)}")
     await state.pause(PAUSE_MODES[mode], reject_new=False)
-    return JSONResponse({"success": True, "message": f"paused ({mode})"})
+    state.sglang_pause = mode
+    return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
 
 async def continue_generation(request: Request) -> Response:
     """POST /continue_generation: resume after a pause."""
     await state_of(request).resume()
-    return JSONResponse({"success": True, "message": "continued"})
+    return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
 
 async def abort_request(request: Request) -> Response:
@@ -189,16 +212,25 @@ async def flush_cache(request: Request) -> Response:
 
 
 async def model_info(request: Request) -> Response:
-    """GET /model_info (and the deprecated /get_model_info)."""
+    """GET /model_info (and the deprecated /get_model_info), with SGLang 0.5.23's fields."""
     state = state_of(request)
+    hf_config = getattr(state.core.model, "config", None)
     return JSONResponse(
         {
             "model_path": state.info.model_path,
             "served_model_name": state.info.served_model_name,
             "tokenizer_path": state.info.model_path,
             "is_generation": True,
-            "weight_version": state.core.weight_version,
             "preferred_sampling_params": None,
+            "weight_version": state.core.weight_version,
+            "load_format": "auto",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(hf_config, "model_type", None),
+            "architectures": getattr(hf_config, "architectures", None),
         }
     )
 

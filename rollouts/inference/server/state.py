@@ -43,6 +43,7 @@ class ServerState:
         self.core, self.info, self.token = core, info, token
         self.tokenizer = core.tokenizer
         self.reject_new = False  # vLLM pause in abort/wait mode: new requests get 503
+        self.sglang_pause: str | None = None  # the /pause_generation mode until a resume
         self._ids = itertools.count()
 
     def new_rid(self) -> str:
@@ -160,6 +161,7 @@ class ServerState:
     async def resume(self) -> None:
         """Undo pause: new requests are taken again and frozen ones continue."""
         self.reject_new = False
+        self.sglang_pause = None
 
         def run(reply: Callable[[Any], None]) -> None:
             self.core.paused = False
