@@ -102,7 +102,7 @@ class EnginesConfig(_Section):
     device: str = "cpu"
     torch_threads: int = 0  # built-in engines' torch threads; 0 = a share of the cores on CPU
     request_timeout_s: float = 300.0
-    startup_timeout_s: float = 120.0
+    startup_timeout_s: float = 120.0  # built-in engines' start; /health wait for URLs
     health_interval_s: float = 5.0
     max_retries: int = 3
 

@@ -196,6 +196,14 @@ class SGLangEngine:
         path = "/model_info" if self._paused else "/health"
         return await self.http.ok(path, HEALTH_TIMEOUT_S)
 
+    async def server_version(self) -> str:
+        """From GET /server_info (SGLang's "version"; the built-in server says "rollouts")."""
+        info = await self.http.json("GET", "/server_info")
+        info = info if isinstance(info, dict) else {}
+        if info.get("engine") == "rollouts":
+            return "rollouts built-in server"
+        return f"sglang {info.get('version', 'unknown')}"
+
     async def weight_version(self) -> str:
         """From GET /model_info."""
         info = await self.http.json("GET", "/model_info")

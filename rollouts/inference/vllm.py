@@ -97,6 +97,16 @@ def parse_completion(answer: Any, version: str) -> Completion:
     )
 
 
+def reports_weight_versions(version: str) -> bool | None:
+    """Whether vLLM `version` answers `return_weight_versions` (0.33+); None if unparseable."""
+    parts = version.split(".")
+    try:
+        major, minor = int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+    return (major, minor) >= (0, 33)
+
+
 class VLLMEngine:
     """InferenceEngine over vLLM's OpenAI-compatible API (dev mode for weights and pause)."""
 
@@ -148,6 +158,15 @@ class VLLMEngine:
                 self.url,
             )
         self.reports_versions = reports if self.reports_versions is None else self.reports_versions
+
+    async def server_version(self) -> str:
+        """GET /version; says at once (and once) if this vLLM does not report weight versions."""
+        answer = await self.http.json("GET", "/version")
+        version = str(answer.get("version", "unknown")) if isinstance(answer, dict) else "unknown"
+        reports = reports_weight_versions(version)
+        if reports is not None:
+            self._note_reporting(reports)
+        return f"vllm {version}"
 
     async def update_weights_from_disk(self, path: str, version: str) -> None:
         """`/collective_rpc reload_weights` from `path`, then `/update_weight_version`."""

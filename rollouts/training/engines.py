@@ -2,8 +2,9 @@
 
 Either way the loop gets one `EnginePool` (an InferenceEngine) with periodic health checks.
 Built-in engines are started on the given model with the given weight version and stopped when
-the block exits (also on Ctrl-C or an error); external servers are first made to serve the
-run's starting weights with a weight sync.
+the block exits (also on Ctrl-C or an error); external servers are waited for (up to
+`engines.startup_timeout_s`, naming the URLs still loading) and then made to serve the run's
+starting weights with a weight sync.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import trio
 from rollouts.config import Config
 from rollouts.inference.launch import serve_engines
 from rollouts.inference.pool import EnginePool
+from rollouts.inference.readiness import wait_until_ready
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.vllm import VLLMEngine
 from rollouts.training.weight_sync import sync_weights_to_engines
@@ -65,7 +67,8 @@ async def open_engines(config: Config, model_dir: Path, version: str) -> AsyncIt
             [client(u, api_key=e.api_key) for u in urls], health_interval_s=e.health_interval_s
         )
         try:
-            if e.kind != "builtin":  # external servers: make them serve our starting weights
+            if e.kind != "builtin":  # external servers: wait for them, then our starting weights
+                await wait_until_ready(pool.engines, e.startup_timeout_s)
                 await sync_weights_to_engines(pool.engines, str(model_dir), version)
             await nursery.start(pool.run_health_checks)
             yield pool

@@ -247,7 +247,7 @@ async def server_info(request: Request) -> Response:
             "max_queued_requests": info.max_queue,
             "logprobs_from": info.logprobs_from,
             "engine": "rollouts",
-            "version": state_of(request).core.weight_version,
+            "version": "rollouts-builtin",
         }
     )
 
