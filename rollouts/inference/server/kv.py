@@ -1,41 +1,129 @@
-"""The shared, left-padded KV cache of the running batch, and the two forward passes on it.
+"""The running batch's KV cache: pre-allocated slots on one shared timeline, and the forwards.
 
-All rows share one `DynamicCache` of length T; a row's real tokens sit at the right end and its
-left part is padding hidden by `mask_B_T`. New rows are prefilled together (left-padded) and
-merged in by padding the shorter cache on the left; finished rows are dropped with an index
-select, and columns that became padding in every row are trimmed away.
+Every layer's keys and values live in one buffer `[rows, kv_heads, capacity, head_dim]`,
+allocated once and grown by doubling (never concatenated per step). Active rows are the dense
+slots `[0, batch)`; all of them write their next token at the same column `t`, so a row's
+tokens sit at the right end of `[start, t)` and the columns left of `start` are hidden by an
+additive mask kept in a `[rows, capacity]` buffer (a 4D view of it goes to the model as is, so
+no mask is rebuilt per step; positions are a per-slot counter). A retired row's slot is
+refilled by moving the last active row into it. New rows are prefilled together in a plain
+`DynamicCache` (each distinct prompt once) and their keys/values copied into their slots.
+`SlotCache` is duck-typed as an HF cache: attention layers only call `update`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from transformers import DynamicCache
 
-
-@dataclasses.dataclass(slots=True)
-class BatchKV:
-    """Cache, attention mask (1 = real token) and next position of every row."""
-
-    cache: DynamicCache
-    mask_B_T: torch.Tensor
-    next_pos_B: torch.Tensor
-
-    @property
-    def rows(self) -> int:
-        return int(self.mask_B_T.shape[0])
+GROW_COLS = 64  # capacity is a multiple of this
 
 
-def _layers(cache: DynamicCache) -> list:
-    return list(cache.layers)
+class SlotCache:
+    """Per-layer K/V buffers, mask and positions for up to `rows` sequences."""
+
+    def __init__(self, like: DynamicCache, rows: int, cap: int) -> None:
+        layers = list(like.layers)
+        assert layers, "the prefill cache has no layers"
+        _, heads, _, dim = layers[0].keys.shape
+        dtype, device = layers[0].keys.dtype, layers[0].keys.device
+        self.rows, self.cap, self.batch, self.t, self.lo = rows, cap, 0, 0, 0
+        self.keys = [torch.zeros(rows, heads, cap, dim, dtype=dtype, device=device) for _ in layers]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.neg = torch.finfo(dtype).min
+        self.mask_R_C = torch.full((rows, cap), self.neg, dtype=dtype, device=device)
+        self.pos_R = torch.zeros(rows, dtype=torch.long, device=device)
+        self.start_R = torch.zeros(rows, dtype=torch.long, device=device)
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *_: object, **__: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF cache hook (decode only): write column `t`, return the live columns."""
+        assert key.shape[2] == 1, f"decode writes one column, got {key.shape=}"
+        b, t = self.batch, self.t
+        self.keys[layer_idx][:b, :, t : t + 1] = key
+        self.values[layer_idx][:b, :, t : t + 1] = value
+        live = slice(self.lo, t + 1)
+        return self.keys[layer_idx][:b, :, live], self.values[layer_idx][:b, :, live]
+
+    def reserve(self, left: int, right: int) -> None:
+        """Room for `left` columns before `t` and `right` columns from `t` on (moves or grows)."""
+        if self.t >= left and self.t + right <= self.cap:
+            return
+        span = self.t - self.lo
+        new_t = max(span, left)
+        cap = self.cap
+        while new_t + right > cap:
+            cap *= 2
+        b, src, dst = self.batch, slice(self.lo, self.t), slice(new_t - span, new_t)
+        if cap != self.cap:
+            self.keys = [_regrown(k, cap, b, src, dst) for k in self.keys]
+            self.values = [_regrown(v, cap, b, src, dst) for v in self.values]
+            mask = self.mask_R_C.new_full((self.rows, cap), self.neg)
+            mask[:b, dst] = self.mask_R_C[:b, src]
+            self.mask_R_C, self.cap = mask, cap
+        else:
+            for buf in (*self.keys, *self.values):
+                buf[:b, :, dst] = buf[:b, :, src].clone()
+            self.mask_R_C[:b, dst] = self.mask_R_C[:b, src].clone()
+        self.mask_R_C[:b, : dst.start] = self.neg
+        self.start_R[:b] += dst.start - self.lo
+        self.t, self.lo = new_t, dst.start
+
+    def place(self, prefill: DynamicCache, mask_U_W: torch.Tensor, which_N: torch.Tensor) -> None:
+        """Append rows: new row i gets prefill row `which_N[i]`, its last token at column t-1."""
+        n, width = int(which_N.shape[0]), int(mask_U_W.shape[1])
+        assert self.batch + n <= self.rows, f"{self.batch=} + {n=} > {self.rows=}"
+        self.reserve(width, 1)
+        rows, cols = slice(self.batch, self.batch + n), slice(self.t - width, self.t)
+        for layer, k, v in zip(prefill.layers, self.keys, self.values, strict=True):
+            k[rows, :, cols] = layer.keys.index_select(0, which_N)
+            v[rows, :, cols] = layer.values.index_select(0, which_N)
+        real_N_W = mask_U_W.index_select(0, which_N).bool()
+        self.mask_R_C[rows] = self.neg
+        self.mask_R_C[rows, cols] = torch.zeros_like(self.mask_R_C[rows, cols]).masked_fill(
+            ~real_N_W, self.neg
+        )
+        self.pos_R[rows] = real_N_W.sum(dim=1)
+        self.start_R[rows] = self.t - real_N_W.sum(dim=1)
+        self.batch += n
+        self.lo = int(self.start_R[: self.batch].min())
+
+    def move(self, dst: list[int], src: list[int], batch: int) -> None:
+        """Copy slots `src` into `dst` (same order) and keep only `[0, batch)` active."""
+        assert len(dst) == len(src), f"{len(dst)=} != {len(src)=}"
+        if dst:
+            d = torch.tensor(dst, device=self.pos_R.device)
+            s = torch.tensor(src, device=self.pos_R.device)
+            live = slice(self.lo, self.t)
+            for buf in (*self.keys, *self.values):
+                buf[d, :, live] = buf[s, :, live]
+            for buf in (self.mask_R_C, self.pos_R, self.start_R):
+                buf[d] = buf[s]
+        self.batch = batch
+        if batch == 0:
+            self.t = self.lo = 0
+        else:
+            self.lo = int(self.start_R[:batch].min())
+
+
+def _regrown(buf: torch.Tensor, cap: int, b: int, src: slice, dst: slice) -> torch.Tensor:
+    out = buf.new_zeros(buf.shape[0], buf.shape[1], cap, buf.shape[3])
+    out[:b, :, dst] = buf[:b, :, src]
+    return out
+
+
+def start_cap(width: int, max_new: int) -> int:
+    """Initial capacity: the first prompts plus their outputs, rounded up to GROW_COLS."""
+    need = width + max(max_new, 1)
+    return -(-need // GROW_COLS) * GROW_COLS
 
 
 @torch.inference_mode()
 def prefill(
     model: torch.nn.Module, prompts: list[list[int]], pad_id: int
-) -> tuple[BatchKV, torch.Tensor]:
-    """Run the prompts (left-padded) through the model; returns their cache and last logits_B_V."""
+) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+    """Run the prompts (left-padded) through the model: (cache, mask_U_W, last logits_U_V)."""
     assert prompts, "prefill needs at least one prompt"
     assert all(prompts), f"empty prompt in {[len(p) for p in prompts]}"
     device = next(model.parameters()).device
@@ -47,68 +135,31 @@ def prefill(
         mask[i, width - len(p) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     pos = (mask.cumsum(dim=1) - 1).clamp_min(0)
-    cache = DynamicCache()
     out = model(
         input_ids=ids,
         attention_mask=mask,
         position_ids=pos,
-        past_key_values=cache,
+        past_key_values=DynamicCache(),
         use_cache=True,
         logits_to_keep=1,
     )
-    next_pos = mask.sum(dim=1)
-    return BatchKV(cache=out.past_key_values, mask_B_T=mask, next_pos_B=next_pos), out.logits[:, -1]
+    return out.past_key_values, mask, out.logits[:, -1]
 
 
 @torch.inference_mode()
-def decode(model: torch.nn.Module, kv: BatchKV, tokens_B: torch.Tensor) -> torch.Tensor:
-    """One decode step for every row: append `tokens_B`, return next logits_B_V (kv updated)."""
-    assert tokens_B.shape == (kv.rows,), f"{tokens_B.shape=} {kv.rows=}"
-    ones = torch.ones((kv.rows, 1), dtype=kv.mask_B_T.dtype, device=kv.mask_B_T.device)
-    kv.mask_B_T = torch.cat([kv.mask_B_T, ones], dim=1)
+def decode(model: torch.nn.Module, kv: SlotCache, tokens_B: torch.Tensor) -> torch.Tensor:
+    """One decode step for every active slot: feed `tokens_B`, return the next logits_B_V."""
+    assert tokens_B.shape == (kv.batch,), f"{tokens_B.shape=} {kv.batch=}"
+    kv.reserve(0, 1)
+    b, t = kv.batch, kv.t
+    kv.mask_R_C[:b, t] = 0
     out = model(
         input_ids=tokens_B.unsqueeze(1),
-        attention_mask=kv.mask_B_T,
-        position_ids=kv.next_pos_B.unsqueeze(1),
-        past_key_values=kv.cache,
+        attention_mask=kv.mask_R_C[:b, None, None, kv.lo : t + 1],
+        position_ids=kv.pos_R[:b].unsqueeze(1),
+        past_key_values=kv,
         use_cache=True,
     )
-    kv.cache = out.past_key_values
-    kv.next_pos_B = kv.next_pos_B + 1
+    kv.t += 1
+    kv.pos_R[:b] += 1
     return out.logits[:, -1]
-
-
-def _left_pad(t: torch.Tensor, cols: int, dim: int) -> torch.Tensor:
-    if cols == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = cols
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-
-def merge(a: BatchKV, b: BatchKV) -> BatchKV:
-    """Rows of `a` then rows of `b` in one cache (the shorter one is left-padded)."""
-    la, lb = _layers(a.cache), _layers(b.cache)
-    assert len(la) == len(lb), f"{len(la)=} != {len(lb)=}"
-    width = max(a.mask_B_T.shape[1], b.mask_B_T.shape[1])
-    pad_a, pad_b = width - a.mask_B_T.shape[1], width - b.mask_B_T.shape[1]
-    for x, y in zip(la, lb, strict=True):
-        x.keys = torch.cat([_left_pad(x.keys, pad_a, 2), _left_pad(y.keys, pad_b, 2)], dim=0)
-        x.values = torch.cat([_left_pad(x.values, pad_a, 2), _left_pad(y.values, pad_b, 2)], dim=0)
-    mask = torch.cat([_left_pad(a.mask_B_T, pad_a, 1), _left_pad(b.mask_B_T, pad_b, 1)], dim=0)
-    return BatchKV(cache=a.cache, mask_B_T=mask, next_pos_B=torch.cat([a.next_pos_B, b.next_pos_B]))
-
-
-def keep_rows(kv: BatchKV, keep: list[int]) -> BatchKV | None:
-    """Only the rows `keep` (in that order), trimmed of all-padding columns; None if no row left."""
-    if not keep:
-        return None
-    idx = torch.tensor(keep, dtype=torch.long, device=kv.mask_B_T.device)
-    mask = kv.mask_B_T.index_select(0, idx)
-    first_real = int((mask.sum(dim=0) > 0).nonzero()[0, 0])
-    for layer in _layers(kv.cache):
-        layer.keys = layer.keys.index_select(0, idx)[:, :, first_real:]
-        layer.values = layer.values.index_select(0, idx)[:, :, first_real:]
-    return BatchKV(
-        cache=kv.cache, mask_B_T=mask[:, first_real:], next_pos_B=kv.next_pos_B.index_select(0, idx)
-    )

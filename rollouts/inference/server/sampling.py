@@ -1,7 +1,7 @@
 """Sampling for the built-in server: request parameters, logit transforms, token choice.
 
-Pure functions over tensors and records; the scheduler calls them once per decode step for the
-whole batch. The logprob reported for a sampled token is `log_softmax` of the RAW logits
+Pure functions over tensors and records; the core calls `sample` once per decode step for the
+whole batch, with the parameters kept as per-row tensors (`BatchSampling`). The logprob reported for a sampled token is `log_softmax` of the RAW logits
 (`logprobs_from="raw"`) or of the temperature-scaled logits (`"scaled"`); top-k/top-p/min-p never
 enter it, so a trainer can recompute exactly the same number from one forward pass.
 """
@@ -125,11 +125,86 @@ def filter_logits(
     drop = ranks >= k_B
     probs = sorted_vals.softmax(dim=1)
     before = probs.cumsum(dim=1) - probs  # mass strictly before each token
-    drop |= before >= top_p_B.unsqueeze(1)
+    drop |= (before >= top_p_B.unsqueeze(1)) & (top_p_B < 1.0).unsqueeze(1)
     drop |= probs < (min_p_B.unsqueeze(1) * probs[:, :1])
     drop[:, 0] = False  # the most likely token always survives
     sorted_vals = sorted_vals.masked_fill(drop, float("-inf"))
     return torch.empty_like(scaled).scatter_(1, sorted_idx, sorted_vals)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class BatchSampling:
+    """The sampling parameters of a batch as tensors (one entry per row), for one call.
+
+    `filtered` says whether any row uses top-k/top-p/min-p (else no sort is done); `generators`
+    holds the rows that asked for a seed (row -> its own generator); `greedy` whether any row
+    is greedy and `sampled` whether any is not.
+    """
+
+    temp_B: torch.Tensor
+    top_k_B: torch.Tensor
+    top_p_B: torch.Tensor
+    min_p_B: torch.Tensor
+    greedy_B: torch.Tensor
+    filtered: bool
+    greedy: bool
+    sampled: bool
+    generators: dict[int, torch.Generator]
+
+
+def batch_of(
+    specs: list[SamplingSpec], generators: list[torch.Generator | None], device: torch.device
+) -> BatchSampling:
+    """The BatchSampling of `specs` (row i samples with `generators[i]` when it is set)."""
+    assert len(specs) == len(generators), f"{len(specs)=} != {len(generators)=}"
+    greedy = [s.greedy for s in specs]
+    return BatchSampling(
+        temp_B=torch.tensor([s.temperature for s in specs], device=device),
+        top_k_B=torch.tensor([s.top_k for s in specs], device=device),
+        top_p_B=torch.tensor([s.top_p for s in specs], device=device),
+        min_p_B=torch.tensor([s.min_p for s in specs], device=device),
+        greedy_B=torch.tensor(greedy, device=device),
+        filtered=any(needs_filter(s) for s in specs),
+        greedy=any(greedy),
+        sampled=not all(greedy),
+        generators={i: g for i, g in enumerate(generators) if g is not None},
+    )
+
+
+def needs_filter(spec: SamplingSpec) -> bool:
+    """Whether the spec uses top-k, top-p or min-p (a sampled row only)."""
+    return not spec.greedy and (spec.top_k > 0 or spec.top_p < 1.0 or spec.min_p > 0.0)
+
+
+def sample(
+    logits_B_V: torch.Tensor, batch: BatchSampling, logprobs_from: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row (greedy or sampled, the whole batch at once) and its logprob.
+
+    Rows with a generator draw from it, so their output does not depend on what else is in the
+    batch; the others share one draw from the global RNG. Returns (tokens_B, logprobs_B).
+    """
+    assert logits_B_V.dim() == 2, f"{logits_B_V.shape=}"
+    assert logprobs_from in LOGPROBS_FROM, f"{logprobs_from=}"
+    logits = logits_B_V.float()
+    temp_B = batch.temp_B.to(logits.dtype)
+    if batch.sampled:
+        if batch.filtered:
+            scaled = filter_logits(logits, temp_B, batch.top_k_B, batch.top_p_B, batch.min_p_B)
+        else:
+            scaled = logits / temp_B.clamp_min(GREEDY_BELOW).unsqueeze(1)
+        probs = scaled.softmax(dim=1)
+        tokens_B = torch.multinomial(probs, 1).squeeze(1)
+        for i, gen in batch.generators.items():
+            tokens_B[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+        if batch.greedy:
+            tokens_B = torch.where(batch.greedy_B, logits.argmax(dim=1), tokens_B)
+    else:
+        tokens_B = logits.argmax(dim=1)
+    if logprobs_from == "scaled":
+        logits = logits / torch.where(batch.greedy_B, 1.0, temp_B).unsqueeze(1)
+    logprobs_B = logits.log_softmax(dim=1).gather(1, tokens_B.unsqueeze(1)).squeeze(1)
+    return tokens_B, logprobs_B
 
 
 def choose_tokens(
@@ -138,38 +213,9 @@ def choose_tokens(
     generators: list[torch.Generator | None],
     logprobs_from: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row (greedy or sampled) and its logprob; returns (tokens_B, logprobs_B).
-
-    Rows with a seed draw from their own generator so their output does not depend on what else
-    is in the batch; the others share the server's global RNG.
-    """
+    """`sample` for rows given as specs; returns (tokens_B, logprobs_B)."""
     assert logits_B_V.shape[0] == len(specs), f"{logits_B_V.shape=} {len(specs)=}"
-    assert logprobs_from in LOGPROBS_FROM, f"{logprobs_from=}"
-    logits = logits_B_V.float()
-    tokens_B = logits.argmax(dim=1)
-    sampled = [i for i, s in enumerate(specs) if not s.greedy]
-    temp_B = torch.tensor([s.temperature for s in specs], dtype=logits.dtype, device=logits.device)
-    if sampled:
-        rows = torch.tensor(sampled, device=logits.device)
-        sub = [specs[i] for i in sampled]
-        filtered = filter_logits(
-            logits[rows],
-            temp_B[rows],
-            torch.tensor([s.top_k for s in sub], device=logits.device),
-            torch.tensor([s.top_p for s in sub], dtype=logits.dtype, device=logits.device),
-            torch.tensor([s.min_p for s in sub], dtype=logits.dtype, device=logits.device),
-        )
-        probs = filtered.softmax(dim=1)
-        picks = torch.multinomial(probs, 1).squeeze(1)
-        for j, i in enumerate(sampled):
-            gen = generators[i]
-            if gen is not None:
-                picks[j] = torch.multinomial(probs[j], 1, generator=gen)[0]
-        tokens_B[rows] = picks
-    if logprobs_from == "scaled":
-        logits = logits / torch.where(temp_B < GREEDY_BELOW, 1.0, temp_B).unsqueeze(1)
-    logprobs_B_V = logits.log_softmax(dim=1)
-    return tokens_B, logprobs_B_V.gather(1, tokens_B.unsqueeze(1)).squeeze(1)
+    return sample(logits_B_V, batch_of(specs, generators, logits_B_V.device), logprobs_from)
 
 
 def top_logprobs(logits_B_V: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,127 @@
+"""The engine core in-process (its worker thread, no HTTP): exact outputs while rows join,
+finish and move between slots and the KV cache shifts and grows; one prefill per distinct
+prompt; seeded sampling that does not depend on the batch."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from rollouts.inference.protocol import FinishReason
+from rollouts.inference.server import kv as kvops
+from rollouts.inference.server.core import CoreOptions, EngineCore, Sequence
+from rollouts.inference.server.sampling import SamplingSpec
+
+from .conftest import teacher_forced_logprobs
+
+WAIT_S = 120.0
+
+
+def run_core(model, tokenizer, seqs: list[Sequence], **options) -> list[Sequence]:
+    """Submit `seqs` (in batches of 3, as requests would arrive), run the worker until every
+    one has finished, then stop it."""
+    core = EngineCore(model, tokenizer, CoreOptions(eos_token_ids=(), **options), "v1")
+    done = threading.Semaphore(0)
+    for seq in seqs:
+        seq.notify = lambda _s: done.release()
+    worker = threading.Thread(target=core.run, daemon=True)
+    worker.start()
+    try:
+        for i in range(0, len(seqs), 3):
+            assert core.submit(seqs[i : i + 3]), "queue full"
+        for _ in seqs:
+            assert done.acquire(timeout=WAIT_S), "a sequence never finished"
+    finally:
+        core.stop()
+        worker.join(WAIT_S)
+    assert core.idle(), f"{core.load()=}"
+    return seqs
+
+
+@torch.no_grad()
+def greedy_no_eos(model: torch.nn.Module, prompt: list[int], max_new: int) -> list[int]:
+    """Greedy continuation by full forwards without a cache, EOS not special."""
+    out: list[int] = []
+    for _ in range(max_new):
+        out.append(int(model(torch.tensor([prompt + out])).logits[0, -1].argmax()))
+    return out
+
+
+def make_seq(i: int, prompt: list[int], max_new: int, spec: SamplingSpec, seed=None) -> Sequence:
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    return Sequence(
+        rid=f"r{i}", prompt_ids=prompt, spec=spec, max_new=max_new, notify=print, generator=gen
+    )
+
+
+def test_greedy_exact_through_joins_moves_and_cache_growth(
+    ref_model, tokenizer, monkeypatch
+) -> None:
+    monkeypatch.setattr(kvops, "GROW_COLS", 8)  # start small: the cache must shift and grow
+    prefilled: list[int] = []
+    real_prefill = kvops.prefill
+
+    def counting_prefill(model, prompts, pad_id):
+        prefilled.append(len(prompts))
+        return real_prefill(model, prompts, pad_id)
+
+    monkeypatch.setattr(kvops, "prefill", counting_prefill)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(2, 40))] for _ in range(7)]
+    prompts = [prompts[0]] * 3 + prompts[1:]  # submitted together: one prefill for the three
+    greedy = SamplingSpec(temperature=0.0, ignore_eos=True)
+    lengths = [rng.randint(1, 24) for _ in prompts]
+    seqs = [make_seq(i, p, n, greedy) for i, (p, n) in enumerate(zip(prompts, lengths))]
+    run_core(ref_model, tokenizer, seqs, max_batch=4, max_prefill=4)
+    for seq, prompt, n in zip(seqs, prompts, lengths, strict=True):
+        assert seq.stop is not None and seq.stop.reason is FinishReason.LENGTH, seq.rid
+        assert seq.output_ids == greedy_no_eos(ref_model, prompt, n), seq.rid
+        expected = teacher_forced_logprobs(ref_model, prompt, seq.output_ids)
+        torch.testing.assert_close(torch.tensor(seq.logprobs), expected, atol=1e-4, rtol=0)
+        assert seq.weight_version == "v1"
+    assert sum(prefilled) == len(prompts) - 2, f"{prefilled=}"
+
+
+def test_n_copies_of_one_prompt_are_prefilled_once(ref_model, tokenizer, monkeypatch) -> None:
+    prefilled: list[int] = []
+    real_prefill = kvops.prefill
+    monkeypatch.setattr(
+        kvops, "prefill", lambda m, p, pad: prefilled.append(len(p)) or real_prefill(m, p, pad)
+    )
+    spec = SamplingSpec(temperature=1.0, ignore_eos=True)
+    core = EngineCore(ref_model, tokenizer, CoreOptions(max_batch=8), "v1")
+    finished = threading.Semaphore(0)
+    seqs = [make_seq(i, [5, 6, 7], 4, spec) for i in range(8)]
+    for seq in seqs:
+        seq.notify = lambda _s: finished.release()
+    assert core.submit(seqs)
+    worker = threading.Thread(target=core.run, daemon=True)
+    worker.start()
+    try:
+        for _ in seqs:
+            assert finished.acquire(timeout=WAIT_S), "a sequence never finished"
+    finally:
+        core.stop()
+        worker.join(WAIT_S)
+    assert prefilled == [1], f"{prefilled=}"
+    assert all(len(s.output_ids) == 4 and len(s.logprobs) == 4 for s in seqs)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_seeded_sampling_does_not_depend_on_the_batch(ref_model, tokenizer, top_p) -> None:
+    spec = SamplingSpec(temperature=1.0, top_p=top_p, ignore_eos=True)
+    prompt = [10, 20, 30, 40]
+    alone = run_core(ref_model, tokenizer, [make_seq(0, prompt, 12, spec, seed=5)], max_batch=8)
+    others = [make_seq(i, [i + 3] * (i + 1), 6 + i, spec) for i in range(1, 6)]
+    crowd = run_core(
+        ref_model,
+        tokenizer,
+        [*others[:2], make_seq(0, prompt, 12, spec, seed=5), *others[2:]],
+        max_batch=8,
+    )
+    assert crowd[2].output_ids == alone[0].output_ids
+    expected = teacher_forced_logprobs(ref_model, prompt, alone[0].output_ids)
+    torch.testing.assert_close(torch.tensor(alone[0].logprobs), expected, atol=1e-4, rtol=0)
