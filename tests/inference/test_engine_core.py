@@ -74,7 +74,9 @@ def test_greedy_exact_through_joins_moves_and_cache_growth(
     prompts = [prompts[0]] * 3 + prompts[1:]  # submitted together: one prefill for the three
     greedy = SamplingSpec(temperature=0.0, ignore_eos=True)
     lengths = [rng.randint(1, 24) for _ in prompts]
-    seqs = [make_seq(i, p, n, greedy) for i, (p, n) in enumerate(zip(prompts, lengths))]
+    seqs = [
+        make_seq(i, p, n, greedy) for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+    ]
     run_core(ref_model, tokenizer, seqs, max_batch=4, max_prefill=4)
     for seq, prompt, n in zip(seqs, prompts, lengths, strict=True):
         assert seq.stop is not None and seq.stop.reason is FinishReason.LENGTH, seq.rid

@@ -1,9 +1,10 @@
 """Sampling for the built-in server: request parameters, logit transforms, token choice.
 
 Pure functions over tensors and records; the core calls `sample` once per decode step for the
-whole batch, with the parameters kept as per-row tensors (`BatchSampling`). The logprob reported for a sampled token is `log_softmax` of the RAW logits
-(`logprobs_from="raw"`) or of the temperature-scaled logits (`"scaled"`); top-k/top-p/min-p never
-enter it, so a trainer can recompute exactly the same number from one forward pass.
+whole batch, with the parameters kept as per-row tensors (`BatchSampling`). The logprob reported
+for a sampled token is `log_softmax` of the RAW logits (`logprobs_from="raw"`) or of the
+temperature-scaled logits (`"scaled"`); top-k/top-p/min-p never enter it, so a trainer can
+recompute exactly the same number from one forward pass.
 """
 
 from __future__ import annotations
