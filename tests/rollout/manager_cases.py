@@ -243,7 +243,7 @@ async def slow_reward_times_out_as_failed(engine: Any, tok: Any) -> None:
     manager = AsyncRolloutManager(make_buffer(), config, engine, tokenizer=tok)
     batch = await manager.generate_batch(reward)
     assert batch.metadata["drop_reasons"] == {"failed": 1}
-    assert any("TooSlowError" in e for e in batch.metadata["errors"])
+    assert any("timed out after" in e for e in batch.metadata["errors"]), batch.metadata["errors"]
 
 
 async def surplus_is_reused_or_reset(engine: Any, tok: Any) -> None:
