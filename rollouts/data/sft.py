@@ -3,8 +3,11 @@
 The conversation is rendered one message at a time; each render must extend the previous one
 (append-only templates), otherwise `TemplateError` is raised, because a template that rewrites
 earlier turns makes the tokens the model was trained on differ from the ones it sees at
-generation time (verl #6501, slime #1563). Assistant content up to and including the EOS token is
-trained (mask 1); headers, other roles and whatever the template puts after EOS are not (mask 0).
+generation time (verl #6501, slime #1563). Assistant content up to and including the template's
+end-of-turn marker is trained (mask 1); headers, other roles and whatever the template puts after
+the marker are not (mask 0). The marker is read from the template itself (`end_of_turn`), not
+taken to be `eos_token`: they differ in base models such as Qwen2.5 (eos `<|endoftext|>`, turns
+end with `<|im_end|>`).
 """
 
 from __future__ import annotations
@@ -40,9 +43,29 @@ def _extension(prev: str, text: str, where: str) -> str:
     return text[len(prev) :]
 
 
-def _trained_span(tokenizer: Any, body: str) -> tuple[list[int], list[int]]:
-    """Tokens of an assistant body; mask 1 through the first EOS string, 0 after it."""
+_PROBE = "\u2063rollouts-end-of-turn-probe\u2063"
+
+
+def end_of_turn(tokenizer: Any) -> str:
+    """The text the chat template puts right after an assistant message's content.
+
+    Rendered from a user + assistant conversation: the special (added) token the template writes
+    after the content, e.g. `<|im_end|>` for ChatML; `eos_token` when the template ends turns
+    with it; "" when it writes neither (nothing after the content is trained then).
+    """
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
+    text = render(tokenizer, probe, add_generation_prompt=False)
+    assert _PROBE in text, f"the chat template dropped the assistant content: {text[-80:]!r}"
+    after = text[text.rindex(_PROBE) + len(_PROBE) :]
+    specials = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
+    marker = next((t for t in specials if t and after.startswith(t)), "")
     eos = tokenizer.eos_token or ""
+    return marker or (eos if eos and after.startswith(eos) else "")
+
+
+def _trained_span(tokenizer: Any, body: str) -> tuple[list[int], list[int]]:
+    """Tokens of an assistant body; mask 1 through the end-of-turn marker, 0 after it."""
+    eos = end_of_turn(tokenizer)
     cut = body.find(eos) + len(eos) if eos and eos in body else len(body)
     trained, rest = encode(tokenizer, body[:cut]), encode(tokenizer, body[cut:])
     return trained + rest, [1] * len(trained) + [0] * len(rest)

@@ -10,10 +10,13 @@ environment can answer with the error and count it as an invalid action.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+
+from rollouts.envs.threads import CallTimeout, call_from_thread
 
 _JSON_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _XML_ARG = re.compile(r"<(\w+)>(.*?)</\1>", re.DOTALL)
@@ -31,14 +34,17 @@ class ToolCall:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Tool:
-    """A callable tool with a cost charged against the episode's budget on every call."""
+    """A callable tool (sync or `async def`) with a cost charged against the episode's budget on
+    every call, and a timeout: a call that overruns it fails the sample (`CallTimeout`)."""
 
     name: str
-    fn: Callable[..., str]
+    fn: Callable[..., Any]
     cost: float = 1.0
+    timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         assert self.cost >= 0.0, f"{self.name}: {self.cost=} must be >= 0"
+        assert self.timeout_s > 0.0, f"{self.name}: {self.timeout_s=} must be > 0"
 
 
 def _parse_json_call(body: str) -> ToolCall:
@@ -85,7 +91,12 @@ class ToolResult:
 
 
 def run_tool_call(call: ToolCall, tools: Mapping[str, Tool], budget_left: float) -> ToolResult:
-    """Run `call` if it is valid and affordable; otherwise an error result (cost 0)."""
+    """Run `call` if it is valid and affordable; otherwise an error result (cost 0).
+
+    On a runner's worker thread (a sync `env.step` run by the agent loop) the tool runs in its
+    own thread under `tool.timeout_s` (an async tool is awaited); an overrun raises
+    `CallTimeout`, which fails the sample rather than answering the model.
+    """
     if call.error:
         return ToolResult(call=call, output=f"error: {call.error}", cost=0.0, ok=False)
     tool = tools.get(call.name)
@@ -107,7 +118,10 @@ def run_tool_call(call: ToolCall, tools: Mapping[str, Tool], budget_left: float)
             over_budget=True,
         )
     try:
-        output = tool.fn(**call.arguments)
+        fn = functools.partial(tool.fn, **call.arguments)
+        output = call_from_thread(f"tool {call.name}", tool.timeout_s, fn)
+    except CallTimeout:
+        raise
     except Exception as e:  # a tool error is an observation for the model, not a crash
         return ToolResult(
             call=call, output=f"error: {type(e).__name__}: {e}", cost=tool.cost, ok=False

@@ -3,22 +3,28 @@
 Each turn: render the generation header (mask 0), let the engine sample (tokens kept exactly as
 sampled, mask 1, logprobs kept), append what the template adds after the turn (mask 0), step the
 environment with the turn's text, append its observation (mask 0). Stops on: the environment
-says done, `max_turns`, `max_total_tokens`, or an engine finish that is not STOP. An ABORTED
-multi-turn sample restarts from its prompt when resumed (its message state is not kept).
+says done, `max_turns`, `max_total_tokens`, or an engine finish that is not STOP. A prompt that
+leaves no room under `max_total_tokens` fails the sample (as in single-turn). An ABORTED
+multi-turn sample restarts from its prompt (an environment's state cannot be saved with it):
+`metadata["restarts"]` counts that, and the manager reports it as restarted, not resumed.
+
+The environment (its factory, `reset`, `step`) and the tools it calls are user code that may
+block: they run in worker threads of `ctx.threads` under `ctx.env_timeout_s` per call, so a
+blocking one fails only its own sample ("env.step timed out after 60 s").
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from rollouts.data.sft import encode
+from rollouts.data.sft import encode, end_of_turn
 from rollouts.envs.builtin import SingleTurnEnvironment
 from rollouts.envs.protocol import ROLE_KEY, Environment
+from rollouts.envs.threads import ThreadRunner
 from rollouts.inference.protocol import Completion, FinishReason
-from rollouts.rollout.generate import DONE_STATUSES
+from rollouts.rollout.generate import DONE_STATUSES, fail_sample
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.rollout.trajectory import ChatRenderer
 from rollouts.types import Message, Sample, Status
@@ -65,9 +71,10 @@ def initial_messages(sample: Sample) -> list[dict[str, Any]]:
 
 
 def turn_text(tokenizer: Any, completion: Completion) -> tuple[str, str]:
-    """(decoded turn as sampled, its message content: without a final EOS string)."""
+    """(decoded turn as sampled, its message content: without the template's end-of-turn
+    marker, which the template writes again after the content)."""
     text = tokenizer.decode(list(completion.output_ids), skip_special_tokens=False)
-    eos = tokenizer.eos_token or ""
+    eos = end_of_turn(tokenizer)
     content = text[: -len(eos)] if eos and text.endswith(eos) else text
     return text, content
 
@@ -108,36 +115,47 @@ def _observe(traj: _Trajectory, observation: str, info: Mapping[str, Any], turn:
     return False
 
 
-async def step_env(env: Environment, action: str) -> tuple[str, bool, Mapping[str, Any]]:
-    """`env.step(action)`, awaited when the environment returns an awaitable (async users)."""
-    result = env.step(action)
-    if inspect.isawaitable(result):
-        result = await result
-    return result
+async def step_env(
+    env: Environment, action: str, runner: ThreadRunner | None = None, timeout_s: float = 60.0
+) -> tuple[str, bool, Mapping[str, Any]]:
+    """`env.step(action)` in a worker thread under `timeout_s` (awaited if async or if it returns
+    an awaitable); an overrun raises `CallTimeout`."""
+    return await (runner or ThreadRunner()).call("env.step", timeout_s, env.step, action)
 
 
 async def generate_multi_turn(sample: Sample, ctx: GenerateContext) -> Sample:
     """The agent loop as a generate function (see the module docstring)."""
     if sample.status in DONE_STATUSES:
         return sample
-    env: Environment = (ctx.env_factory or SingleTurnEnvironment)(sample)
+    runner = ctx.threads or ThreadRunner()
+    restarts = int(sample.metadata.get("restarts", 0)) + (sample.status is Status.ABORTED)
+    factory = ctx.env_factory or SingleTurnEnvironment
+    env: Environment = await runner.call("env factory", ctx.env_timeout_s, factory, sample)
     traj = _Trajectory(
         renderer=ChatRenderer(ctx.tokenizer),
         messages=initial_messages(sample),
         max_tokens=ctx.max_total_tokens,
     )
-    first = env.reset()
+    first = await runner.call("env.reset", ctx.env_timeout_s, env.reset)
     if first:
         traj.messages.append({"role": "user", "content": first})
     traj.add_fixed(traj.renderer.extend(traj.messages, True, "the prompt"))
     prompt_len = len(traj.tokens)
+    if prompt_len >= ctx.max_total_tokens:  # the single-turn rule: no room for one token
+        return fail_sample(
+            sample,
+            f"prompt of {prompt_len} tokens leaves no room "
+            f"under max_total_tokens={ctx.max_total_tokens}",
+        )
+    if restarts:
+        sample = dataclasses.replace(sample, metadata={**sample.metadata, "restarts": restarts})
     status, stop = Status.COMPLETED, "max_turns"
     for turn in range(ctx.max_turns):
         content, final = await _model_turn(traj, ctx, turn)
         if final is not None:
             status, stop = final, final.value
             break
-        observation, done, info = await step_env(env, content)
+        observation, done, info = await step_env(env, content, runner, ctx.env_timeout_s)
         traj.infos.append(dict(info))
         if done:
             stop = "env_done"

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Sequence
 from typing import Any, Protocol
 
 from rollouts.envs.protocol import EnvFactory
+from rollouts.envs.threads import ThreadRunner
 from rollouts.inference.protocol import InferenceEngine, SamplingParams
 from rollouts.types import Sample
 
@@ -23,6 +24,7 @@ class GenerateContext:
     `engine` is an InferenceEngine (a single client or the EnginePool); `rid` is the request id
     to send with the sample's requests (the manager aborts by it); `sampling` already has the
     run's `max_new_tokens`; `max_total_tokens` bounds prompt + response (multi-turn included).
+    `threads` runs blocking user code (environments, tools) with `env_timeout_s` per call.
     """
 
     engine: InferenceEngine
@@ -33,9 +35,12 @@ class GenerateContext:
     max_turns: int = 1
     env_factory: EnvFactory | None = None
     mask_off_policy_partial: bool = False
+    threads: ThreadRunner | None = None  # None = a runner of its own per call
+    env_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         assert self.max_total_tokens >= 1, f"{self.max_total_tokens=} must be >= 1"
+        assert self.env_timeout_s > 0, f"{self.env_timeout_s=} must be > 0"
         assert self.max_turns >= 1, f"{self.max_turns=} must be >= 1"
 
 
