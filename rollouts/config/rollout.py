@@ -48,6 +48,7 @@ class RolloutConfig(_Section):
     max_concurrency: int = 64
     max_over_sampling_rounds: int = 4
     on_short_batch: str = "warn"  # "warn" (train on a smaller batch) | "error"
+    # aborted groups resume in a later batch; off: they restart from their prompts
     partial_rollouts: bool = True
     mask_off_policy_partial: bool = False
     filters: list[str] = dataclasses.field(default_factory=list)  # dotted paths or built-in names
@@ -57,9 +58,13 @@ class RolloutConfig(_Section):
     max_turns: int = 1
     max_total_tokens: int = 1024
     generate_timeout_s: float = 300.0
+    env_timeout_s: float = 60.0  # per env factory / env.reset / env.step call (tools: per Tool)
     reward_timeout_s: float = 10.0
     mode: str = "sync"  # "sync" | "async"
-    max_staleness: int = 1
+    # versions a trained sample may lag the policy, in both modes; -1 = automatic: what a fresh
+    # sample can lag (training.sync_every - 1, + 1 in async), so sync mode stays on-policy and
+    # only resumed partial work is dropped (before it is resumed)
+    max_staleness: int = -1
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
 
     def problems(self) -> list[str]:
@@ -82,8 +87,13 @@ class RolloutConfig(_Section):
         _one_of(p, "rollout.on_short_batch", self.on_short_batch, ("warn", "error"))
         _one_of(p, "rollout.mode", self.mode, ("sync", "async"))
         _check(p, self.max_turns >= 1, f"rollout.max_turns = {self.max_turns}: must be >= 1")
-        _check(p, self.max_staleness >= 0, "rollout.max_staleness: must be >= 0")
+        _check(
+            p,
+            self.max_staleness >= -1,
+            f"rollout.max_staleness = {self.max_staleness}: must be >= 0, or -1 (automatic)",
+        )
         _check(p, self.generate_timeout_s > 0, "rollout.generate_timeout_s: must be > 0")
+        _check(p, self.env_timeout_s > 0, "rollout.env_timeout_s: must be > 0")
         _check(p, self.reward_timeout_s > 0, "rollout.reward_timeout_s: must be > 0")
         return p
 

@@ -8,7 +8,7 @@ run to see exactly the same order, partial groups included.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -77,6 +77,12 @@ class DataBuffer:
         for group in groups:
             assert group, "an empty group cannot be kept"
             self._partial.append(tuple(group))
+
+    def drop_partial_groups(self, is_dropped: Callable[[tuple[Sample, ...]], bool]) -> int:
+        """Remove the partial groups `is_dropped` selects (e.g. too stale); returns how many."""
+        before = len(self._partial)
+        self._partial = [g for g in self._partial if not is_dropped(g)]
+        return before - len(self._partial)
 
     def get_groups(self, num_groups: int, n_samples_per_prompt: int) -> list[tuple[Sample, ...]]:
         """`num_groups` groups: partial ones first, then fresh prompts as PENDING samples."""

@@ -122,6 +122,10 @@ class EnginePool:
         """Abort everything on every engine that is up."""
         await self._each_up(lambda e: e.abort_all())
 
+    async def abort(self, rid_prefix: str) -> None:
+        """Abort the requests whose id starts with `rid_prefix` on every engine that is up."""
+        await self._each_up(lambda e: e.abort(rid_prefix))
+
     async def health(self) -> bool:
         """True when at least one engine is up and answers /health."""
         checks = await self._each_up(lambda e: e.health())

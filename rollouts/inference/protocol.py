@@ -118,6 +118,11 @@ class InferenceEngine(Protocol):
         """Abort every in-flight request (they return partial output, finish reason ABORT)."""
         ...
 
+    async def abort(self, rid_prefix: str) -> None:
+        """Abort only the in-flight requests whose request id starts with `rid_prefix` (one
+        batch's requests), leaving every other request (an evaluation, another batch) alone."""
+        ...
+
     async def health(self) -> bool:
         """True when the engine answers its health route with 200."""
         ...

@@ -186,6 +186,11 @@ class SGLangEngine:
         """POST /abort_request {"abort_all": true}."""
         await self.http.call("POST", "/abort_request", json_body={"abort_all": True})
 
+    async def abort(self, rid_prefix: str) -> None:
+        """POST /abort_request {"rid": prefix} (SGLang aborts every rid starting with it)."""
+        assert rid_prefix, "an empty prefix would abort everything: use abort_all"
+        await self.http.call("POST", "/abort_request", json_body={"rid": rid_prefix})
+
     async def health(self) -> bool:
         """GET /health is 200; while this client has the engine paused, GET /model_info is.
 

@@ -125,6 +125,7 @@ class VLLMEngine:
         self.bracket = SyncBracket()
         self.reports_versions: bool | None = None  # does the server answer weight_versions?
         self._in_flight = 0
+        self._live_rids: dict[str, int] = {}  # request ids in flight (vLLM aborts exact ids)
 
     async def generate(
         self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None
@@ -135,10 +136,16 @@ class VLLMEngine:
         body = completion_body(input_ids, sampling, rid, self.model)
         submitted = self.bracket.at_submit()
         self._in_flight += 1
+        if rid is not None:
+            self._live_rids[rid] = self._live_rids.get(rid, 0) + 1
         try:
             answer = await self.http.json("POST", "/v1/completions", json_body=body)
         finally:
             self._in_flight -= 1
+            if rid is not None:
+                self._live_rids[rid] -= 1
+                if not self._live_rids[rid]:
+                    del self._live_rids[rid]
         choices = answer.get("choices") if isinstance(answer, dict) else None
         choice = choices[0] if isinstance(choices, list) and choices else {}
         self._note_reporting("weight_versions" in choice)
@@ -192,6 +199,14 @@ class VLLMEngine:
     async def abort_all(self) -> None:
         """POST /abort_requests with no ids (= all)."""
         await self.http.call("POST", "/abort_requests", json_body={"request_ids": []})
+
+    async def abort(self, rid_prefix: str) -> None:
+        """POST /abort_requests with this client's in-flight ids that start with the prefix
+        (vLLM matches exact ids; nothing is sent when none is in flight)."""
+        assert rid_prefix, "an empty prefix would abort everything: use abort_all"
+        ids = sorted(r for r in self._live_rids if r.startswith(rid_prefix))
+        if ids:
+            await self.http.call("POST", "/abort_requests", json_body={"request_ids": ids})
 
     async def health(self) -> bool:
         """GET /health is 200 (vLLM's does not generate: it also answers while paused)."""

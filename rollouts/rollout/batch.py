@@ -17,7 +17,12 @@ from rollouts.config import RolloutConfig
 from rollouts.data.buffer import DataBuffer
 from rollouts.rollout.filters import run_filters
 from rollouts.rollout.generate import fail_sample
-from rollouts.rollout.planning import Outcome, RoundState, batch_outcome, groups_to_submit
+from rollouts.rollout.planning import (
+    Outcome,
+    batch_outcome,
+    groups_to_submit,
+    new_round_state,
+)
 from rollouts.rollout.protocol import GroupFilter
 from rollouts.types import Reward, RolloutBatch, Sample, Status
 
@@ -192,7 +197,7 @@ def generate_rollout_batches(
     made = 0
     while num_batches is None or made < num_batches:
         start = time.perf_counter()
-        state = RoundState(target=config.batch_size)
+        state = new_round_state(config.batch_size, config.over_sampling_factor)
         kept: list[Group] = []
         dropped: collections.Counter[str] = collections.Counter()
         while batch_outcome(state, config.max_over_sampling_rounds) is Outcome.CONTINUE:
@@ -207,7 +212,10 @@ def generate_rollout_batches(
             kept += new_kept
             dropped += new_dropped
             state = dataclasses.replace(
-                state, kept=len(kept), rounds=state.rounds + 1, exhausted=len(groups) < n
+                state,
+                kept=len(kept),
+                submitted=state.submitted + len(groups),
+                exhausted=len(groups) < n,
             )
         if len(kept) > config.batch_size:
             dropped["surplus"] += len(kept) - config.batch_size

@@ -2,11 +2,19 @@
 
 One `generate_batch` call: take groups from the DataBuffer (partial groups first), run them
 concurrently (a CapacityLimiter bounds samples in flight), score each finished group, pass it
-through the group filters, and once `batch_size` groups are kept abort the rest on the engines.
-Aborted groups go back to the DataBuffer's partial pool and resume in a later batch; so do
-surplus groups that finished before the abort reached them (re-scored and re-filtered then, no
-generation), unless `partial_rollouts` is off, when both are dropped (and counted). How many
-groups to submit, and when the batch is done or short, is decided by `planning` (pure).
+through the group filters, and once `batch_size` groups are kept abort the rest on the engines:
+only this batch's requests (their request ids share the batch's prefix), never another batch's
+or an evaluation's. Aborted groups go back to the DataBuffer's partial pool and resume in a
+later batch; so do surplus groups that finished before the abort reached them (re-scored and
+re-filtered then, no generation). With `partial_rollouts` off, aborted groups go back reset to
+their prompts (counted in `restarted_groups`: regenerated from scratch, not dropped) and
+finished surplus groups are dropped (reason "surplus"). Given the policy version and the
+staleness bound, partial groups already too stale to train are dropped before any generation is
+spent on them (`stale_partial_groups`). How many groups to submit, and when the batch is done or
+short, is decided by `planning` (pure).
+
+Generate functions run through a `ThreadRunner`: an async one is awaited, a sync one runs in a
+worker thread, both under `rollout.generate_timeout_s`, so a blocking one fails only its sample.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from rollouts.config import RolloutConfig
 from rollouts.data.buffer import DataBuffer
 from rollouts.envs import resolve_env_factory
 from rollouts.envs.protocol import EnvFactory
+from rollouts.envs.threads import CallTimeout, ThreadRunner
 from rollouts.inference.protocol import InferenceEngine
 from rollouts.plugins import call_maybe_async, load_function
 from rollouts.rewards.protocol import RewardFn
@@ -43,7 +52,14 @@ from rollouts.rollout.generate import (
     generate_single_turn,
     sampling_params_from_config,
 )
-from rollouts.rollout.planning import Outcome, RoundState, batch_outcome, groups_to_submit
+from rollouts.rollout.planning import (
+    Outcome,
+    RoundState,
+    batch_outcome,
+    groups_to_submit,
+    is_stale_partial,
+    new_round_state,
+)
 from rollouts.rollout.protocol import GenerateContext, GenerateFn, GroupFilter
 from rollouts.types import RolloutBatch, Sample, Status
 
@@ -130,22 +146,39 @@ class AsyncRolloutManager:
         self.reward_fn = load_function(reward, RewardFn) if reward else None
         self.filters = resolve_filters(config.filters if filters is None else filters)
         self.sampling = sampling_params_from_config(config)
+        self.threads = ThreadRunner(max(config.max_concurrency, 1))
         self.batches_made = 0
 
-    async def generate_batch(self, reward_fn: Callable[..., Any] | None = None) -> RolloutBatch:
-        """One batch of `batch_size` kept groups of `n_samples_per_prompt` (see module doc)."""
+    async def generate_batch(
+        self,
+        reward_fn: Callable[..., Any] | None = None,
+        *,
+        policy_version: str | None = None,
+        max_staleness: int | None = None,
+    ) -> RolloutBatch:
+        """One batch of `batch_size` kept groups of `n_samples_per_prompt` (see module doc).
+
+        With `policy_version` and `max_staleness`, partial groups already staler than the bound
+        are dropped (counted) before any generation is spent on them.
+        """
         reward = load_function(reward_fn, RewardFn) if reward_fn else self.reward_fn
         if reward is None:
             raise ValueError("generate_batch needs a reward_fn (argument or rollout.reward_fn)")
         start = time.perf_counter()
+        stale = 0
+        if policy_version is not None and max_staleness is not None:
+            stale = self.buffer.drop_partial_groups(
+                lambda g: is_stale_partial(g, policy_version, max_staleness)
+            )
         send, recv = trio.open_memory_channel[GroupResult](self.config.max_concurrency)
         run = _BatchRun(
-            state=RoundState(target=self.config.batch_size),
+            state=new_round_state(self.config.batch_size, self.config.over_sampling_factor),
             batch_id=f"b{self.batches_made}-{uuid.uuid4().hex[:8]}",
             reward=reward,
             limiter=trio.CapacityLimiter(self.config.max_concurrency),
             send=send,
         )
+        run.counts["stale_partial_groups"] = stale
         async with send, recv, trio.open_nursery() as nursery:
             self._submit(run, nursery)
             while run.state.in_flight > 0:
@@ -156,7 +189,7 @@ class AsyncRolloutManager:
                     continue
                 if batch_outcome(run.state, self.config.max_over_sampling_rounds) is Outcome.DONE:
                     run.aborting = True
-                    nursery.start_soon(self._abort_until_cancelled)
+                    nursery.start_soon(self._abort_until_cancelled, run.batch_id)
                 else:
                     self._submit(run, nursery)
             nursery.cancel_scope.cancel()  # stops the abort loop; no sample task is left
@@ -172,11 +205,10 @@ class AsyncRolloutManager:
         run.state = dataclasses.replace(
             run.state,
             in_flight=run.state.in_flight + len(groups),
-            rounds=run.state.rounds + 1,
+            submitted=run.state.submitted + len(groups),
             exhausted=len(groups) < n,
         )
         run.counts["submitted_groups"] += len(groups)
-        run.counts["resumed_samples"] += sum(s.status is Status.ABORTED for g in groups for s in g)
         for group in groups:
             nursery.start_soon(self._run_group, run, group, run.send.clone())
 
@@ -214,34 +246,51 @@ class AsyncRolloutManager:
                 max_turns=self.config.max_turns,
                 env_factory=self.env_factory,
                 mask_off_policy_partial=self.config.mask_off_policy_partial,
+                threads=self.threads,
+                env_timeout_s=self.config.env_timeout_s,
             )
             t0 = time.perf_counter()
             try:
-                with trio.fail_after(self.config.generate_timeout_s):
-                    out = await call_maybe_async(self.generate_fn, sample, ctx)
+                out = await self.threads.call(
+                    "generate_fn (rollout.generate_timeout_s)",
+                    self.config.generate_timeout_s,
+                    self.generate_fn,
+                    sample,
+                    ctx,
+                )
                 if not isinstance(out, Sample) or out.status is Status.PENDING:
                     raise TypeError(
                         f"returned {type(out).__name__} (status "
                         f"{getattr(out, 'status', None)}); expected a finished Sample"
                     )
+            except CallTimeout as e:  # says what timed out, and after how long
+                out = fail_sample(sample, str(e))
             except Exception as e:
                 out = fail_sample(sample, f"generate_fn raised {type(e).__name__}: {e}")
             times[i] = time.perf_counter() - t0
             samples[i] = out
+            if sample.status is Status.ABORTED and out.status is not Status.FAILED:
+                resumed = len(out.metadata.get("resumed_at", ())) > len(
+                    sample.metadata.get("resumed_at", ())
+                )  # a generate fn that cannot resume (multi-turn) starts over: not a resume
+                run.counts["resumed_samples" if resumed else "restarted_samples"] += 1
 
     async def _score(self, samples: list[Sample], reward: Callable[..., Any]) -> Group:
         """A group's samples scored concurrently, each bounded by `reward_timeout_s`."""
         return await score_group(samples, reward, self.config.reward_timeout_s)
 
-    async def _abort_until_cancelled(self) -> None:
-        """Abort surplus requests, and again while draining (a request may land after one)."""
+    async def _abort_until_cancelled(self, batch_id: str) -> None:
+        """Abort this batch's surplus requests (by request-id prefix), and again while draining
+        (a request may land after one)."""
         while True:
             try:
                 with trio.fail_after(ABORT_TIMEOUT_S):
-                    await self.engines.abort_all()
+                    await self.engines.abort(f"{batch_id}-")
             except Exception as e:
                 warnings.warn(
-                    f"abort_all failed: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=1
+                    f"abort of {batch_id} failed: {type(e).__name__}: {e}",
+                    RuntimeWarning,
+                    stacklevel=1,
                 )
             await trio.sleep(ABORT_INTERVAL_S)
 
@@ -256,8 +305,9 @@ class AsyncRolloutManager:
         if is_unfinished(group):
             run.counts["aborted_samples"] += sum(s.status is Status.ABORTED for s in group)
             run.counts["unstarted_samples"] += sum(s.status is Status.PENDING for s in group)
-            if not self.config.partial_rollouts:
+            if not self.config.partial_rollouts:  # back to the prompts: regenerated, not dropped
                 run.gen_time_s["discarded"] += result.gen_time_s
+                run.counts["restarted_groups"] += 1
                 group = tuple(reset_sample(s) for s in group)
             run.partial.append(group)
             return
@@ -294,6 +344,7 @@ class AsyncRolloutManager:
             short_batch=short,
             partial_groups_saved=len(run.partial),
             errors=run.errors,
+            abandoned_threads=self.threads.abandoned_alive,
             gen_time_s=total,
             discarded_gen_time_s=run.gen_time_s["discarded"],
             discarded_fraction=run.gen_time_s["discarded"] / total if total > 0 else 0.0,

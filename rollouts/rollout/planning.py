@@ -25,31 +25,51 @@ class Outcome(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RoundState:
-    """Counters of one batch: groups kept so far, in flight, submission waves made."""
+    """Counters of one batch: groups kept so far, in flight, and submitted in all.
+
+    A round is a wave of `wave` groups (`ceil(target * over_sampling_factor)`): the bound
+    `max_over_sampling_rounds` limits the groups submitted to `max_rounds * wave`, however they
+    were split into top-ups, so it bounds the waste and not the number of top-ups.
+    """
 
     target: int
+    wave: int
     kept: int = 0
     in_flight: int = 0
-    rounds: int = 0
+    submitted: int = 0
     exhausted: bool = False  # the data source gave fewer groups than asked
 
     def __post_init__(self) -> None:
         assert self.target >= 1, f"{self.target=} must be >= 1"
+        assert self.wave >= self.target, f"{self.wave=} must be >= {self.target=}"
         assert self.kept >= 0, f"{self.kept=} must be >= 0"
         assert self.in_flight >= 0, f"{self.in_flight=} must be >= 0"
 
+    @property
+    def rounds(self) -> int:
+        """Waves' worth of groups submitted so far (a partial wave counts as one)."""
+        return math.ceil(self.submitted / self.wave)
+
+
+def new_round_state(target: int, over_sampling_factor: float) -> RoundState:
+    """The counters of a new batch of `target` groups."""
+    assert over_sampling_factor >= 1.0, f"{over_sampling_factor=} must be >= 1"
+    return RoundState(target=target, wave=math.ceil(target * over_sampling_factor))
+
 
 def groups_to_submit(state: RoundState, over_sampling_factor: float, max_rounds: int) -> int:
-    """Groups to submit now (a new wave), or 0.
+    """Groups to submit now, or 0.
 
-    A wave starts only when even keeping every in-flight group would leave the batch short; it
-    asks for the missing groups times the over-sampling factor, minus what is in flight.
+    More are submitted only when even keeping every in-flight group would leave the batch short:
+    the missing groups times the over-sampling factor, minus what is in flight, within what is
+    left of the budget of `max_rounds` waves.
     """
     assert over_sampling_factor >= 1.0, f"{over_sampling_factor=} must be >= 1"
     missing = state.target - state.kept
-    if missing <= state.in_flight or state.rounds >= max_rounds or state.exhausted:
+    budget = max_rounds * state.wave - state.submitted
+    if missing <= state.in_flight or budget <= 0 or state.exhausted:
         return 0
-    return max(math.ceil(missing * over_sampling_factor) - state.in_flight, 1)
+    return min(max(math.ceil(missing * over_sampling_factor) - state.in_flight, 1), budget)
 
 
 def batch_outcome(state: RoundState, max_rounds: int) -> Outcome:
@@ -58,7 +78,7 @@ def batch_outcome(state: RoundState, max_rounds: int) -> Outcome:
         return Outcome.DONE
     if state.in_flight > 0:
         return Outcome.CONTINUE
-    if state.rounds >= max_rounds or state.exhausted:
+    if state.submitted >= max_rounds * state.wave or state.exhausted:
         return Outcome.SHORT
     return Outcome.CONTINUE
 
@@ -87,6 +107,25 @@ def is_fresh_enough(sample: Sample, current_version: str, max_staleness: int) ->
     """True when every part of `sample` is at most `max_staleness` versions old."""
     assert max_staleness >= 0, f"{max_staleness=} must be >= 0"
     return sample_staleness(sample.weight_versions, current_version) <= max_staleness
+
+
+def staleness_bound(max_staleness: int, mode: str, sync_every: int) -> int:
+    """The staleness bound of a run: `rollout.max_staleness`, or with -1 (automatic) the most a
+    freshly generated sample can lag: `sync_every - 1`, plus 1 in async mode (the producer runs
+    one batch ahead). Only resumed partial work older than that is ever dropped."""
+    assert mode in ("sync", "async"), f"{mode=}"
+    assert sync_every >= 1, f"{sync_every=} must be >= 1"
+    if max_staleness >= 0:
+        return max_staleness
+    return sync_every - 1 + (mode == "async")
+
+
+def is_stale_partial(group: Sequence[Sample], current_version: str, max_staleness: int) -> bool:
+    """A partial group (resumed or saved surplus) with a part older than the bound: resuming it
+    would spend generation on samples the trainer then drops."""
+    return any(
+        s.weight_versions and not is_fresh_enough(s, current_version, max_staleness) for s in group
+    )
 
 
 def split_stale_groups(

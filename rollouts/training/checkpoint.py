@@ -6,6 +6,8 @@ Layout of one checkpoint (the backend writes the model part):
       optimizer.pt | optimizer/ (DCP, under FSDP), scheduler.pt, backend.json
       rng_rank{R}.pt    python, numpy, torch (and CUDA) RNG states of each rank
       extra_state.json  the caller's JSON-safe state (DataBuffer.state_dict(), partial samples)
+      reference.safetensors  the reference model's parameters, once an update (copy, ema,
+                        periodic, user) has moved them off the base model; a resume loads them
       manifest.json     written last: step, weight version, every file with its size
 Everything is written into `.tmp-step_NNNNNN/` and renamed, so a crash never leaves a directory
 named `step_*` that is incomplete; `find_latest_checkpoint` also checks the manifest's files.
@@ -36,6 +38,7 @@ import torch
 from rollouts.training.backends.protocol import TrainingBackend
 
 MANIFEST = "manifest.json"
+REFERENCE_FILE = "reference.safetensors"
 EXTRA_STATE = "extra_state.json"
 FORMAT = 1
 BEST_FILE = "best.json"
@@ -213,8 +216,12 @@ def save_checkpoint(
     keep_last: int = 2,
     metrics: Mapping[str, Any] | None = None,
     best: BestSpec | None = None,
+    reference: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write `root/step_NNNNNN` atomically and keep the last `keep_last`; every rank calls it.
+
+    `reference`: the reference model's parameters (rank 0's full copy), saved when it is no
+    longer the base model, so that a resumed run trains against the same reference.
 
     With `best` and the step's `metrics`: when `metrics[best.metric]` beats the value in
     `root/best.json`, this checkpoint becomes the best (recorded there, and kept through the
@@ -235,6 +242,8 @@ def save_checkpoint(
     backend.barrier()
     if backend.rank == 0:
         _write_json(tmp / EXTRA_STATE, extra_state or {})
+        if reference is not None:
+            save_reference_params(reference, tmp / REFERENCE_FILE)
         manifest = {
             "format": FORMAT,
             "step": step,
@@ -247,6 +256,23 @@ def save_checkpoint(
         _publish(tmp, final, keep_last, _best_update(root, step, metrics, best))
     backend.barrier()
     return final
+
+
+def save_reference_params(params: Mapping[str, torch.Tensor], path: Path) -> None:
+    """The reference parameters as safetensors (copied: tied or shared tensors are fine)."""
+    from safetensors.torch import save_file
+
+    assert params, "no reference parameters to save"
+    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in params.items()}, path)
+
+
+def load_reference_params(path: str | Path) -> dict[str, torch.Tensor] | None:
+    """The reference parameters a checkpoint saved, or None when it saved none (the reference
+    was still the base model)."""
+    from safetensors.torch import load_file
+
+    file = Path(path) / REFERENCE_FILE
+    return load_file(file) if file.is_file() else None
 
 
 def load_checkpoint(backend: TrainingBackend, path: str | Path) -> CheckpointState:

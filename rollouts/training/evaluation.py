@@ -68,7 +68,23 @@ def _pending(item: PromptItem) -> Sample:
     )
 
 
+MAX_EVAL_ATTEMPTS = 3  # an aborted eval rollout is resumed (greedy: same result) this often
+
+
 async def _rollout(engine: InferenceEngine, tokenizer: Any, item: PromptItem, spec: EvalSpec):
+    """One greedy rollout of `item`; an ABORTED one (a pause or an abort aimed at other
+    requests) is resumed, and is FAILED if still aborted: never scored as a finished one."""
+    sample = _pending(item)
+    for attempt in range(MAX_EVAL_ATTEMPTS):
+        sample = await _attempt(engine, tokenizer, sample, spec, attempt)
+        if sample.status is not Status.ABORTED:
+            return sample
+    return fail_sample(sample, f"eval rollout aborted {MAX_EVAL_ATTEMPTS} times in a row")
+
+
+async def _attempt(
+    engine: InferenceEngine, tokenizer: Any, sample: Sample, spec: EvalSpec, attempt: int
+) -> Sample:
     multi = spec.env_factory is not None or spec.max_turns > 1
     generate = spec.generate_fn or (generate_multi_turn if multi else generate_single_turn)
     ctx = GenerateContext(
@@ -77,12 +93,12 @@ async def _rollout(engine: InferenceEngine, tokenizer: Any, item: PromptItem, sp
         sampling=SamplingParams(
             max_new_tokens=spec.max_new_tokens, temperature=0.0, stop=spec.stop
         ),
-        rid=f"eval-{item.index}",
+        rid=f"eval-{sample.index}-a{attempt}",
         max_total_tokens=spec.max_total_tokens,
         max_turns=spec.max_turns,
         env_factory=spec.env_factory,
     )
-    return await call_maybe_async(generate, _pending(item), ctx)
+    return await call_maybe_async(generate, sample, ctx)
 
 
 async def evaluate(

@@ -34,6 +34,7 @@ from rollouts.training.checkpoint import (
     BestSpec,
     find_latest_checkpoint,
     load_checkpoint,
+    load_reference_params,
     save_checkpoint,
 )
 from rollouts.training.engines import cpu_share, open_engines
@@ -71,6 +72,7 @@ async def _save(
     keep: int,
     metrics: Any = None,
     best: BestSpec | None = None,
+    reference: Any = None,
 ) -> None:
     await trio.to_thread.run_sync(
         functools.partial(
@@ -83,6 +85,7 @@ async def _save(
             keep_last=keep,
             metrics=metrics,
             best=best,
+            reference=reference,
         )
     )
 
@@ -202,6 +205,10 @@ async def rl_phase(
             start, version = state.step, int(state.weight_version)
             loop_state = state.extra_state.get("rl_loop", {})
         ref = build_reference(config, model_dir, make_backend)
+        saved_ref = load_reference_params(latest) if latest is not None else None
+        if ref is not None and saved_ref is not None:  # not the base model any more
+            await trio.to_thread.run_sync(ref.restore, saved_ref)
+            print(f"[train] reference model restored from {latest}", flush=True)
         engine_model = latest / MODEL_DIR if latest is not None else model_dir
         async with open_engines(config, engine_model, str(version)) as pool:
             return await _rl_with_engines(
@@ -272,7 +279,8 @@ async def _rl_with_engines(
         extra = {"phase": "rl", "data_buffer": buffer_state, "rl_loop": loop_state or {}}
         c = config.checkpoint
         best = BestSpec(metric=c.best_metric, mode=c.best_mode) if c.best_metric else None
-        await _save(backend, root, step, version, extra, c.keep_last, metrics, best)
+        reference = ref.params if ref is not None and ref.changed else None
+        await _save(backend, root, step, version, extra, c.keep_last, metrics, best, reference)
 
     async def sync(version: str) -> dict[str, float]:
         path = await trio.to_thread.run_sync(publish_weights, backend, sync_root, version)

@@ -45,6 +45,9 @@ class ScriptedEngine:
     async def abort_all(self) -> None:
         await trio.lowlevel.checkpoint()
 
+    async def abort(self, rid_prefix: str) -> None:
+        await trio.lowlevel.checkpoint()
+
     async def load(self) -> EngineLoad:
         return EngineLoad(running=self.running, waiting=0)
 
@@ -65,6 +68,7 @@ class RandomEngine:
         self.eos_prob = eos_prob
         self.version = version
         self.live: dict[int, bool] = {}  # request number -> aborted
+        self.rids: dict[int, str] = {}  # request number -> request id
         self.count = 0
         self.tokens_generated = 0
 
@@ -74,6 +78,7 @@ class RandomEngine:
         key = self.count
         self.count += 1
         self.live[key] = False
+        self.rids[key] = rid or ""
         out: list[int] = []
         reason = FinishReason.LENGTH
         try:
@@ -90,7 +95,7 @@ class RandomEngine:
                     reason = FinishReason.STOP
                     break
         finally:
-            del self.live[key]
+            del self.live[key], self.rids[key]
         self.tokens_generated += len(out)
         return Completion(
             output_ids=tuple(out),
@@ -104,6 +109,11 @@ class RandomEngine:
     async def abort_all(self) -> None:
         for key in self.live:
             self.live[key] = True
+        await trio.lowlevel.checkpoint()
+
+    async def abort(self, rid_prefix: str) -> None:
+        for key in self.live:
+            self.live[key] = self.live[key] or self.rids[key].startswith(rid_prefix)
         await trio.lowlevel.checkpoint()
 
     async def load(self) -> EngineLoad:

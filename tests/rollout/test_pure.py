@@ -24,11 +24,12 @@ from rollouts.rollout.batch import (
 from rollouts.rollout.generate import apply_completion, prepare_request
 from rollouts.rollout.planning import (
     Outcome,
-    RoundState,
     batch_outcome,
     groups_to_submit,
+    new_round_state,
     sample_staleness,
     split_stale_groups,
+    staleness_bound,
 )
 from rollouts.types import PromptItem, Sample, Status
 
@@ -81,18 +82,37 @@ def test_run_filters_order_failed_first_and_bool_filters() -> None:
 
 
 def test_planning_waves_and_outcomes() -> None:
-    s = RoundState(target=4)
+    s = new_round_state(4, 1.5)
+    assert s.wave == 6
     assert groups_to_submit(s, 1.5, 3) == 6
-    s = dataclasses.replace(s, in_flight=6, rounds=1)
+    s = dataclasses.replace(s, in_flight=6, submitted=6)
+    assert s.rounds == 1
     assert groups_to_submit(s, 1.5, 3) == 0  # in flight could still fill the batch
     s = dataclasses.replace(s, in_flight=2, kept=1)  # 3 dropped: 2 in flight cannot fill 3
     assert groups_to_submit(s, 1.5, 3) == 3  # ceil(3 * 1.5) - 2
     assert batch_outcome(s, 3) is Outcome.CONTINUE
     assert batch_outcome(dataclasses.replace(s, kept=4), 3) is Outcome.DONE
-    spent = dataclasses.replace(s, in_flight=0, rounds=3)
+    spent = dataclasses.replace(s, in_flight=0, submitted=18)  # 3 waves of 6
+    assert spent.rounds == 3
     assert groups_to_submit(spent, 1.5, 3) == 0
     assert batch_outcome(spent, 3) is Outcome.SHORT
     assert batch_outcome(dataclasses.replace(s, in_flight=0, exhausted=True), 9) is Outcome.SHORT
+
+
+def test_top_ups_share_a_round_and_the_budget_bounds_them() -> None:
+    # factor 1.0: a top-up of 1 group after each drop is not a new round
+    s = new_round_state(8, 1.0)
+    s = dataclasses.replace(s, in_flight=7, submitted=8)  # one group dropped
+    assert groups_to_submit(s, 1.0, 4) == 1
+    s = dataclasses.replace(s, in_flight=8, submitted=9)
+    assert s.rounds == 2  # 9 groups of 8 per wave
+    # the budget (4 waves of 8) caps the last top-up
+    late = dataclasses.replace(s, kept=0, in_flight=0, submitted=30)
+    assert groups_to_submit(late, 1.0, 4) == 2
+    assert staleness_bound(-1, "sync", 1) == 0
+    assert staleness_bound(-1, "async", 1) == 1
+    assert staleness_bound(-1, "sync", 3) == 2
+    assert staleness_bound(2, "sync", 1) == 2
 
 
 def test_staleness() -> None:

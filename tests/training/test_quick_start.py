@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,27 +14,45 @@ def reward_len_mod_2(sample: Sample) -> float:
     return float(sample.response_length % 2)
 
 
-def test_quick_start_runs_rl_steps_with_a_plain_function(tiny_model_dir: Path, tmp_path: Path):
+SMALL = {
+    "rollout": {"batch_size": 2, "n_samples_per_prompt": 2, "sampling": {"max_new_tokens": 6}},
+    "logging": {"console": False},
+}
+
+
+def test_quick_start_runs_rl_steps_with_a_plain_function(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
     prompts = [{"prompt": f"{a}+{a}=", "label": str(2 * a)} for a in range(10, 20)]
-    metrics = quick_start_training(
-        tiny_model_dir,
-        prompts,
-        reward_len_mod_2,
-        num_iterations=2,
-        output_dir=tmp_path / "run",
-        overrides={
-            "rollout": {
-                "batch_size": 2,
-                "n_samples_per_prompt": 2,
-                "sampling": {"max_new_tokens": 6},
-            },
-            "logging": {"console": False},
-        },
+    for _ in range(2):  # the same output_dir twice: the second call replaces the first run
+        result = quick_start_training(
+            tiny_model_dir,
+            prompts,
+            reward_len_mod_2,
+            num_iterations=2,
+            output_dir=tmp_path / "run",
+            overrides=SMALL,
+        )
+        assert result.metrics["policy/version"] == 2.0
+        rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(x)["step"] for x in rows] == [1, 2]
+    assert result.run_dir == tmp_path / "run"
+    assert result.checkpoint == tmp_path / "run" / "checkpoints" / "rl" / "step_000002"
+    assert result.model_dir is not None
+    assert (result.model_dir / "config.json").is_file()
+    assert f"trained model {result.model_dir}" in capsys.readouterr().out
+
+
+def test_quick_start_without_output_dir_says_where_the_model_is(tiny_model_dir: Path) -> None:
+    result = quick_start_training(
+        tiny_model_dir, ["1+1=", "2+2="], reward_len_mod_2, num_iterations=1, overrides=SMALL
     )
-    assert metrics["policy/version"] == 2.0
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
-    assert (tmp_path / "run" / "checkpoints" / "rl" / "step_000002" / "model").is_dir()
+    try:
+        assert result.model_dir is not None
+        assert (result.model_dir / "model.safetensors").is_file()
+        assert result.model_dir.is_relative_to(result.run_dir)
+    finally:
+        shutil.rmtree(result.run_dir)
 
 
 def test_quick_start_rejects_bad_prompts(tiny_model_dir: Path) -> None:

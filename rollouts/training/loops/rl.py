@@ -3,8 +3,10 @@
 Two modes (`rollout.mode`):
 - "sync": each step generates its batch with the current weights, then trains on it.
 - "async": a producer task generates the next batch while the trainer trains on the current
-  one (a channel of size 0 keeps it exactly one batch ahead). Samples made by a policy more than
-  `rollout.max_staleness` versions old are dropped and counted.
+  one (a channel of size 0 keeps it exactly one batch ahead).
+In both modes samples made by a policy more than the staleness bound (`rollout.max_staleness`;
+automatic: what a fresh sample can lag, so sync stays on-policy) behind are dropped and counted,
+and partial groups already that stale are dropped before they are resumed.
 
 The loop never knows which backend or which engine it drives: checkpoints, weight sync and
 evaluation come in as `RLHooks` built by the driver (`rollouts/training/run.py`).
@@ -27,6 +29,7 @@ from rollouts.algorithms.reference import update_reference
 from rollouts.algorithms.schedule import load_schedule
 from rollouts.config import AlgorithmConfig, Config
 from rollouts.inference.http import EngineError
+from rollouts.rollout.planning import staleness_bound
 from rollouts.training.loops.rl_batch import (
     epoch_metrics,
     mini_batches,
@@ -72,6 +75,12 @@ class ReferencePolicy:
     def __init__(self, backend: Any) -> None:
         self.backend = backend
         self.params = backend.get_weights()
+        self.changed = False  # moved off the base model: checkpointed from then on
+
+    def restore(self, params: Any) -> None:
+        """Load reference parameters saved in a checkpoint (a resumed run)."""
+        self.params, self.changed = params, True
+        self.backend.load_weights(params)
 
     async def logprobs(self, batch: TrainBatch) -> tuple[Any, ...]:
         return await self.backend.compute_logprobs(batch)
@@ -83,7 +92,7 @@ class ReferencePolicy:
         policy = await trio.to_thread.run_sync(policy_backend.get_weights)
         new = update_reference(self.params, policy, algo, step)
         if new is not self.params:
-            self.params = new
+            self.params, self.changed = new, True
             await trio.to_thread.run_sync(self.backend.load_weights, new)
 
 
@@ -217,17 +226,23 @@ class _Batches:
     k stores the state from which batch k+1 is generated, even when the producer is ahead.
     """
 
-    def __init__(self, manager: Any, reward_fn: Any, buffer: Any) -> None:
+    def __init__(
+        self, manager: Any, reward_fn: Any, buffer: Any, staleness: Callable[[], tuple[str, int]]
+    ) -> None:
         self.manager = manager
         self.reward_fn = reward_fn
         self.buffer = buffer
+        self.staleness = staleness  # () -> (policy version now, staleness bound)
         self.states: dict[int, dict[str, Any]] = {}
         self._recv: trio.MemoryReceiveChannel[tuple[RolloutBatch, float]] | None = None
 
     async def _make(self, number: int) -> tuple[RolloutBatch, float]:
         self.states[number] = self.buffer.state_dict()
         started = time.monotonic()
-        batch = await self.manager.generate_batch(self.reward_fn)
+        version, bound = self.staleness()
+        batch = await self.manager.generate_batch(
+            self.reward_fn, policy_version=version, max_staleness=bound
+        )
         return batch, time.monotonic() - started
 
     def start_producer(self, nursery: trio.Nursery, first: int, last: int) -> None:
@@ -276,11 +291,16 @@ async def run_rl_training(
     schedule = load_schedule(config.algorithm)
     total = config.training.rl_steps
     is_async = config.rollout.mode == "async"
-    batches = _Batches(rollout_manager, reward_fn, data_buffer)
     kl_ctl = AdaptiveKL.from_config(config.algorithm)
     if loop_state and "kl_ctl" in loop_state:
         kl_ctl = kl_ctl.load_state_dict(loop_state["kl_ctl"])
     state = {"version": start_version, "synced": start_version, "metrics": {}, "kl_ctl": kl_ctl}
+    bound = staleness_bound(
+        config.rollout.max_staleness, config.rollout.mode, config.training.sync_every
+    )
+    batches = _Batches(
+        rollout_manager, reward_fn, data_buffer, lambda: (str(state["version"]), bound)
+    )
     step = start_step
     async with trio.open_nursery() as nursery:
         if is_async:
@@ -325,9 +345,10 @@ async def _one_step(
     rollout, gen_s = await batches.next(step)
     wait_s = time.monotonic() - started
     algo = _with_kl_controller(schedule(step - 1), state["kl_ctl"])
-    prep = prepare_groups(
-        rollout.groups, str(state["version"]), config.rollout.max_staleness if is_async else None
+    bound = staleness_bound(
+        config.rollout.max_staleness, config.rollout.mode, config.training.sync_every
     )
+    prep = prepare_groups(rollout.groups, str(state["version"]), bound)
     metrics = rollout_metrics(prep.groups, rollout.metadata)
     # failed samples of every group the batch saw (a group of FAILED ones is never kept)
     failed = int(rollout.metadata.get("failed_samples", prep.failed_samples))
@@ -343,8 +364,10 @@ async def _one_step(
     if state["empty_steps"] >= MAX_EMPTY_STEPS:
         errors = list(rollout.metadata.get("errors", []))[:3]
         raise RuntimeError(
-            f"{MAX_EMPTY_STEPS} RL steps in a row had no trainable sample "
-            f"({failed} failed in the last one); first errors: {errors}"
+            f"{MAX_EMPTY_STEPS} RL steps in a row had no trainable sample; in the last one "
+            f"{failed} sample(s) failed, {prep.stale_groups} group(s) were too "
+            f"stale, and the filters dropped {dict(rollout.metadata.get('drop_reasons', {}))} "
+            f"(group counts by filter reason); first errors: {errors}"
         )
     if prep.groups:
         train_metrics, train_times = await train_step(backend, prep.groups, algo, config, ref)

@@ -46,7 +46,7 @@ def prepare_groups(
 ) -> PreparedGroups:
     """Drop samples that cannot be trained (FAILED, ABORTED) and groups past the staleness bound.
 
-    `max_staleness=None` keeps every group (synchronous mode: everything is on-policy).
+    `max_staleness=None` keeps every group.
     """
     failed = 0
     trainable: list[Group] = []
@@ -187,7 +187,7 @@ def rollout_metrics(groups: Sequence[Group], meta: Mapping[str, Any]) -> dict[st
         "rollout/groups_kept": float(len(groups)),
     }
     for key, value in meta.items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)):  # bools too: rollout/short_batch is 0 or 1
             out[f"rollout/{key}"] = float(value)
         elif isinstance(value, Mapping) and key in ("drop_reasons", "statuses"):
             for name, count in value.items():

@@ -1,0 +1,87 @@
+"""RL runs whose metrics must tell the truth (issue 17): sync mode trains nothing stale, a
+short batch is in metrics.jsonl, and a run that filters everything says which filter did."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rollouts.training.quick_start import quick_start_training
+from rollouts.types import Sample
+
+
+def reward_len_mod_2(sample: Sample) -> float:
+    return float(sample.response_length % 2)
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines if x.strip()]
+
+
+def test_sync_mode_with_partial_rollouts_trains_nothing_stale(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    prompts = [f"{a}+{a}=" for a in range(10, 30)]
+    result = quick_start_training(
+        tiny_model_dir,
+        prompts,
+        reward_len_mod_2,
+        num_iterations=4,
+        output_dir=tmp_path / "run",
+        overrides={
+            "rollout": {
+                "mode": "sync",
+                "batch_size": 2,
+                "n_samples_per_prompt": 2,
+                "over_sampling_factor": 2.0,
+                "partial_rollouts": True,
+                # every 16th token id stops: varied lengths, so surplus groups get aborted
+                "sampling": {"max_new_tokens": 24, "stop_token_ids": list(range(0, 300, 16))},
+            },
+            "logging": {"console": False},
+        },
+    )
+    rows = _rows(result.run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["rollout/staleness_max"] == 0.0 for r in rows), rows
+    assert all(r["rollout/stale_groups_dropped"] == 0.0 for r in rows)  # dropped before: none
+    assert sum(r["rollout/stale_partial_groups"] for r in rows) > 0  # saved work was stale
+    assert all("rollout/short_batch" in r for r in rows)
+
+
+@pytest.mark.filterwarnings("ignore::rollouts.rollout.manager.ShortBatchWarning")
+def test_a_run_whose_filter_drops_everything_names_the_filter(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(BaseException) as info:
+        quick_start_training(
+            tiny_model_dir,
+            ["1+1=", "2+2=", "3+3="],
+            lambda s: 1.0,  # every group has zero reward std
+            num_iterations=5,
+            output_dir=tmp_path / "run",
+            overrides={
+                "rollout": {
+                    "batch_size": 1,
+                    "n_samples_per_prompt": 2,
+                    "max_over_sampling_rounds": 1,
+                    "filters": ["check_reward_nonzero_std"],
+                    "sampling": {"max_new_tokens": 4},
+                },
+                "logging": {"console": False},
+            },
+        )
+    messages = " ".join(str(e) for e in _leaves(info.value))
+    assert "3 RL steps in a row had no trainable sample" in messages
+    assert "the filters dropped {'zero_reward_std': " in messages
+    rows = _rows(tmp_path / "run")
+    assert rows and all(r["rollout/short_batch"] == 1.0 for r in rows)
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for e in error.exceptions for leaf in _leaves(e)]
+    return [error]
