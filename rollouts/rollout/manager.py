@@ -35,7 +35,7 @@ from rollouts.envs import resolve_env_factory
 from rollouts.envs.protocol import EnvFactory
 from rollouts.envs.threads import CallTimeout, ThreadRunner
 from rollouts.inference.protocol import InferenceEngine
-from rollouts.plugins import call_maybe_async, load_function
+from rollouts.plugins import load_function
 from rollouts.rewards.protocol import RewardFn
 from rollouts.rewards.scoring import score_group
 from rollouts.rollout.agent import generate_multi_turn
