@@ -310,7 +310,8 @@ class EngineCore:
         slots = [i for i, s in enumerate(self._seqs) if hit(s)]
         for slot in slots:
             self._finish_slot(slot, aborted)
-        self._drop(slots)
+        with torch.inference_mode():  # the cache rows it moves are inference tensors
+            self._drop(slots)
         return len(gone) + len(slots)
 
     def when_idle(self, action: Callable[[], None]) -> None:
