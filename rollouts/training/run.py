@@ -205,10 +205,8 @@ async def rl_phase(
             start, version = state.step, int(state.weight_version)
             loop_state = state.extra_state.get("rl_loop", {})
         ref = build_reference(config, model_dir, make_backend)
-        saved_ref = load_reference_params(latest) if latest is not None else None
-        if ref is not None and saved_ref is not None:  # not the base model any more
-            await trio.to_thread.run_sync(ref.restore, saved_ref)
-            print(f"[train] reference model restored from {latest}", flush=True)
+        if ref is not None and latest is not None:
+            await trio.to_thread.run_sync(restore_reference, ref, latest)
         engine_model = latest / MODEL_DIR if latest is not None else model_dir
         async with open_engines(config, engine_model, str(version)) as pool:
             return await _rl_with_engines(
@@ -241,6 +239,17 @@ def build_reference(config: Config, model_dir: Path, make_backend: Any = create_
     return ReferencePolicy(
         make_backend(config, model_path=model_dir, total_steps=1, value_head=False)
     )
+
+
+def restore_reference(ref: Any, checkpoint: Path) -> bool:
+    """Load the reference parameters `checkpoint` saved into `ref` (True), or leave it on the
+    base model when the checkpoint saved none (it had not moved yet)."""
+    saved = load_reference_params(checkpoint)
+    if saved is None:
+        return False
+    ref.restore(saved)
+    print(f"[train] reference model restored from {checkpoint}", flush=True)
+    return True
 
 
 async def _rl_with_engines(
@@ -279,7 +288,7 @@ async def _rl_with_engines(
         extra = {"phase": "rl", "data_buffer": buffer_state, "rl_loop": loop_state or {}}
         c = config.checkpoint
         best = BestSpec(metric=c.best_metric, mode=c.best_mode) if c.best_metric else None
-        reference = ref.params if ref is not None and ref.changed else None
+        reference = ref.params_to_checkpoint() if ref is not None else None
         await _save(backend, root, step, version, extra, c.keep_last, metrics, best, reference)
 
     async def sync(version: str) -> dict[str, float]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rollouts.training.backends.factories import create_pytorch_backend
+from rollouts.training.checkpoint import load_checkpoint
 from tests.training.backend_helpers import (
     LENGTHS,
     make_batch,
@@ -50,7 +51,7 @@ def fsdp_result(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return torch.load(out, weights_only=False)
+    return torch.load(out, weights_only=False) | {"checkpoint": tmp / "ckpt" / "step_000003"}
 
 
 def test_fsdp_matches_single_process_after_three_steps(
@@ -80,3 +81,17 @@ def test_fsdp_exports_hf_weights_and_resumes_from_its_checkpoint(fsdp_result: di
         torch.testing.assert_close(fsdp_result["exported"][key], value, rtol=0, atol=0)
     for key, value in fsdp_result["step4"].items():
         torch.testing.assert_close(fsdp_result["step4_resumed"][key], value, rtol=0, atol=0)
+
+
+def test_an_fsdp_checkpoint_resumes_on_the_one_process_backend(
+    fsdp_result: dict, tiny_model_dir: Path
+) -> None:
+    """The DCP optimizer of 2 ranks loads into one process: its 4th step is FSDP's 4th step."""
+    backend = create_pytorch_backend(tiny_config(tiny_model_dir, micro_batch_tokens=16))
+    load_checkpoint(backend, fsdp_result["checkpoint"])
+    backend.forward_backward(make_batch(LENGTHS, seed=3), nll_loss).result()
+    backend.optim_step().result()
+    step4 = backend.get_weights()
+    backend.close()
+    for key, value in fsdp_result["step4"].items():
+        torch.testing.assert_close(step4[key], value, atol=1e-5, rtol=1e-4)

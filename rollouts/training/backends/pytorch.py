@@ -4,12 +4,14 @@ All model work runs on one worker thread (a single-thread executor), in submissi
 comes back as a `TrainFuture`. Checkpoint files: `model/` (HF safetensors + config + tokenizer),
 `optimizer.pt`, `scheduler.pt`, `backend.json`, and `value_head.pt` when the model has a critic
 head (PPO with GAE): the head is outside `model/`, so engines always load a plain HF causal LM.
+It also resumes a checkpoint of the FSDP backend (its optimizer is a DCP directory).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -63,6 +65,23 @@ def load_value_head(path: Path, device: torch.device) -> dict[str, torch.Tensor]
             "it was trained with, or start a new run"
         )
     return torch.load(file, map_location=device, weights_only=True)
+
+
+def load_dcp_optimizer(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path
+) -> None:
+    """Load an FSDP run's optimizer (a DCP checkpoint) into a one-process optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = {"optim": get_optimizer_state_dict(model, optimizer)}  # the template, state made
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process, intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(directory))
+    set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
 class PyTorchBackend:
@@ -167,10 +186,23 @@ class PyTorchBackend:
         self._load_weights(load_hf_weights(path / MODEL_DIR))
         if self.value_head is not None:
             self.value_head.load_state_dict(load_value_head(path, self.device))
-        optim = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
-        self.core.optimizer.load_state_dict(optim)
+        self._load_optimizer(path)
         self.core.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
         self.core.load_state_dict(json.loads((path / "backend.json").read_text()))
+
+    def _load_optimizer(self, path: Path) -> None:
+        """`optimizer.pt`, or the DCP `optimizer/` an FSDP run wrote (any world size: the
+        parameter names are the same, so one process takes the whole state)."""
+        if (path / "optimizer.pt").is_file():
+            optim = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
+            self.core.optimizer.load_state_dict(optim)
+            return
+        if not (path / "optimizer").is_dir():
+            raise FileNotFoundError(
+                f"{path}: no optimizer state (neither optimizer.pt of the one-process backend nor "
+                "the optimizer/ DCP directory of the FSDP backend): not a training checkpoint?"
+            )
+        load_dcp_optimizer(self.core.model, self.core.optimizer, path / "optimizer")
 
     def barrier(self) -> None:
         """One device: nothing to wait for."""

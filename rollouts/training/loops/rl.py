@@ -82,6 +82,10 @@ class ReferencePolicy:
         self.params, self.changed = params, True
         self.backend.load_weights(params)
 
+    def params_to_checkpoint(self) -> Any:
+        """The parameters a checkpoint must keep: None while they are the base model's."""
+        return self.params if self.changed else None
+
     async def logprobs(self, batch: TrainBatch) -> tuple[Any, ...]:
         return await self.backend.compute_logprobs(batch)
 
