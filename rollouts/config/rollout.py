@@ -115,6 +115,8 @@ class EnginesConfig(_Section):
     startup_timeout_s: float = 120.0  # built-in engines' start; /health wait for URLs
     health_interval_s: float = 5.0
     max_retries: int = 3
+    max_restarts: int = 3  # a built-in engine that exits is restarted at most this many times
+    wait_for_up_s: float = 60.0  # with every engine down, how long a request or a sync waits
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -124,6 +126,26 @@ class EnginesConfig(_Section):
         _check(p, self.max_batch >= 1, "engines.max_batch: must be >= 1")
         _check(p, self.max_queue >= 1, "engines.max_queue: must be >= 1")
         _check(p, self.max_retries >= 0, "engines.max_retries: must be >= 0")
+        _check(
+            p,
+            self.max_restarts >= 0,
+            f"engines.max_restarts = {self.max_restarts}: must be >= 0 (0 = never restart)",
+        )
+        _check(
+            p,
+            self.request_timeout_s > 0,
+            f"engines.request_timeout_s = {self.request_timeout_s}: must be > 0",
+        )
+        _check(
+            p,
+            self.health_interval_s > 0,
+            f"engines.health_interval_s = {self.health_interval_s}: must be > 0",
+        )
+        _check(
+            p,
+            self.wait_for_up_s >= 0,
+            f"engines.wait_for_up_s = {self.wait_for_up_s}: must be >= 0",
+        )
         _check(p, self.torch_threads >= 0, "engines.torch_threads: must be >= 0 (0 = default)")
         _check(
             p,

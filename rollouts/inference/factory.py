@@ -29,4 +29,6 @@ def make_pool(config: EnginesConfig, urls: Sequence[str]) -> EnginePool:
     """An EnginePool over `urls` (the built-in engines' URLs, or `config.urls`)."""
     assert urls, "no engine URLs: start built-in engines first or set engines.urls"
     engines = [make_engine(config, url) for url in urls]
-    return EnginePool(engines, health_interval_s=config.health_interval_s)
+    return EnginePool(
+        engines, health_interval_s=config.health_interval_s, wait_for_up_s=config.wait_for_up_s
+    )

@@ -5,6 +5,13 @@
 `serve_engine` is the `nursery.start` form for long-lived engines; `start_engine_sync` is the
 blocking form for module-scoped test fixtures (pytest-trio fixtures cannot be module-scoped).
 Every wait is bounded: start-up by `startup_timeout_s`, shutdown by a grace period then SIGKILL.
+
+A server dies with the process that started it, however that one ends (SIGKILL included): on
+Linux the server is started through a tiny launcher that sets the parent-death signal
+(`prctl(PR_SET_PDEATHSIG, SIGKILL)`) and then execs the server. The kernel sends it when the
+*thread* that forked the server exits, so servers are spawned from the trio thread (or the
+caller's), never from a worker thread. `serve_engines` restarts a server that exits (at most
+`max_restarts` times each) on the same port; the pool's health check brings it back.
 """
 
 from __future__ import annotations
@@ -27,6 +34,16 @@ import trio
 HEALTH_POLL_S = 0.1
 STOP_GRACE_S = 5.0
 PORT_ATTEMPTS = 3
+RESTART_POLL_S = 0.5
+
+# argv[1] = the parent's pid; the rest is the server's argv (after the interpreter)
+DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(1)  # the parent died before the signal was set\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
+)
 
 
 class EngineStartError(RuntimeError):
@@ -105,8 +122,16 @@ def server_command(spec: EngineSpec, port: int) -> list[str]:
     return cmd + list(spec.extra_args)
 
 
+def dies_with_parent(cmd: list[str]) -> list[str]:
+    """`cmd` (a python command) behind the launcher that sets the parent-death signal (Linux)."""
+    assert cmd[0] == sys.executable, f"{cmd[0]=} is not this interpreter"
+    if not sys.platform.startswith("linux"):
+        return cmd
+    return [sys.executable, "-c", DIE_WITH_PARENT, str(os.getpid()), *cmd[1:]]
+
+
 def spawn(spec: EngineSpec) -> EngineProcess:
-    """Start the server process (returns at once; see `wait_healthy*`)."""
+    """Start the server process (returns at once; see `wait_healthy*`); it dies with us."""
     port = spec.port or free_port(spec.host)
     if spec.log_path:
         log_path = spec.log_path
@@ -116,7 +141,10 @@ def spawn(spec: EngineSpec) -> EngineProcess:
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1")
     with open(log_path, "ab") as log:
         process = subprocess.Popen(
-            server_command(spec, port), stdout=log, stderr=subprocess.STDOUT, env=env
+            dies_with_parent(server_command(spec, port)),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
     url = f"http://{spec.host}:{port}"
     return EngineProcess(url=url, process=process, log_path=log_path, api_key=spec.api_key)
@@ -237,12 +265,16 @@ async def serve_engines(
     model_dir: str | Path,
     count: int,
     *,
+    max_restarts: int = 0,
     task_status: Any = trio.TASK_STATUS_IGNORED,
     **kwargs: Any,
 ) -> None:
-    """Start `count` engines at once (each on its own free port); `started(urls)`; runs until
-    cancelled, then stops them all. Use with `functools.partial` and `nursery.start`."""
+    """Start `count` engines at once (each on its own free port); `started(urls)`; restart one
+    that exits (at most `max_restarts` times each, same port, not waited for: the pool's health
+    check finds it); runs until cancelled, then stops them all. Use with `functools.partial`
+    and `nursery.start`."""
     assert count >= 1, f"{count=}"
+    assert max_restarts >= 0, f"{max_restarts=}"
     spec = _spec(model_dir, kwargs)
     assert spec.port is None or count == 1, f"{count=} engines cannot share {spec.port=}"
     procs: list[EngineProcess] = []
@@ -252,8 +284,29 @@ async def serve_engines(
             for proc in procs:
                 nursery.start_soon(wait_healthy, proc, spec.startup_timeout_s)
         task_status.started([p.url for p in procs])
-        await trio.sleep_forever()
+        await _restart_exited(procs, spec, max_restarts)
     finally:
         with trio.CancelScope(shield=True):
             for proc in procs:
                 await trio.to_thread.run_sync(proc.stop)
+
+
+async def _restart_exited(procs: list[EngineProcess], spec: EngineSpec, max_restarts: int) -> None:
+    """Until cancelled: replace an exited server in `procs` by a new one on its port."""
+    restarts = [0] * len(procs)
+    while True:
+        await trio.sleep(RESTART_POLL_S)
+        for i, proc in enumerate(procs):
+            code = proc.process.poll()
+            if code is None or restarts[i] > max_restarts:
+                continue
+            restarts[i] += 1
+            if restarts[i] > max_restarts:
+                print(f"[engines] {proc.url} exited ({code}); no restart left", flush=True)
+                continue
+            port = int(proc.url.rsplit(":", 1)[1])
+            print(
+                f"[engines] {proc.url} exited ({code}); restart {restarts[i]}/{max_restarts}",
+                flush=True,
+            )
+            procs[i] = spawn(dataclasses.replace(spec, port=port))  # trio thread: see module doc

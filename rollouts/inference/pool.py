@@ -4,8 +4,11 @@ Each request goes to the least-loaded healthy engine (loads counted by the pool 
 in-flight requests per engine, no extra HTTP). An engine whose call fails with EngineUnavailable
 is marked down and the request is retried on another (at most once per engine); a periodic health
 check (`run_health_checks`, started by the owner in its nursery) brings it back once /health is
-200 and it serves the pool's weight version. Control calls (pause, resume, weights, abort) go to
-every engine that is up, concurrently.
+200 and it serves the pool's weights: an engine that comes back with other weights (restarted on
+the starting model, or an external server restarted by hand) first reloads the pool's current
+weights (`set_weights`) and proves their version, under `weights_lock` so that it never
+interleaves with a weight sync. Control calls (pause, resume, weights, abort) go to every engine
+that is up, concurrently.
 """
 
 from __future__ import annotations
@@ -54,7 +57,10 @@ class EnginePool:
         self.failed_checks = [0] * len(self.engines)
         self.up = [True] * len(self.engines)
         self.in_flight = [0] * len(self.engines)
-        self.version: str | None = None  # set by update_weights_from_disk
+        # the weights every engine must serve (None: not known yet; any version is fine)
+        self.version: str | None = None
+        self.weights_path: str | None = None
+        self.weights_lock = trio.Lock()  # held by a weight sync and by a returning engine's reload
 
     def mark_down(self, index: int) -> None:
         """Stop routing to engine `index` until a health check passes."""
@@ -83,9 +89,18 @@ class EnginePool:
         raise EngineUnavailable(f"no healthy engine could generate: {errors or 'all are down'}")
 
     async def _wait_for_up(self) -> None:
+        await self.wait_for_up()
+
+    async def wait_for_up(self) -> bool:
+        """Wait up to `wait_for_up_s` for an engine to be up (health checks bring them back)."""
         with trio.move_on_after(self.wait_for_up_s):
             while not any(self.up):
                 await trio.sleep(min(0.2, self.health_interval_s))
+        return any(self.up)
+
+    def set_weights(self, path: str, version: str) -> None:
+        """Record the weights every engine serves (after a sync, or the starting model)."""
+        self.weights_path, self.version = str(path), str(version)
 
     async def _each_up(self, call: Callable[[InferenceEngine], Awaitable[Any]]) -> list[Any]:
         """`call` on every engine that is up, concurrently; an unreachable one is marked down."""
@@ -106,8 +121,8 @@ class EnginePool:
         return [results[i] for i in sorted(results)]
 
     async def update_weights_from_disk(self, path: str, version: str) -> None:
-        """Reload on every engine that is up; engines brought back later must match `version`."""
-        self.version = str(version)
+        """Reload on every engine that is up; engines brought back later load it too."""
+        self.set_weights(path, version)
         await self._each_up(lambda e: e.update_weights_from_disk(path, version))
 
     async def pause(self, mode: str = "abort") -> None:
@@ -146,24 +161,39 @@ class EnginePool:
         )
 
     async def check_health(self) -> None:
-        """One round: an engine is up iff /health is 200 and it serves the pool's version."""
+        """One round: an engine is up iff /health is 200 and it serves the pool's weights."""
         async with trio.open_nursery() as nursery:
             for i in range(len(self.engines)):
                 nursery.start_soon(self._check_one, i)
 
     async def _check_one(self, i: int) -> None:
-        engine = self.engines[i]
-        healthy = await engine.health()
-        if healthy and not self.up[i] and self.version is not None:
-            try:
-                healthy = await engine.weight_version() == self.version
-            except EngineError:
-                healthy = False
-        self.failed_checks[i] = 0 if healthy else self.failed_checks[i] + 1
-        if healthy:
+        alive = await self.engines[i].health()
+        if alive and self.version is not None:
+            async with self.weights_lock:
+                current = await self._serves_current(i)
+            if not current:  # alive with other weights: never routed to
+                self.up[i] = False
+                return
+        self.failed_checks[i] = 0 if alive else self.failed_checks[i] + 1
+        if alive:
+            if not self.up[i]:
+                print(f"[engines] {self.engines[i].url} is up again (weights {self.version})")
             self.up[i] = True
-        elif self.failed_checks[i] >= self.down_after_failed_checks or not self.up[i]:
+        elif self.failed_checks[i] >= self.down_after_failed_checks:
             self.up[i] = False
+
+    async def _serves_current(self, i: int) -> bool:
+        """True when engine `i` serves the pool's version, after reloading its weights if not."""
+        engine = self.engines[i]
+        try:
+            if await engine.weight_version() == self.version:
+                return True
+            if self.weights_path is None or self.version is None:
+                return False
+            await engine.update_weights_from_disk(self.weights_path, self.version)
+            return await engine.weight_version() == self.version
+        except EngineError:
+            return False
 
     async def run_health_checks(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Check every `health_interval_s` until cancelled (start it in the owner's nursery)."""

@@ -11,6 +11,10 @@ Layout of one checkpoint (the backend writes the model part):
       manifest.json     written last: step, weight version, every file with its size
 Everything is written into `.tmp-step_NNNNNN/` and renamed, so a crash never leaves a directory
 named `step_*` that is incomplete; `find_latest_checkpoint` also checks the manifest's files.
+A checkpoint is deleted (rotation, replacement) by renaming it to `.old-step_NNNNNN-<ns>` first,
+so a kill mid-delete never leaves a half-deleted `step_*`; `clean_leftovers` removes `.tmp-*` and
+`.old-*` directories at the next save and at the start of a run. A write that fails (a full
+disk) removes its `.tmp-` directory and raises a `DiskWriteError` naming the path.
 
 The best checkpoint: when a save is given the step's metrics and a `BestSpec`
 (`checkpoint.best_metric`, `checkpoint.best_mode`), `best.json` in the checkpoints root names the
@@ -36,6 +40,7 @@ import numpy as np
 import torch
 
 from rollouts.training.backends.protocol import TrainingBackend
+from rollouts.training.disk import write_error
 
 MANIFEST = "manifest.json"
 REFERENCE_FILE = "reference.safetensors"
@@ -188,6 +193,23 @@ def _write_json_atomic(path: Path, data: Any) -> None:
     tmp.rename(path)
 
 
+def _delete(path: Path) -> None:
+    """Rename `path` out of the `step_*` namespace, then delete it (a kill mid-way leaves only a
+    `.old-*` directory, removed by `clean_leftovers`)."""
+    old = path.with_name(f".old-{path.name}-{time.time_ns()}")
+    path.rename(old)
+    shutil.rmtree(old)
+
+
+def clean_leftovers(root: str | Path) -> None:
+    """Remove what a crashed save or delete left under `root` (`.tmp-step_*`, `.old-step_*`)."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for leftover in [*root.glob(".tmp-step_*"), *root.glob(".old-step_*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
 def _publish(tmp: Path, final: Path, keep_last: int, new_best: dict[str, Any] | None) -> None:
     """Rename `tmp` to `final` (replacing an older one of the same step), record a new best, and
     prune all but the last `keep_last` and the best (rank 0)."""
@@ -203,7 +225,7 @@ def _publish(tmp: Path, final: Path, keep_last: int, new_best: dict[str, Any] | 
     best = find_best_checkpoint(final.parent)
     for stale in list_checkpoints(final.parent)[:-keep_last]:
         if stale != best:
-            shutil.rmtree(stale)
+            _delete(stale)
 
 
 def save_checkpoint(
@@ -232,28 +254,33 @@ def save_checkpoint(
     final = root / checkpoint_name(step)
     tmp = root / f".tmp-{final.name}"
     if backend.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for leftover in root.glob(".tmp-step_*"):  # from a crashed save: never complete
-            shutil.rmtree(leftover)
-        tmp.mkdir()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            clean_leftovers(root)  # from a crashed save or delete: never complete
+            tmp.mkdir()
+        except OSError as e:
+            raise write_error("checkpoint", tmp, e) from e
     backend.barrier()
-    backend.save_checkpoint(tmp).result()
-    torch.save(rng_state(), tmp / f"rng_rank{backend.rank}.pt")
+    try:
+        backend.save_checkpoint(tmp).result()
+        torch.save(rng_state(), tmp / f"rng_rank{backend.rank}.pt")
+    except Exception as e:  # torch: "unexpected pos ..."; safetensors: SafetensorError
+        error = write_error("checkpoint", tmp, e)  # before the cleanup frees the space
+        shutil.rmtree(tmp, ignore_errors=True)
+        if error.disk_full or isinstance(e, OSError):
+            raise error from e
+        raise
     backend.barrier()
     if backend.rank == 0:
-        _write_json(tmp / EXTRA_STATE, extra_state or {})
-        if reference is not None:
-            save_reference_params(reference, tmp / REFERENCE_FILE)
-        manifest = {
-            "format": FORMAT,
-            "step": step,
-            "weight_version": weight_version,
-            "world_size": backend.world_size,
-            "created_unix": time.time(),
-            "files": _file_sizes(tmp),
-        }
-        _write_json(tmp / MANIFEST, manifest)
-        _publish(tmp, final, keep_last, _best_update(root, step, metrics, best))
+        try:
+            _finish(tmp, step, weight_version, extra_state, backend.world_size, reference)
+            _publish(tmp, final, keep_last, _best_update(root, step, metrics, best))
+        except Exception as e:  # safetensors (the reference) raises SafetensorError
+            error = write_error("checkpoint", tmp, e)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if error.disk_full or isinstance(e, OSError):
+                raise error from e
+            raise
     backend.barrier()
     return final
 
@@ -273,6 +300,29 @@ def load_reference_params(path: str | Path) -> dict[str, torch.Tensor] | None:
 
     file = Path(path) / REFERENCE_FILE
     return load_file(file) if file.is_file() else None
+
+
+def _finish(
+    tmp: Path,
+    step: int,
+    weight_version: str,
+    extra_state: dict[str, Any] | None,
+    world_size: int,
+    reference: Mapping[str, torch.Tensor] | None,
+) -> None:
+    """The extra state and reference, then the manifest (last: it makes the directory complete)."""
+    _write_json(tmp / EXTRA_STATE, extra_state or {})
+    if reference is not None:
+        save_reference_params(reference, tmp / REFERENCE_FILE)
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "weight_version": weight_version,
+        "world_size": world_size,
+        "created_unix": time.time(),
+        "files": _file_sizes(tmp),
+    }
+    _write_json(tmp / MANIFEST, manifest)
 
 
 def load_checkpoint(backend: TrainingBackend, path: str | Path) -> CheckpointState:

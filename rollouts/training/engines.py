@@ -1,10 +1,13 @@
 """Engines for a run: built-in `rollouts serve` processes, or running SGLang / vLLM servers.
 
-Either way the loop gets one `EnginePool` (an InferenceEngine) with periodic health checks.
-Built-in engines are started on the given model with the given weight version and stopped when
-the block exits (also on Ctrl-C or an error); external servers are waited for (up to
+Either way the loop gets one `EnginePool` (an InferenceEngine) with periodic health checks, whose
+clients use `engines.request_timeout_s` and `engines.max_retries`. Built-in engines are started
+on the given model with the given weight version, die with the trainer (parent-death signal), are
+restarted (at most `engines.max_restarts` times each) when one exits, and are stopped when the
+block exits (also on Ctrl-C or an error); external servers are waited for (up to
 `engines.startup_timeout_s`, naming the URLs still loading) and then made to serve the run's
-starting weights with a weight sync.
+starting weights with a weight sync. An engine that comes back loads the pool's current weights
+before it gets a request (`EnginePool.check_health`).
 """
 
 from __future__ import annotations
@@ -18,12 +21,11 @@ from pathlib import Path
 import trio
 
 from rollouts.config import Config
+from rollouts.inference.factory import make_pool
 from rollouts.inference.launch import serve_engines
 from rollouts.inference.pool import EnginePool
 from rollouts.inference.readiness import wait_until_ready
-from rollouts.inference.sglang import SGLangEngine
-from rollouts.inference.vllm import VLLMEngine
-from rollouts.training.weight_sync import sync_weights_to_engines
+from rollouts.training.weight_sync import sync_pool
 
 
 def cpu_share(threads: int, device: str, num_engines: int) -> int:
@@ -57,19 +59,17 @@ async def open_engines(config: Config, model_dir: Path, version: str) -> AsyncIt
                     torch_threads=cpu_share(e.torch_threads, e.device, e.num_engines),
                     weight_version=version,
                     startup_timeout_s=e.startup_timeout_s,
+                    max_restarts=e.max_restarts,
                 )
             )
-            client = SGLangEngine
         else:
             urls = list(e.urls)
-            client = SGLangEngine if e.kind == "sglang" else VLLMEngine
-        pool = EnginePool(
-            [client(u, api_key=e.api_key) for u in urls], health_interval_s=e.health_interval_s
-        )
+        pool = make_pool(e, urls)
+        pool.set_weights(str(model_dir), version)  # what a restarted engine must load
         try:
             if e.kind != "builtin":  # external servers: wait for them, then our starting weights
                 await wait_until_ready(pool.engines, e.startup_timeout_s)
-                await sync_weights_to_engines(pool.engines, str(model_dir), version)
+                await sync_pool(pool, str(model_dir), version)
             await nursery.start(pool.run_health_checks)
             yield pool
         finally:

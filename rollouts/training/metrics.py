@@ -2,7 +2,10 @@
 
 `metrics.jsonl` is the source of truth (plots read it). On resume from step k it is cut back to
 the lines with step <= k, so a run killed after logging step k+2 but checkpointing step k has no
-duplicate and no missing step once it continues.
+duplicate and no missing step once it continues (a run killed after checkpointing step k but
+before logging it gets the line back from the checkpoint: `last_step` tells the driver).
+Lines are written whole: a write that fails (a full disk) is cut back to the last whole line, and
+a torn last line left by an older writer or a crash is cut on resume.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from rollouts.training.disk import write_error
 from rollouts.types import Sample, sample_to_dict
 
 
@@ -32,23 +36,59 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def read_jsonl_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a step-keyed JSONL file; a torn last line (a crash mid-write) is left out.
+
+    A line that does not parse anywhere else is an error naming the file and the line.
+    """
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    rows: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if any(rest.strip() for rest in lines[number:]):
+                raise ValueError(f"{path}:{number}: not a JSON line ({e}); fix or delete it") from e
+    return rows
+
+
 def truncate_jsonl(path: Path, max_step: int) -> int:
-    """Keep only the lines of a step-keyed JSONL file with step <= max_step; return lines kept."""
+    """Keep only the whole lines of a step-keyed JSONL file with step <= max_step; return lines
+    kept. A torn last line is dropped."""
     if not path.exists():
         return 0
-    kept = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line).get("step", -1) <= max_step
-    ]
+    kept = [row for row in read_jsonl_rows(path) if row.get("step", -1) <= max_step]
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
     tmp.replace(path)
     return len(kept)
 
 
+def last_step(path: Path) -> int | None:
+    """The largest step logged in a JSONL file (None: no file or no line)."""
+    if not path.exists():
+        return None
+    return max((int(row.get("step", -1)) for row in read_jsonl_rows(path)), default=None)
+
+
+def append_line(file: Any, path: Path, line: str) -> None:
+    """Append one whole line to `file` (binary, unbuffered) or none of it: on a write error
+    (a full disk) the file is cut back to where it was and a DiskWriteError names `path`."""
+    data = line.encode("utf-8")
+    start = file.seek(0, 2)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[file.write(view) :]
+    except OSError as e:
+        file.truncate(start)
+        raise write_error("metrics", path, e) from e
+
+
 class JsonlSink:
-    """Appends `{"step": k, ...metrics}` lines to a file, flushed every step."""
+    """Appends `{"step": k, ...metrics}` lines to a file, each written whole."""
 
     def __init__(self, path: str | Path, resume_step: int | None = None) -> None:
         self.path = Path(path)
@@ -57,12 +97,11 @@ class JsonlSink:
             truncate_jsonl(self.path, resume_step)
         elif self.path.exists():
             self.path.unlink()
-        self._file = self.path.open("a", encoding="utf-8")
+        self._file = self.path.open("ab", buffering=0)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        append_line(self._file, self.path, json.dumps(row) + "\n")
 
     def close(self) -> None:
         self._file.close()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from rollouts.training.backends.factories import create_backend, load_tokenizer,
 from rollouts.training.backends.pytorch import MODEL_DIR
 from rollouts.training.checkpoint import (
     BestSpec,
+    clean_leftovers,
     find_latest_checkpoint,
     load_checkpoint,
     load_reference_params,
@@ -41,6 +41,7 @@ from rollouts.training.engines import cpu_share, open_engines
 from rollouts.training.evaluation import EvalSpec, evaluate
 from rollouts.training.loops.rl import RLHooks, run_rl_training
 from rollouts.training.loops.sft import run_sft_training, split_eval, tokenize_all, total_sft_steps
+from rollouts.training.metrics import last_step
 from rollouts.training.run_setup import (
     RL_METRICS,
     SFT_METRICS,
@@ -53,9 +54,10 @@ from rollouts.training.run_setup import (
     with_response_text,
 )
 from rollouts.training.weight_sync import (
-    default_sync_root,
+    clean_sync_root,
     publish_weights,
-    sync_weights_to_engines,
+    run_sync_root,
+    sync_pool,
 )
 
 
@@ -100,6 +102,7 @@ async def sft_phase(
 ) -> Path:
     """Run (or resume, or skip when already finished) SFT; return the final model directory."""
     root = checkpoint_root(config, run_dir, "sft")
+    clean_leftovers(root)
     tokenizer = load_tokenizer(base)
     conversations = load_conversations(config.data.sft_path, config.data.messages_key)
     max_tokens = int(getattr(tokenizer, "model_max_length", 10**9))
@@ -183,6 +186,7 @@ async def rl_phase(
 ) -> dict[str, float]:
     """RL from `model_dir` (or from the latest RL checkpoint); returns the last step's metrics."""
     root = checkpoint_root(config, run_dir, "rl")
+    clean_leftovers(root)
     latest = find_latest_checkpoint(root) if resume else None
     tokenizer = load_tokenizer(model_dir)
     d = config.data
@@ -198,12 +202,13 @@ async def rl_phase(
     backend = make_backend(config, model_path=model_dir, total_steps=config.training.rl_steps)
     ref = None
     try:
-        start, version, loop_state = 0, 0, {}
+        start, version, step_metrics, loop_state = 0, 0, None, {}
         if latest is not None:
             state = await trio.to_thread.run_sync(load_checkpoint, backend, latest)
             buffer.load_state_dict(state.extra_state["data_buffer"])
             start, version = state.step, int(state.weight_version)
             loop_state = state.extra_state.get("rl_loop", {})
+            step_metrics = state.extra_state.get("metrics")
         ref = build_reference(config, model_dir, make_backend)
         if ref is not None and latest is not None:
             await trio.to_thread.run_sync(restore_reference, ref, latest)
@@ -218,8 +223,7 @@ async def rl_phase(
                 tokenizer,
                 reward_fn,
                 ref,
-                start,
-                version,
+                (start, version, step_metrics),
                 stop,
                 loop_state=loop_state,
             )
@@ -261,22 +265,27 @@ async def _rl_with_engines(
     tokenizer: Any,
     reward_fn: Any,
     ref: Any,
-    start: int,
-    version: int,
+    resumed: tuple[int, int, dict[str, Any] | None],
     stop: StopFlag,
     loop_state: dict[str, Any] | None = None,
 ) -> dict[str, float]:
+    """RL with the engines up; `resumed` = (step, weight version, that step's stored metrics)."""
     root = checkpoint_root(config, run_dir, "rl")
     total = config.training.rl_steps
+    start, version, step_metrics = resumed
     logger = make_logger(config, run_dir / RL_METRICS, total, "rl ", start if start else None)
+    last = last_step(run_dir / RL_METRICS)
+    if start and step_metrics and (last is None or last < start):  # killed after the checkpoint
+        logger.log(start, step_metrics)  # and before its line: the line comes from the checkpoint
     manager = AsyncRolloutManager(
         buffer, config.rollout, pool, tokenizer=tokenizer, reward_fn=reward_fn
     )
     evaluate_fn = _eval_hook(config, pool, tokenizer, reward_fn, manager)
-    # weights-only copies for the engines (in /dev/shm when there is one); one root per run
-    sync_root = default_sync_root(
-        config.training.weight_sync_dir, f"{config.run.name}-{os.getpid()}"
-    )
+    # weights-only copies for the engines (in /dev/shm when there is one); one root per run,
+    # cleaned at start (a crashed run's copies) and on exit
+    configured = bool(config.training.weight_sync_dir)
+    sync_root = run_sync_root(config.training.weight_sync_dir, config.run.name, run_dir)
+    await trio.to_thread.run_sync(clean_sync_root, sync_root, configured)
 
     async def checkpoint(
         step: int,
@@ -285,7 +294,13 @@ async def _rl_with_engines(
         metrics: Any = None,
         loop_state: dict[str, Any] | None = None,
     ) -> None:
-        extra = {"phase": "rl", "data_buffer": buffer_state, "rl_loop": loop_state or {}}
+        # the step's metrics too: a kill between the checkpoint and its metrics line loses none
+        extra = {
+            "phase": "rl",
+            "data_buffer": buffer_state,
+            "rl_loop": loop_state or {},
+            "metrics": dict(metrics or {}),
+        }
         c = config.checkpoint
         best = BestSpec(metric=c.best_metric, mode=c.best_mode) if c.best_metric else None
         reference = ref.params_to_checkpoint() if ref is not None else None
@@ -293,8 +308,8 @@ async def _rl_with_engines(
 
     async def sync(version: str) -> dict[str, float]:
         path = await trio.to_thread.run_sync(publish_weights, backend, sync_root, version)
-        report = await sync_weights_to_engines(
-            pool.engines,
+        report = await sync_pool(
+            pool,
             path,
             version,
             attempts=config.training.weight_sync_attempts,
@@ -335,8 +350,7 @@ async def _rl_with_engines(
         )
     finally:
         logger.close()
-        if not config.training.weight_sync_dir:
-            shutil.rmtree(sync_root, ignore_errors=True)
+        clean_sync_root(sync_root, configured)
     acc = result.last_metrics.get("eval/accuracy")
     if acc is not None:
         print(f"[train] held-out accuracy after RL: {acc:.3f} (step {result.steps})", flush=True)

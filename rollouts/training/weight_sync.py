@@ -3,6 +3,10 @@
 `sync_weights_to_engines` runs one task per engine in a trio nursery: pause -> reload from disk
 -> resume (also when the reload fails) -> read back the weight version. A failing engine is
 retried a bounded number of times and reported with its error; the time of each phase is kept.
+`sync_pool` is what a run uses: it syncs the pool's engines that are up, marks the ones that fail
+down, and records the new weights in the pool, so an engine that comes back later loads them
+before it gets a request; it fails only when no engine took the new weights (after waiting,
+bounded, for one to be up).
 `publish_weights` is the fast path to the disk: weights-only HF files (no optimizer) in a fast
 local directory (/dev/shm by default), written to a temporary name and renamed, last K kept.
 """
@@ -10,6 +14,7 @@ local directory (/dev/shm by default), written to a temporary name and renamed, 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import shutil
 import tempfile
 import time
@@ -18,8 +23,11 @@ from pathlib import Path
 
 import trio
 
+from rollouts.inference.http import EngineUnavailable
+from rollouts.inference.pool import EnginePool
 from rollouts.inference.protocol import InferenceEngine
 from rollouts.training.backends.protocol import TrainingBackend
+from rollouts.training.disk import write_error
 
 RESUME_TIMEOUT_S = 30.0
 
@@ -59,6 +67,7 @@ class SyncReport:
     path: str
     results: tuple[EngineSyncResult, ...]
     total_s: float
+    engines_down: int = 0  # engines of the pool that were down and not synced (`sync_pool`)
 
     @property
     def ok(self) -> bool:
@@ -71,6 +80,7 @@ class SyncReport:
     def metrics(self) -> dict[str, float]:
         """Flat numbers for the metrics log: wall time, slowest engine per phase, failures."""
         out = {"total_s": self.total_s, "failed_engines": float(len(self.failed))}
+        out["engines_down"] = float(self.engines_down + len(self.failed))
         for phase in ("pause_s", "load_s", "resume_s", "verify_s"):
             out[f"{phase}_max"] = max((getattr(r, phase) for r in self.results), default=0.0)
         out["attempts"] = float(sum(r.attempts for r in self.results))
@@ -187,6 +197,51 @@ async def sync_weights_to_engines(
     return report
 
 
+async def sync_pool(
+    pool: EnginePool,
+    checkpoint_path: str | Path,
+    version: str,
+    *,
+    attempts: int = 3,
+    timeout_s: float = 300.0,
+    pause_mode: str = "abort",
+    retry_delay_s: float = 0.5,
+) -> SyncReport:
+    """Sync every engine of `pool` that is up; the failing ones are marked down, not fatal.
+
+    The pool records (path, version) so that engines coming back load these weights first.
+    Raises EngineUnavailable when no engine is up within `pool.wait_for_up_s`, and
+    WeightSyncError when none of the engines that were up took the new weights.
+    """
+    if not await pool.wait_for_up():  # outside the lock: health checks bring engines back
+        raise EngineUnavailable(
+            f"weight sync to version {version!r}: no engine of {pool.url} is up after "
+            f"{pool.wait_for_up_s}s; the run stops (resume it with --resume)"
+        )
+    async with pool.weights_lock:
+        live = [i for i, up in enumerate(pool.up) if up]
+        if not live:
+            raise EngineUnavailable(f"weight sync to version {version!r}: every engine is down")
+        report = await sync_weights_to_engines(
+            [pool.engines[i] for i in live],
+            checkpoint_path,
+            version,
+            attempts=attempts,
+            timeout_s=timeout_s,
+            pause_mode=pause_mode,
+            retry_delay_s=retry_delay_s,
+            strict=False,
+        )
+        for i, result in zip(live, report.results, strict=True):
+            if not result.ok:
+                pool.mark_down(i)
+                print(f"[engines] {result.url} marked down: {result.error}", flush=True)
+        pool.set_weights(str(checkpoint_path), version)
+    if len(report.failed) == len(report.results):
+        raise WeightSyncError(report)
+    return dataclasses.replace(report, engines_down=len(pool.engines) - len(live))
+
+
 def default_sync_root(configured: str, run_name: str) -> Path:
     """`training.weight_sync_dir`, else /dev/shm/rollouts-<run> when /dev/shm is there."""
     if configured:
@@ -194,6 +249,23 @@ def default_sync_root(configured: str, run_name: str) -> Path:
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() and shutil.disk_usage(shm).free > 0 else Path(tempfile.gettempdir())
     return base / f"rollouts-{run_name}"
+
+
+def run_sync_root(configured: str, run_name: str, run_dir: str | Path) -> Path:
+    """The weight-sync root of a run: named by the run (its name and a hash of its directory),
+    not by the process, so a resumed run finds (and cleans) what a crashed one left behind."""
+    digest = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:10]
+    return default_sync_root(configured, f"{run_name}-{digest}")
+
+
+def clean_sync_root(root: Path, configured: bool) -> None:
+    """Remove the weight copies under `root` (at start and on exit): the whole directory when
+    it is ours (/dev/shm or the temp dir), only our `v_*` copies in a configured one."""
+    if not configured:
+        shutil.rmtree(root, ignore_errors=True)
+        return
+    for old in [*root.glob("v_*"), *root.glob(".tmp-v_*")]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def publish_weights(
@@ -211,7 +283,14 @@ def publish_weights(
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     backend.barrier()
-    backend.save_weights(tmp).result()
+    try:
+        backend.save_weights(tmp).result()
+    except Exception as e:  # a full /dev/shm: name it (training.weight_sync_dir moves it)
+        error = write_error("the weight-sync copy (training.weight_sync_dir)", tmp, e)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if error.disk_full or isinstance(e, OSError):
+            raise error from e
+        raise
     if backend.rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)

@@ -1,0 +1,182 @@
+"""Engines of a run under faults, with real processes: a SIGKILLed engine, a SIGKILLed trainer,
+and a server that never answers.
+
+- The weight sync skips (marks down) an engine that died; the run's engine supervisor restarts it
+  on its port, and the pool's health check makes it load the current weights and prove their
+  version before it gets a request.
+- Engines started by a process die with it (parent-death signal), even when it is SIGKILLed.
+- `engines.request_timeout_s` and `engines.max_retries` reach the clients the driver builds.
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from rollouts.config import config_from_dict
+from rollouts.inference.http import EngineUnavailable, HttpOptions
+from rollouts.inference.protocol import SamplingParams
+from rollouts.training.engines import open_engines
+from rollouts.training.weight_sync import sync_pool
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def server_pids(marker: str) -> list[int]:
+    """Pids of live `rollouts.inference.server` processes whose command line holds `marker`."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if "rollouts.inference.server" in cmdline and marker in cmdline and state != "Z":
+            pids.append(int(proc.name))
+    return pids
+
+
+def wait_gone(marker: str, timeout_s: float = 20.0) -> list[int]:
+    """Poll until no server with `marker` is left (bounded); the pids still alive."""
+    deadline = time.monotonic() + timeout_s
+    while (left := server_pids(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def _config(model_dir: Path, **engines: object):
+    table = {
+        "model": {"path": str(model_dir)},
+        "engines": {"num_engines": 2, "health_interval_s": 0.5, "max_batch": 8} | engines,
+    }
+    return config_from_dict(table, "test")
+
+
+async def test_a_dead_engine_is_skipped_then_restarted_on_the_current_weights(
+    tiny_model_dir: Path,
+) -> None:
+    config = _config(tiny_model_dir, max_restarts=1, max_retries=1, request_timeout_s=30.0)
+    sampling = SamplingParams(max_new_tokens=4, temperature=0.0)
+    async with open_engines(config, tiny_model_dir, "0") as pool:
+        assert pool.engines[0].http.options == HttpOptions(timeout_s=30.0, max_retries=1)
+        port = pool.engines[1].url.rsplit(":", 1)[1]
+        (victim,) = server_pids(f"--port {port}")
+        os.kill(victim, signal.SIGKILL)
+        report = await sync_pool(pool, str(tiny_model_dir), "1", attempts=1, retry_delay_s=0.0)
+        assert report.results[0].ok, report
+        assert await pool.engines[0].weight_version() == "1"
+        assert pool.version == "1"
+        with trio.fail_after(120):  # restarted (on version "0"), reloaded, proved, routed again
+            while not all(pool.up):
+                await trio.sleep(0.2)
+        assert await pool.engines[1].weight_version() == "1"
+        assert server_pids(f"--port {port}") != [victim]
+        pool.in_flight[0] = 100  # route to the restarted engine
+        completion = await pool.generate([1, 2, 3], sampling)
+        assert completion.weight_version == "1"
+
+
+async def test_the_sync_stops_the_run_only_when_no_engine_is_left(tiny_model_dir: Path) -> None:
+    config = _config(
+        tiny_model_dir, num_engines=1, max_restarts=0, max_retries=0, wait_for_up_s=1.0
+    )
+    async with open_engines(config, tiny_model_dir, "0") as pool:
+        for engine in pool.engines:
+            for pid in server_pids(f"--port {engine.url.rsplit(':', 1)[1]}"):
+                os.kill(pid, signal.SIGKILL)
+        with pytest.raises(Exception, match="failed on 1 of 1"):
+            await sync_pool(pool, str(tiny_model_dir), "1", attempts=1, retry_delay_s=0.0)
+        with pytest.raises(EngineUnavailable, match="no engine .* is up after 1.0s"):
+            await sync_pool(pool, str(tiny_model_dir), "2", attempts=1, retry_delay_s=0.0)
+
+
+PARENT = textwrap.dedent(
+    """
+    import sys, time
+    from rollouts.inference.launch import EngineSpec, start_engine_sync
+    proc = start_engine_sync(EngineSpec(model_dir=sys.argv[1], max_batch=2))
+    print(proc.process.pid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_an_engine_dies_with_the_process_that_started_it(tiny_model_dir: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(tiny_model_dir)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        line = parent.stdout.readline() if parent.stdout else ""
+        assert line.strip().isdigit(), line
+        engine = int(line)
+        assert engine in server_pids(str(tiny_model_dir))
+    finally:
+        parent.kill()  # SIGKILL: no cleanup code of the parent runs
+        parent.wait(timeout=10)
+    deadline = time.monotonic() + 20
+    while engine in server_pids(str(tiny_model_dir)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert engine not in server_pids(str(tiny_model_dir))
+
+
+class _Stuck(http.server.BaseHTTPRequestHandler):
+    """/health answers 200; every other request is accepted and never answered (30 s)."""
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        time.sleep(30)
+
+    do_POST = do_GET
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+async def test_request_timeout_and_retries_reach_the_clients(tiny_model_dir: Path) -> None:
+    """An external server that never answers: the configured 1 s bound holds (not 300 s)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Stuck)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        config = _config(
+            tiny_model_dir,
+            kind="sglang",
+            urls=[f"http://127.0.0.1:{server.server_address[1]}"],
+            request_timeout_s=1.0,
+            max_retries=0,
+            wait_for_up_s=0.0,
+        )
+        with trio.fail_after(60), pytest.raises(BaseException) as info:
+            async with open_engines(config, tiny_model_dir, "0"):
+                pass
+    finally:
+        server.shutdown()
+        server.server_close()
+    messages = [str(e) for e in leaves(info.value)]
+    assert any("no answer within 1.0s" in m for m in messages), messages
+
+
+def leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for e in error.exceptions for leaf in leaves(e)]
+    return [error]

@@ -1,0 +1,71 @@
+"""train.py SIGKILLed right after it published a checkpoint, then resumed: real processes.
+
+The kill lands between `step_000002` becoming visible and its metrics line (the worst moment):
+the engines it started die with it, its weight-sync copies are named by the run (so the resumed
+run finds and removes them), and after --resume metrics.jsonl has every step exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from rollouts.training.weight_sync import run_sync_root
+from tests.training.test_engine_failover import server_pids, wait_gone
+from tests.training.test_train_e2e import ROOT, _config, _steps, _train
+
+KILL_AFTER_PUBLISH = textwrap.dedent(
+    """
+    import os, signal, sys
+    from rollouts.training import checkpoint
+
+    publish = checkpoint._publish
+
+    def publish_then_die(tmp, final, *args):  # the fault: SIGKILL once step 2 is published
+        publish(tmp, final, *args)
+        if final.name == "step_000002" and "rl" in str(final):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    checkpoint._publish = publish_then_die
+    from rollouts.training.cli import main
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_kill_right_after_a_checkpoint_then_resume(tmp_path: Path) -> None:
+    config = _config(
+        tmp_path,
+        data={"eval_size": 2},
+        training={"rl_steps": 3},
+        run={"name": f"killed-{os.getpid()}"},
+    )
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    killed = subprocess.run(
+        [sys.executable, "-c", KILL_AFTER_PUBLISH, "--mode", "rl", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
+    assert killed.returncode == -9, killed.stdout[-3000:] + killed.stderr[-3000:]
+    assert _steps(run / "metrics.jsonl") == [0, 1]  # step 2 is checkpointed, its line is not
+    assert (run / "checkpoints" / "rl" / "step_000002").is_dir()
+    marker = str(tmp_path / "base")  # the engines' --model
+    assert wait_gone(marker) == []  # the trainer's engines died with it
+    shm = run_sync_root("", f"killed-{os.getpid()}", run)
+    assert shm.is_dir()  # left by the kill, under a name the resumed run knows
+
+    done = _train("--mode", "rl", "--config", str(config), "--resume", timeout_s=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert _steps(run / "metrics.jsonl") == [0, 1, 2, 3]  # no missing step
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert "reward/mean" in rows[2] and "train/clipfrac" in rows[2], rows[2]
+    assert not shm.exists()  # cleaned on exit
+    assert server_pids(marker) == []
