@@ -1,7 +1,11 @@
 """`rollouts train` / `integration_training/train.py`: the front door.
 
     python integration_training/train.py --mode sft|rl|sft+rl --config configs/X.toml \
-        [--set key=value ...] [--resume] [--nproc N]
+        [--set key=value ...] [--resume] [--nproc N] [--debug]
+
+An operating error (bad data, a plugin that cannot load, a reward that always fails, a full
+disk) prints its message alone; the traceback goes to the run directory's error.log (and to the
+terminal with --debug).
 
 With `--nproc N > 1` (or `training.nproc`) and no torchrun around it, the command re-launches
 itself under `torchrun --nproc_per_node N` for the FSDP backend.
@@ -34,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     parser.add_argument("--nproc", type=int, default=0, help="processes (FSDP); 0 = config")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="print an error's full traceback (otherwise it goes to the run dir's error.log)",
+    )
 
 
 def torchrun_command(args: argparse.Namespace, nproc: int) -> list[str]:
@@ -50,6 +59,8 @@ def torchrun_command(args: argparse.Namespace, nproc: int) -> list[str]:
     cmd += ["--set", f"training.nproc={nproc}", "--set", "training.backend=fsdp"]
     if args.resume:
         cmd.append("--resume")
+    if getattr(args, "debug", False):
+        cmd.append("--debug")
     return cmd
 
 
@@ -68,9 +79,14 @@ def run(args: argparse.Namespace) -> int:
         cmd = torchrun_command(args, nproc)
         print(f"[train] re-launching under torchrun: {' '.join(cmd)}", flush=True)
         os.execv(cmd[0], cmd)
+    from rollouts.training.errors import report_error
     from rollouts.training.run import run_training
 
-    return run_training(args.mode, config, resume=args.resume, config_path=args.config)
+    try:
+        return run_training(args.mode, config, resume=args.resume, config_path=args.config)
+    except Exception as e:  # an operating error: its message alone (see training/errors.py)
+        run_dir = Path(config.run.output_dir) if config.run.output_dir else None
+        return report_error(e, run_dir, debug=getattr(args, "debug", False))
 
 
 def main(argv: list[str] | None = None) -> int:
