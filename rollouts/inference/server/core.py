@@ -48,8 +48,20 @@ class Sequence:
     top: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
     text_len: int = 0  # length of the decoded text at the previous step (stop strings)
     stop: Stop | None = None
-    weight_version: str = ""
+    weight_version: str = ""  # served when it finished
+    # (version, first output token it produced): one entry, or more when the weights were
+    # reloaded in place while it ran (a keep/in_place pause), so its oldest part is known
+    version_starts: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     created_s: float = dataclasses.field(default_factory=time.monotonic)
+
+    def version_spans(self) -> list[dict[str, Any]]:
+        """`[{version, start, end}, ...]` over the output tokens (SGLang's and vLLM's shape)."""
+        starts = self.version_starts or [(self.weight_version, 0)]
+        ends = [start for _, start in starts[1:]] + [len(self.output_ids)]
+        return [
+            {"version": v, "start": start, "end": end}
+            for (v, start), end in zip(starts, ends, strict=True)
+        ]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -182,6 +194,8 @@ class EngineCore:
             [s.generator is not None for s in ready],
             o.eos_token_ids,
         )
+        for seq in ready:
+            seq.version_starts = [(self.weight_version, 0)]
         self._seqs.extend(ready)
         self._admitting = []
         self._retire(self._record(first, logits_U_V.index_select(0, which_N)))
@@ -322,7 +336,16 @@ class EngineCore:
         """Load HF safetensors weights from `path` into the model; set the version."""
         load_weights(self.model, path)
         if version is not None:
-            self.weight_version = version
+            self.set_version(version)
+
+    def set_version(self, version: str) -> None:
+        """Serve `version` from now on; running sequences note where it took over."""
+        if version == self.weight_version:
+            return
+        self.weight_version = version
+        for slot, seq in enumerate(self._seqs):
+            assert self._table is not None, "running sequences without a slot table"
+            seq.version_starts.append((version, int(self._table.n_out_R[slot])))
 
     def idle(self) -> bool:
         """No running and no waiting sequence."""

@@ -71,10 +71,6 @@ def completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
     return [list(p) for p in ids] if isinstance(ids[0], list) else [list(ids)]
 
 
-def _weight_versions(seq: Sequence) -> list[dict[str, Any]]:
-    return [{"version": seq.weight_version, "start": 0, "end": len(seq.output_ids)}]
-
-
 def completion_choice(state: ServerState, seq: Sequence, index: int, body: dict) -> dict:
     """One choice of a /v1/completions answer."""
     finish, stop_reason = finish_fields(seq)
@@ -95,7 +91,7 @@ def completion_choice(state: ServerState, seq: Sequence, index: int, body: dict)
         choice["token_ids"] = list(seq.output_ids)
         choice["prompt_token_ids"] = list(seq.prompt_ids)
     if body.get("return_weight_versions"):
-        choice["weight_versions"] = _weight_versions(seq)
+        choice["weight_versions"] = seq.version_spans()
     return choice
 
 
@@ -177,7 +173,7 @@ def chat_choice(state: ServerState, seq: Sequence, index: int, body: dict) -> di
     if body.get("return_token_ids"):
         choice["token_ids"] = list(seq.output_ids)
     if body.get("return_weight_versions"):
-        choice["weight_versions"] = _weight_versions(seq)
+        choice["weight_versions"] = seq.version_spans()
     return choice
 
 

@@ -56,6 +56,9 @@ def sglang_result(state: ServerState, seq: Sequence, opts: dict[str, Any]) -> di
         "finish_reason": finish_json(seq),
         "e2e_latency": round(time.monotonic() - seq.created_s, 6),
     }
+    spans = seq.version_spans()
+    if len(spans) > 1:  # as SGLang: only when the weights changed during the request
+        meta["weight_versions"] = spans
     if opts.get("return_logprob"):
         meta["output_token_logprobs"] = [
             entry(lp, t) for lp, t in zip(seq.logprobs, seq.output_ids, strict=True)

@@ -194,7 +194,7 @@ class ServerState:
         """Set the reported weight version without touching the weights."""
 
         def run(reply: Callable[[Any], None]) -> None:
-            self.core.weight_version = version
+            self.core.set_version(version)
             reply(None)
 
         await self.command(run)
