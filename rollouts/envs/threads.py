@@ -4,7 +4,9 @@ trio thread, in worker threads, each call under its own timeout.
 A call that overruns its timeout fails with `CallTimeout` ("tool calculator timed out after
 5 s"); its thread cannot be killed, so it is abandoned and keeps a slot of the runner's
 `CapacityLimiter` until it really returns. The limiter bounds abandoned threads (once every slot
-is held by one, further calls time out waiting for a slot), and the runner counts them.
+is held by one, further calls time out waiting for a slot), and the runner counts them. Calls
+made from a runner's own threads (a tool inside a sync `env.step`) take slots of a second
+limiter, so steps holding every outer slot never starve the tools they wait for.
 
 Async user functions are awaited (under the same timeout), and an awaitable a sync function
 returns is awaited too, so an `async def` tool never reaches the model as '<coroutine ...>'.
@@ -43,18 +45,22 @@ class ThreadRunner:
     def __init__(self, max_threads: int = DEFAULT_MAX_THREADS) -> None:
         assert max_threads >= 1, f"{max_threads=} must be >= 1"
         self.limiter = trio.CapacityLimiter(max_threads)
+        self.nested_limiter = trio.CapacityLimiter(max_threads)  # calls from our own threads
         self.timed_out = 0  # calls that overran their timeout
         self.abandoned_alive = 0  # their threads that have not returned yet
         self._lock = threading.Lock()
 
-    async def call(self, what: str, timeout_s: float, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` (awaited if async, in a worker thread if sync) within `timeout_s`."""
+    async def call(
+        self, what: str, timeout_s: float, fn: Callable[..., Any], *args: Any, nested: bool = False
+    ) -> Any:
+        """`fn(*args)` (awaited if async, in a worker thread if sync) within `timeout_s`;
+        `nested`: made from one of this runner's threads."""
         assert timeout_s > 0, f"{what}: {timeout_s=} must be > 0"
         try:
             with trio.fail_after(timeout_s):
                 if is_async_callable(fn):
                     return await fn(*args)
-                out = await self._in_thread(fn, args)
+                out = await self._in_thread(fn, args, nested)
                 return await out if inspect.isawaitable(out) else out
         except trio.TooSlowError:
             self.timed_out += 1
@@ -63,7 +69,7 @@ class ThreadRunner:
                 f"({self.abandoned_alive} abandoned thread(s) still running)"
             ) from None
 
-    async def _in_thread(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    async def _in_thread(self, fn: Callable[..., Any], args: tuple[Any, ...], nested: bool) -> Any:
         state = {"done": False, "abandoned": False}
 
         def body() -> Any:
@@ -77,9 +83,8 @@ class ThreadRunner:
                         self.abandoned_alive -= 1
 
         try:
-            (out,) = await trio.to_thread.run_sync(
-                body, abandon_on_cancel=True, limiter=self.limiter
-            )
+            limiter = self.nested_limiter if nested else self.limiter
+            (out,) = await trio.to_thread.run_sync(body, abandon_on_cancel=True, limiter=limiter)
             return out
         except trio.Cancelled:
             with self._lock:
@@ -95,7 +100,8 @@ def call_from_thread(what: str, timeout_s: float, fn: Callable[..., Any], *args:
     `trio.run` when it is async)."""
     runner = _RUNNER.get()
     if runner is not None:
-        return trio.from_thread.run(functools.partial(runner.call, what, timeout_s, fn, *args))
+        call = functools.partial(runner.call, what, timeout_s, fn, *args, nested=True)
+        return trio.from_thread.run(call)
     out = fn(*args)
     if inspect.iscoroutine(out):
         return trio.run(_awaited, out)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import trio
 
+from rollouts.envs.threads import ThreadRunner
 from rollouts.envs.tools import Tool, ToolCall, run_tool_call
 from rollouts.inference.launch import EngineProcess
 from rollouts.inference.protocol import FinishReason, SamplingParams
@@ -337,3 +338,20 @@ async def test_a_multi_turn_prompt_too_long_fails_like_single_turn(engine, tok) 
     for out in outs:
         assert out.status is Status.FAILED
         assert "leaves no room under max_total_tokens=20" in out.metadata["error"]
+
+
+async def test_tools_inside_env_steps_never_starve_for_threads() -> None:
+    """Every outer slot held by a sync env.step that calls a tool: the tools still run."""
+    runner = ThreadRunner(max_threads=2)
+    tools = {"good": Tool(name="good", fn=lambda: "fine")}
+    envs = [_ToolEnv(Sample(index=i, group_index=1, prompt="p"), tools) for i in range(4)]
+    outs: list[Any] = []
+
+    async def step(env: _ToolEnv) -> None:
+        outs.append(await runner.call("env.step", 10.0, env.step, "action"))
+
+    async with trio.open_nursery() as nursery:
+        for env in envs:
+            nursery.start_soon(step, env)
+    assert [o[0] for o in outs] == ["fine"] * 4
+    assert runner.timed_out == 0
