@@ -169,8 +169,8 @@ class EnginePool:
     async def _check_one(self, i: int) -> None:
         alive = await self.engines[i].health()
         if alive and self.version is not None:
-            async with self.weights_lock:
-                current = await self._serves_current(i)
+            async with self.weights_lock:  # a returning engine must prove it; an up one may not say
+                current = await self._serves_current(i, proof_required=not self.up[i])
             if not current:  # alive with other weights: never routed to
                 self.up[i] = False
                 return
@@ -182,14 +182,22 @@ class EnginePool:
         elif self.failed_checks[i] >= self.down_after_failed_checks:
             self.up[i] = False
 
-    async def _serves_current(self, i: int) -> bool:
-        """True when engine `i` serves the pool's version, after reloading its weights if not."""
+    async def _serves_current(self, i: int, *, proof_required: bool) -> bool:
+        """True when engine `i` serves the pool's version, after reloading its weights if not.
+
+        An engine that cannot say its version (an EngineError) passes only if no proof is
+        required (it is up and was synced); one that says another version is reloaded.
+        """
         engine = self.engines[i]
         try:
-            if await engine.weight_version() == self.version:
-                return True
-            if self.weights_path is None or self.version is None:
-                return False
+            served = await engine.weight_version()
+        except EngineError:
+            return not proof_required
+        if served == self.version:
+            return True
+        if self.weights_path is None or self.version is None:
+            return False
+        try:
             await engine.update_weights_from_disk(self.weights_path, self.version)
             return await engine.weight_version() == self.version
         except EngineError:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from rollouts.training.weight_sync import run_sync_root
@@ -69,3 +71,42 @@ def test_kill_right_after_a_checkpoint_then_resume(tmp_path: Path) -> None:
     assert "reward/mean" in rows[2] and "train/clipfrac" in rows[2], rows[2]
     assert not shm.exists()  # cleaned on exit
     assert server_pids(marker) == []
+
+
+def test_an_engine_killed_mid_run_costs_no_step(tmp_path: Path) -> None:
+    """One of two engines SIGKILLed during RL: the run re-routes, syncs the engine that is up,
+    restarts the dead one, and logs and checkpoints every step."""
+    config = _config(
+        tmp_path,
+        data={"eval_size": 2},
+        training={"rl_steps": 4},
+        engines={"num_engines": 2, "health_interval_s": 0.5, "max_retries": 1},
+    )
+    run = tmp_path / "run"
+    log = tmp_path / "train.log"
+    cmd = [sys.executable, str(ROOT / "integration_training" / "train.py"), "--mode", "rl"]
+    with log.open("w") as out:
+        train = subprocess.Popen(
+            [*cmd, "--config", str(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+        try:
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline and train.poll() is None:
+                if (run / "metrics.jsonl").exists() and 1 in _steps(run / "metrics.jsonl"):
+                    break
+                time.sleep(0.1)
+            engines = server_pids(str(tmp_path / "base"))
+            assert len(engines) == 2, (engines, log.read_text()[-3000:])
+            os.kill(engines[-1], signal.SIGKILL)
+            assert train.wait(timeout=300) == 0, log.read_text()[-3000:]
+        finally:
+            if train.poll() is None:
+                train.kill()
+    text = log.read_text()
+    assert _steps(run / "metrics.jsonl") == [0, 1, 2, 3, 4], text[-3000:]
+    assert "restart 1/3" in text, text[-3000:]
+    assert (run / "checkpoints" / "rl" / "step_000004").is_dir()
+    assert wait_gone(str(tmp_path / "base")) == []
