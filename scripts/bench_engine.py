@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import statistics
 import tempfile
 import time
@@ -104,13 +105,26 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def drained(log_path: str) -> list[tuple[float, ...]]:
+    """(busy s, decode steps, ms/step, prefills) of each "batch drained" line in the server log."""
+    found = re.findall(
+        r"after ([\d.]+) s: (\d+) decode steps, ([\d.]+) ms/step.*?; (\d+) prefills",
+        Path(log_path).read_text(),
+    )
+    return [tuple(float(x) for x in line) for line in found]
+
+
 async def run_all(model, model_dir: str, cases: dict, args: argparse.Namespace) -> dict:
     """{(case, side): [(wall s, cpu s) per rep]}; each rep times the baseline and both clients
     back to back, so a ratio compares runs under the same load of the machine."""
     options = HttpOptions(max_connections=args.connections, timeout_s=600)
     out: dict[tuple[str, str], list[tuple[float, float]]] = {}
     async with engine_process(
-        model_dir, max_batch=args.max_batch, torch_threads=args.threads, startup_timeout_s=300
+        model_dir,
+        max_batch=args.max_batch,
+        torch_threads=args.threads,
+        startup_timeout_s=300,
+        extra_args=("--log-level", "DEBUG"),  # the core logs its ms/step when a batch drains
     ) as proc:
         pid = proc.process.pid
         clients = {"SGLang": SGLangEngine(proc.url, options=options)}
@@ -124,9 +138,12 @@ async def run_all(model, model_dir: str, cases: dict, args: argparse.Namespace) 
                 wall = baseline(model, prompts, lengths, 0)
                 out.setdefault((name, "generate"), []).append((wall, time.process_time() - cpu0))
                 for side, client in clients.items():
-                    cpu0 = cpu_s(pid)
+                    cpu0, seen = cpu_s(pid), len(drained(proc.log_path))
                     wall = await through(client, prompts, lengths)
                     out.setdefault((name, side), []).append((wall, cpu_s(pid) - cpu0))
+                    out.setdefault((name, side + " steps"), []).extend(
+                        drained(proc.log_path)[seen:]
+                    )
         for client in clients.values():
             await client.aclose()
     return out
@@ -196,6 +213,18 @@ def main() -> None:
             f"{tokens / s:>12.1f} {1000 * s / steps:>7.1f} {s_ratio:>5.2f} {tokens / v:>10.1f} "
             f"{v_ratio:>5.2f} {s_cpu:>6.2f}/{v_cpu:<6.2f} {'>= ' + str(GOALS[name]) + 'x':>7}"
         )
+    for name in cases:
+        for side in ("SGLang", "vLLM"):
+            runs = timed[(name, side + " steps")]
+            steps = sum(r[1] for r in runs)
+            ms = sum(r[1] * r[2] for r in runs) / max(steps, 1)
+            busy = statistics.median(r[0] for r in runs) if runs else float("nan")
+            wall = statistics.median(w for w, _ in timed[(name, side)])
+            print(
+                f"server ({name}, {side}): {steps / args.reps:.0f} decode steps per run at "
+                f"{ms:.2f} ms/step, {sum(r[3] for r in runs) / args.reps:.0f} prefills; busy "
+                f"{busy:.2f} s of the client's {wall:.2f} s"
+            )
     print(
         "ratio: generate wall time / server wall time (tokens/s, higher is better); cpu ratio: "
         "the same with CPU seconds (baseline process vs server process, all its threads); "

@@ -14,6 +14,7 @@ from rollouts.inference.protocol import FinishReason
 from rollouts.inference.server import kv as kvops
 from rollouts.inference.server.core import CoreOptions, EngineCore, Sequence
 from rollouts.inference.server.sampling import SamplingSpec
+from rollouts.inference.server.scheduler import GATHER_GAP_S, GATHER_MAX_S, keep_gathering
 
 from .conftest import teacher_forced_logprobs
 
@@ -127,3 +128,48 @@ def test_seeded_sampling_does_not_depend_on_the_batch(ref_model, tokenizer, top_
     assert crowd[2].output_ids == alone[0].output_ids
     expected = teacher_forced_logprobs(ref_model, prompt, alone[0].output_ids)
     torch.testing.assert_close(torch.tensor(alone[0].logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_a_fresh_batch_gathers_a_burst_but_not_for_long() -> None:
+    def gather(waiting: int, since_last_s: float, gathered_s: float) -> bool:
+        return keep_gathering(
+            waiting=waiting, max_batch=8, since_last_s=since_last_s, gathered_s=gathered_s
+        )
+
+    assert gather(3, 0.0, 0.0)  # requests still arriving
+    assert not gather(8, 0.0, 0.0)  # a full batch is waiting
+    assert not gather(3, GATHER_GAP_S, 0.0)  # the burst is over
+    assert not gather(3, 0.0, GATHER_MAX_S)  # waited long enough
+
+
+def test_a_failed_step_fails_the_running_rows_and_the_core_goes_on(
+    ref_model, tokenizer, monkeypatch
+) -> None:
+    real_decode = kvops.decode
+    calls = []
+
+    def decode_failing_once(model, kv, tokens_B):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected decode fault")
+        return real_decode(model, kv, tokens_B)
+
+    monkeypatch.setattr(kvops, "decode", decode_failing_once)
+    spec = SamplingSpec(temperature=0.0, ignore_eos=True)
+    core = EngineCore(ref_model, tokenizer, CoreOptions(max_batch=4), "v1")
+    done = threading.Semaphore(0)
+    first, second = (make_seq(i, [4, 5, 6], 5, spec) for i in range(2))
+    for seq in (first, second):
+        seq.notify = lambda _s: done.release()
+    worker = threading.Thread(target=core.run, daemon=True)
+    worker.start()
+    try:
+        assert core.submit([first]) and done.acquire(timeout=WAIT_S), "no answer"
+        assert core.submit([second]) and done.acquire(timeout=WAIT_S), "no answer"
+    finally:
+        core.stop()
+        worker.join(WAIT_S)
+    assert first.stop.reason is FinishReason.ERROR
+    assert len(first.output_ids) == len(first.logprobs) == 2  # prefill + one step
+    assert second.stop.reason is FinishReason.LENGTH
+    assert second.output_ids == greedy_no_eos(ref_model, [4, 5, 6], 5)

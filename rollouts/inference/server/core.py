@@ -2,12 +2,11 @@
 
 Routes (trio) hand sequences in with `submit` and control commands with `post`; the worker runs
 them between steps, so it alone touches the model and the cache. A step decodes one token for
-every running row (one forward, one batched sampling call, a few tensor ops to record it, see
-`kv.py` and `rows.py`), retires finished rows at once, and fills the free slots from the bounded
-waiting queue (each distinct prompt prefilled once, its KV copied to every row that asked for
-it). A sequence's outputs become Python lists only when it finishes; then it goes back to trio
-through its `notify` callback (the routes pass `TrioToken.run_sync_soon`), and the routes do
-detokenisation and JSON there.
+every running row of the `RunningBatch` (`batch.py`), which retires finished rows at once, then
+fills the free slots from the bounded waiting queue (a fresh batch first waits for the rest of a
+burst of requests, `scheduler.keep_gathering`). A finished sequence goes back to trio through its
+`notify` callback (the routes pass `TrioToken.run_sync_soon`); the routes detokenise and encode
+JSON there, off the worker thread.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -23,45 +23,23 @@ from typing import Any
 import torch
 
 from rollouts.inference.protocol import FinishReason
-from rollouts.inference.server import kv as kvops
-from rollouts.inference.server.rows import SlotTable
-from rollouts.inference.server.sampling import SamplingSpec, sample, top_logprobs
-from rollouts.inference.server.scheduler import Stop, admit_count, can_enqueue, stop_after_token
+from rollouts.inference.server.batch import BatchOptions, RunningBatch, Sequence
+from rollouts.inference.server.scheduler import (
+    GATHER_GAP_S,
+    BusyStats,
+    Stop,
+    admit_count,
+    can_enqueue,
+    keep_gathering,
+)
 from rollouts.inference.server.weights import load_weights
 
+__all__ = ["CoreOptions", "EngineCore", "Sequence"]
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class Sequence:
-    """One sequence being generated; the worker fills the outputs, then calls `notify`."""
-
-    rid: str
-    prompt_ids: list[int]
-    spec: SamplingSpec
-    max_new: int  # max_new_tokens capped by the context length
-    notify: Callable[[Sequence], None]
-    generator: torch.Generator | None = None
-    output_ids: list[int] = dataclasses.field(default_factory=list)  # set when finished
-    logprobs: list[float] = dataclasses.field(default_factory=list)  # set when finished
-    top: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
-    text_len: int = 0  # length of the decoded text at the previous step (stop strings)
-    stop: Stop | None = None
-    weight_version: str = ""  # served when it finished
-    # (version, first output token it produced): one entry, or more when the weights were
-    # reloaded in place while it ran (a keep/in_place pause), so its oldest part is known
-    version_starts: list[tuple[str, int]] = dataclasses.field(default_factory=list)
-    created_s: float = dataclasses.field(default_factory=time.monotonic)
-
-    def version_spans(self) -> list[dict[str, Any]]:
-        """`[{version, start, end}, ...]` over the output tokens (SGLang's and vLLM's shape)."""
-        starts = self.version_starts or [(self.weight_version, 0)]
-        ends = [start for _, start in starts[1:]] + [len(self.output_ids)]
-        return [
-            {"version": v, "start": start, "end": end}
-            for (v, start), end in zip(starts, ends, strict=True)
-        ]
+# The worker drops the GIL in every torch call; while the trio thread encodes answers it would
+# then wait up to Python's default 5 ms switch interval to get it back, several times per step.
+GIL_SWITCH_S = 0.0005
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -88,10 +66,19 @@ class EngineCore:
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._when_idle: list[Callable[[], None]] = []
-        self._seqs: list[Sequence] = []  # slot i of the batch runs self._seqs[i]
-        self._admitting: list[Sequence] = []  # taken from the queue, not yet in a slot
-        self._kv: kvops.SlotCache | None = None
-        self._table: SlotTable | None = None
+        self._batch = RunningBatch(
+            model,
+            tokenizer,
+            BatchOptions(
+                max_batch=options.max_batch,
+                pad_token_id=options.pad_token_id,
+                eos_token_ids=options.eos_token_ids,
+                logprobs_from=options.logprobs_from,
+            ),
+        )
+        self._admitting: list[Sequence] = []  # taken from the queue, not yet in the batch
+        self._stats: BusyStats | None = None  # since the batch was last empty
+        self._last_submit_s = 0.0
         self._stopped = False
 
     # ---- called from the trio thread (thread-safe) ----
@@ -103,6 +90,7 @@ class EngineCore:
             ):
                 return False
             self._waiting.extend(seqs)
+            self._last_submit_s = time.monotonic()
             self._cv.notify()
         return True
 
@@ -120,11 +108,12 @@ class EngineCore:
 
     def load(self) -> tuple[int, int]:
         """(running, waiting) counts, read without stopping the worker."""
-        return len(self._seqs), len(self._waiting)
+        return len(self._batch), len(self._waiting)
 
     # ---- the worker thread ----
     def run(self) -> None:
         """Worker loop: commands, then one scheduler step, until `stop`."""
+        sys.setswitchinterval(GIL_SWITCH_S)
         while True:
             with self._cv:
                 if not self._inbox and not self._stopped and not self._has_work():
@@ -143,30 +132,41 @@ class EngineCore:
                 self._fail_running()
 
     def _has_work(self) -> bool:
-        if self._when_idle and not self._seqs:
+        if self._when_idle and not self._batch:
             return True
-        return not self.paused and (bool(self._seqs) or bool(self._waiting))
+        return not self.paused and (bool(self._batch) or bool(self._waiting))
 
     def _step(self) -> None:
-        if self._when_idle and not self._seqs:
+        if self._when_idle and not self._batch:
             actions, self._when_idle = self._when_idle, []
             for action in actions:
                 action()
         if self.paused:
             return
-        if self._seqs:
-            assert self._kv is not None and self._table is not None, "rows without a cache"
-            batch = len(self._seqs)
-            logits_B_V = kvops.decode(self.model, self._kv, self._table.last_R[:batch])
-            self._retire(self._record(0, logits_B_V))
+        if self._batch:
+            start, rows = time.perf_counter(), len(self._batch)
+            self._finish_all(self._batch.step())
+            stats = self._busy()
+            stats.steps, stats.rows = stats.steps + 1, stats.rows + rows
+            stats.decode_s += time.perf_counter() - start
         if not self._when_idle:
             self._admit()
+        if not self._batch and self._stats is not None:
+            log.debug("%s", self._stats.summary())
+            self._stats = None
+
+    def _busy(self) -> BusyStats:
+        if self._stats is None:
+            self._stats = BusyStats()
+        return self._stats
 
     def _admit(self) -> None:
         o = self.options
         with self._cv:
+            if not self._batch:
+                self._gather()
             n = admit_count(
-                active=len(self._seqs),
+                active=len(self._batch),
                 waiting=len(self._waiting),
                 max_batch=o.max_batch,
                 max_prefill=o.max_prefill,
@@ -178,119 +178,35 @@ class EngineCore:
                 self._finish(seq, Stop(reason=FinishReason.LENGTH))
         if not self._admitting:
             return
-        ready = self._admitting
-        distinct: dict[tuple[int, ...], int] = {}
-        which = [distinct.setdefault(tuple(s.prompt_ids), len(distinct)) for s in ready]
-        cache, mask_U_W, logits_U_V = kvops.prefill(
-            self.model, [list(p) for p in distinct], o.pad_token_id
-        )
-        which_N = torch.tensor(which, device=logits_U_V.device)
-        kv, table = self._buffers(cache, int(mask_U_W.shape[1]), max(s.max_new for s in ready))
-        first = len(self._seqs)
-        kv.place(cache, mask_U_W, which_N)
-        table.admit(
-            [s.spec for s in ready],
-            [s.max_new for s in ready],
-            [s.generator is not None for s in ready],
-            o.eos_token_ids,
-        )
-        for seq in ready:
+        start = time.perf_counter()
+        for seq in self._admitting:
             seq.version_starts = [(self.weight_version, 0)]
-        self._seqs.extend(ready)
+        distinct, finished = self._batch.admit(self._admitting)
+        stats = self._busy()
+        stats.prefills, stats.prompts = stats.prefills + 1, stats.prompts + len(self._admitting)
+        stats.distinct += distinct
         self._admitting = []
-        self._retire(self._record(first, logits_U_V.index_select(0, which_N)))
+        self._finish_all(finished)
+        stats.prefill_s += time.perf_counter() - start
 
-    def _buffers(self, like: Any, width: int, max_new: int) -> tuple[kvops.SlotCache, SlotTable]:
-        """The slot cache and table, allocated at the first admission (shapes from `like`)."""
-        if self._kv is None or self._table is None:
-            rows = self.options.max_batch
-            self._kv = kvops.SlotCache(like, rows, kvops.start_cap(width, max_new))
-            self._table = SlotTable(rows, self._kv.pos_R.device)
-        return self._kv, self._table
+    def _gather(self) -> None:
+        """With the lock held: wait while a burst of requests is still arriving."""
+        start = time.monotonic()
+        while not self._inbox and not self._stopped:
+            now = time.monotonic()
+            if not keep_gathering(
+                waiting=len(self._waiting),
+                max_batch=self.options.max_batch,
+                since_last_s=max(0.0, now - self._last_submit_s),
+                gathered_s=now - start,
+            ):
+                return
+            self._cv.wait(GATHER_GAP_S)
 
-    def _record(self, first: int, logits_B_V: torch.Tensor) -> list[int]:
-        """Sample the next token of slots `[first, first + B)` and record it with its logprob;
-        returns the slots that finished (their `stop` is set)."""
-        table = self._table
-        assert table is not None, "no slot table"
-        end = first + int(logits_B_V.shape[0])
-        generators: dict[int, torch.Generator] = {}
-        if table.seeded_R[first:end].any():
-            for i in table.seeded_R[first:end].nonzero().squeeze(1).tolist():
-                gen = self._seqs[first + i].generator
-                assert gen is not None, f"seeded slot {first + i} has no generator"
-                generators[i] = gen
-        tokens_B, logprobs_B = sample(
-            logits_B_V, table.sampling(first, end, generators), self.options.logprobs_from
-        )
-        if table.top_R[first:end].any():
-            self._record_top(first, logits_B_V)
-        finished = []
-        for slot in table.append(first, end, tokens_B, logprobs_B):
-            seq = self._seqs[slot]
-            seq.stop = self._stop_now(seq, slot, int(tokens_B[slot - first]))
-            if seq.stop is not None:
-                finished.append(slot)
-        return finished
-
-    def _record_top(self, first: int, logits_B_V: torch.Tensor) -> None:
-        rows = [i for i in range(logits_B_V.shape[0]) if self._seqs[first + i].spec.top_logprobs]
-        n = max(self._seqs[first + i].spec.top_logprobs for i in rows)
-        values, ids = top_logprobs(logits_B_V, n)
-        for i in rows:
-            k = self._seqs[first + i].spec.top_logprobs
-            self._seqs[first + i].top.append(
-                list(zip(values[i, :k].tolist(), ids[i, :k].tolist(), strict=True))
-            )
-
-    def _stop_now(self, seq: Sequence, slot: int, token: int) -> Stop | None:
-        assert self._table is not None, "no slot table"
-        text = None
-        if seq.spec.stop:
-            ids, _ = self._table.outputs(slot)
-            text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        stop = stop_after_token(
-            token=token,
-            num_output=int(self._table.n_out_R[slot]),
-            max_new_tokens=seq.max_new,
-            stop_token_ids=seq.spec.stop_token_ids,
-            eos_token_ids=self.options.eos_token_ids,
-            ignore_eos=seq.spec.ignore_eos,
-            text=text,
-            stop=seq.spec.stop,
-            text_before_len=seq.text_len,
-        )
-        seq.text_len = len(text) if text is not None else 0
-        return stop
-
-    def _retire(self, slots: list[int]) -> None:
-        """Finish the sequences in `slots` and free their slots at once."""
-        for slot in slots:
-            seq = self._seqs[slot]
-            assert seq.stop is not None, f"{seq.rid} retired without a stop"
-            self._finish_slot(slot, seq.stop)
-        self._drop(slots)
-
-    def _drop(self, slots: list[int]) -> None:
-        """Free `slots`: the last active rows move into the holes, so rows stay dense."""
-        if not slots:
-            return
-        assert self._kv is not None and self._table is not None, "no batch to shrink"
-        gone = set(slots)
-        batch = len(self._seqs) - len(gone)
-        holes = sorted(s for s in gone if s < batch)
-        movers = [s for s in range(batch, len(self._seqs)) if s not in gone]
-        self._kv.move(holes, movers, batch)
-        self._table.move(holes, movers, batch)
-        for hole, mover in zip(holes, movers, strict=True):
-            self._seqs[hole] = self._seqs[mover]
-        del self._seqs[batch:]
-
-    def _finish_slot(self, slot: int, stop: Stop) -> None:
-        assert self._table is not None, "no slot table"
-        seq = self._seqs[slot]
-        seq.output_ids, seq.logprobs = self._table.outputs(slot)
-        self._finish(seq, stop)
+    def _finish_all(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            assert seq.stop is not None, f"{seq.rid} finished without a stop"
+            self._finish(seq, seq.stop)
 
     def _finish(self, seq: Sequence, stop: Stop) -> None:
         seq.stop = stop
@@ -299,14 +215,10 @@ class EngineCore:
 
     def _fail_running(self) -> None:
         failed = Stop(reason=FinishReason.ERROR)
-        for slot in range(len(self._seqs)):
-            try:
-                self._finish_slot(slot, failed)
-            except Exception:
-                self._finish(self._seqs[slot], failed)
-        for seq in self._admitting:
+        taken = {id(s): s for s in [*self._batch.clear(failed), *self._admitting]}
+        for seq in taken.values():  # a failed admission may have left some in both
             self._finish(seq, failed)
-        self._seqs, self._admitting, self._kv, self._table = [], [], None, None
+        self._admitting = []
 
     # ---- commands (run in the worker via `post`) ----
     def abort(self, rid_prefix: str | None) -> int:
@@ -321,12 +233,9 @@ class EngineCore:
         aborted = Stop(reason=FinishReason.ABORT, matched=None)
         for seq in gone:
             self._finish(seq, aborted)
-        slots = [i for i, s in enumerate(self._seqs) if hit(s)]
-        for slot in slots:
-            self._finish_slot(slot, aborted)
-        with torch.inference_mode():  # the cache rows it moves are inference tensors
-            self._drop(slots)
-        return len(gone) + len(slots)
+        taken = self._batch.remove(hit, aborted)
+        self._finish_all(taken)
+        return len(gone) + len(taken)
 
     def when_idle(self, action: Callable[[], None]) -> None:
         """Run `action` once no row is running; admission stops until then."""
@@ -343,10 +252,10 @@ class EngineCore:
         if version == self.weight_version:
             return
         self.weight_version = version
-        for slot, seq in enumerate(self._seqs):
-            assert self._table is not None, "running sequences without a slot table"
-            seq.version_starts.append((version, int(self._table.n_out_R[slot])))
+        counts = self._batch.output_counts()
+        for seq, count in zip(self._batch.seqs, counts, strict=True):
+            seq.version_starts.append((version, count))
 
     def idle(self) -> bool:
         """No running and no waiting sequence."""
-        return not self._seqs and not self._waiting
+        return not self._batch and not self._waiting

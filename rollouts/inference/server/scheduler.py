@@ -8,8 +8,12 @@ model or a server.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from rollouts.inference.protocol import FinishReason
+
+GATHER_GAP_S = 0.003  # a burst of requests has ended after this long without a new one
+GATHER_MAX_S = 0.05  # a fresh batch waits at most this long for the rest of a burst
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -29,6 +33,19 @@ def admit_count(*, active: int, waiting: int, max_batch: int, max_prefill: int) 
     assert active <= max_batch, f"{active=} > {max_batch=}"
     assert max_prefill >= 1, f"{max_prefill=}"
     return max(0, min(waiting, max_batch - active, max_prefill))
+
+
+def keep_gathering(*, waiting: int, max_batch: int, since_last_s: float, gathered_s: float) -> bool:
+    """Whether a fresh batch (nothing running) waits a moment longer before its prefill.
+
+    Requests of one rollout batch arrive as a burst over HTTP; starting on the first few would
+    decode small batches while the rest trickle in one prefill at a time. So the worker waits
+    while the burst lasts: until a full batch waits, no request came for `GATHER_GAP_S`, or
+    `GATHER_MAX_S` passed (a lone request pays at most the gap).
+    """
+    assert max_batch >= 1, f"{max_batch=}"
+    assert since_last_s >= 0 and gathered_s >= 0, f"{since_last_s=} {gathered_s=}"
+    return waiting < max_batch and since_last_s < GATHER_GAP_S and gathered_s < GATHER_MAX_S
 
 
 def can_enqueue(*, queued: int, max_queue: int) -> bool:
@@ -92,3 +109,29 @@ def allowed_new_tokens(*, prompt_len: int, max_new_tokens: int, context_len: int
     """max_new_tokens capped so prompt + output fits the context (then the finish is LENGTH)."""
     assert prompt_len < context_len, f"{prompt_len=} >= {context_len=}"
     return min(max_new_tokens, context_len - prompt_len)
+
+
+@dataclasses.dataclass(slots=True)
+class BusyStats:
+    """What the worker did since its batch was last empty (logged when it drains again)."""
+
+    started_s: float = dataclasses.field(default_factory=time.perf_counter)
+    steps: int = 0  # decode steps
+    rows: int = 0  # rows decoded, summed over steps
+    decode_s: float = 0.0  # forward + sampling + bookkeeping of the decode steps
+    prefills: int = 0
+    prompts: int = 0  # sequences admitted
+    distinct: int = 0  # distinct prompts prefilled for them
+    prefill_s: float = 0.0
+
+    def summary(self) -> str:
+        """One log line: ms per decode step and mean batch, prefills and their sharing."""
+        per_step = 1000 * self.decode_s / max(self.steps, 1)
+        per_prefill = 1000 * self.prefill_s / max(self.prefills, 1)
+        return (
+            f"batch drained after {time.perf_counter() - self.started_s:.3f} s: "
+            f"{self.steps} decode steps, {per_step:.2f} ms/step, mean batch "
+            f"{self.rows / max(self.steps, 1):.1f}; {self.prefills} prefills "
+            f"({per_prefill:.2f} ms each) of {self.distinct} distinct prompts for "
+            f"{self.prompts} sequences"
+        )

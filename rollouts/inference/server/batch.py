@@ -1,0 +1,209 @@
+"""The running batch: the sequences in the decode slots, their KV cache and per-slot state.
+
+Used by the worker thread only. `admit` prefills new sequences (each distinct prompt once, its KV
+copied to every slot that asked for it) and samples their first token; `step` decodes one token
+for every slot (one forward, one batched sampling call, a few tensor ops to record it);
+finished sequences leave at once and the last slots move into the holes, so the active slots
+stay dense. Outputs become Python lists only for sequences that leave (`output_ids`,
+`logprobs`); the caller then sets their version and notifies them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rollouts.inference.server import kv as kvops
+from rollouts.inference.server.rows import SlotTable
+from rollouts.inference.server.sampling import SamplingSpec, sample, top_logprobs
+from rollouts.inference.server.scheduler import Stop, stop_after_token
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Sequence:
+    """One sequence being generated; the worker fills the outputs, then calls `notify`."""
+
+    rid: str
+    prompt_ids: list[int]
+    spec: SamplingSpec
+    max_new: int  # max_new_tokens capped by the context length
+    notify: Callable[[Sequence], None]
+    generator: torch.Generator | None = None
+    output_ids: list[int] = dataclasses.field(default_factory=list)  # set when it leaves
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # set when it leaves
+    top: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
+    text_len: int = 0  # length of the decoded text at the previous step (stop strings)
+    stop: Stop | None = None
+    weight_version: str = ""  # served when it finished
+    # (version, first output token it produced): one entry, or more when the weights were
+    # reloaded in place while it ran (a keep/in_place pause), so its oldest part is known
+    version_starts: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    created_s: float = dataclasses.field(default_factory=time.monotonic)
+
+    def version_spans(self) -> list[dict[str, Any]]:
+        """`[{version, start, end}, ...]` over the output tokens (SGLang's and vLLM's shape)."""
+        starts = self.version_starts or [(self.weight_version, 0)]
+        ends = [start for _, start in starts[1:]] + [len(self.output_ids)]
+        return [
+            {"version": v, "start": start, "end": end}
+            for (v, start), end in zip(starts, ends, strict=True)
+        ]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class BatchOptions:
+    """What the running batch needs to know about the model and the requests' defaults."""
+
+    max_batch: int
+    pad_token_id: int
+    eos_token_ids: tuple[int, ...]
+    logprobs_from: str
+
+
+class RunningBatch:
+    """Slot i decodes `seqs[i]`; the cache and the table are allocated at the first admission."""
+
+    def __init__(self, model: Any, tokenizer: Any, options: BatchOptions) -> None:
+        self.model, self.tokenizer, self.options = model, tokenizer, options
+        self.seqs: list[Sequence] = []
+        self._kv: kvops.SlotCache | None = None
+        self._table: SlotTable | None = None
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def admit(self, ready: list[Sequence]) -> tuple[int, list[Sequence]]:
+        """Prefill `ready` into free slots and sample their first token.
+
+        Returns (distinct prompts prefilled, sequences that already finished)."""
+        assert ready, "nothing to admit"
+        assert len(self.seqs) + len(ready) <= self.options.max_batch, f"{len(ready)=}"
+        distinct: dict[tuple[int, ...], int] = {}
+        which = [distinct.setdefault(tuple(s.prompt_ids), len(distinct)) for s in ready]
+        cache, mask_U_W, logits_U_V = kvops.prefill(
+            self.model, [list(p) for p in distinct], self.options.pad_token_id
+        )
+        which_N = torch.tensor(which, device=logits_U_V.device)
+        if self._kv is None or self._table is None:
+            cap = kvops.start_cap(int(mask_U_W.shape[1]), max(s.max_new for s in ready))
+            self._kv = kvops.SlotCache(cache, self.options.max_batch, cap)
+            self._table = SlotTable(self.options.max_batch, self._kv.pos_R.device)
+        first = len(self.seqs)
+        self._kv.place(cache, mask_U_W, which_N)
+        self._table.admit(
+            [s.spec for s in ready],
+            [s.max_new for s in ready],
+            [s.generator is not None for s in ready],
+            self.options.eos_token_ids,
+        )
+        self.seqs.extend(ready)
+        return len(distinct), self._leave(self._record(first, logits_U_V[which_N]))
+
+    def step(self) -> list[Sequence]:
+        """Decode one token for every slot; returns the sequences that finished."""
+        assert self._kv is not None and self._table is not None, "a step without a batch"
+        logits_B_V = kvops.decode(self.model, self._kv, self._table.last_R[: len(self.seqs)])
+        return self._leave(self._record(0, logits_B_V))
+
+    def output_counts(self) -> list[int]:
+        """How many tokens each running sequence has produced so far (slot order)."""
+        if self._table is None:
+            return [0] * len(self.seqs)
+        return self._table.n_out_R[: len(self.seqs)].tolist()
+
+    def remove(self, hit: Callable[[Sequence], bool], stop: Stop) -> list[Sequence]:
+        """Take out the sequences `hit` selects (their output so far, `stop` set)."""
+        slots = [i for i, s in enumerate(self.seqs) if hit(s)]
+        for slot in slots:
+            self.seqs[slot].stop = stop
+        with torch.inference_mode():  # called from commands; the cache rows it moves are such
+            return self._leave(slots)
+
+    def clear(self, stop: Stop) -> list[Sequence]:
+        """Take out every sequence (after a failed step: the buffers are dropped too)."""
+        gone, table = self.seqs, self._table
+        for slot, seq in enumerate(gone):
+            seq.stop = stop
+            if table is not None and slot < table.batch:
+                seq.output_ids, seq.logprobs = table.outputs(slot)
+        self.seqs, self._kv, self._table = [], None, None
+        return gone
+
+    def _record(self, first: int, logits_B_V: torch.Tensor) -> list[int]:
+        """Sample the next token of slots `[first, first + B)` and record it with its logprob;
+        returns the slots that finished (their `stop` is set)."""
+        table = self._table
+        assert table is not None, "no slot table"
+        end = first + int(logits_B_V.shape[0])
+        generators: dict[int, torch.Generator] = {}
+        if table.seeded_R[first:end].any():
+            for i in table.seeded_R[first:end].nonzero().squeeze(1).tolist():
+                gen = self.seqs[first + i].generator
+                assert gen is not None, f"seeded slot {first + i} has no generator"
+                generators[i] = gen
+        tokens_B, logprobs_B = sample(
+            logits_B_V, table.sampling(first, end, generators), self.options.logprobs_from
+        )
+        if table.top_R[first:end].any():
+            self._record_top(first, logits_B_V)
+        finished = []
+        for slot in table.append(first, end, tokens_B, logprobs_B):
+            seq = self.seqs[slot]
+            seq.stop = self._stop_now(seq, slot, int(tokens_B[slot - first]))
+            if seq.stop is not None:
+                finished.append(slot)
+        return finished
+
+    def _record_top(self, first: int, logits_B_V: torch.Tensor) -> None:
+        rows = [i for i in range(logits_B_V.shape[0]) if self.seqs[first + i].spec.top_logprobs]
+        n = max(self.seqs[first + i].spec.top_logprobs for i in rows)
+        values, ids = top_logprobs(logits_B_V, n)
+        for i in rows:
+            k = self.seqs[first + i].spec.top_logprobs
+            self.seqs[first + i].top.append(
+                list(zip(values[i, :k].tolist(), ids[i, :k].tolist(), strict=True))
+            )
+
+    def _stop_now(self, seq: Sequence, slot: int, token: int) -> Stop | None:
+        assert self._table is not None, "no slot table"
+        text = None
+        if seq.spec.stop:
+            ids, _ = self._table.outputs(slot)
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        stop = stop_after_token(
+            token=token,
+            num_output=int(self._table.n_out_R[slot]),
+            max_new_tokens=seq.max_new,
+            stop_token_ids=seq.spec.stop_token_ids,
+            eos_token_ids=self.options.eos_token_ids,
+            ignore_eos=seq.spec.ignore_eos,
+            text=text,
+            stop=seq.spec.stop,
+            text_before_len=seq.text_len,
+        )
+        seq.text_len = len(text) if text is not None else 0
+        return stop
+
+    def _leave(self, slots: list[int]) -> list[Sequence]:
+        """Sequences in `slots` leave (outputs as lists); the last active slots fill the holes."""
+        if not slots:
+            return []
+        assert self._kv is not None and self._table is not None, "no batch to shrink"
+        gone = [self.seqs[s] for s in slots]
+        for slot, seq in zip(slots, gone, strict=True):
+            assert seq.stop is not None, f"{seq.rid} leaves without a stop"
+            seq.output_ids, seq.logprobs = self._table.outputs(slot)
+        dropped = set(slots)
+        batch = len(self.seqs) - len(dropped)
+        holes = sorted(s for s in dropped if s < batch)
+        movers = [s for s in range(batch, len(self.seqs)) if s not in dropped]
+        self._kv.move(holes, movers, batch)
+        self._table.move(holes, movers, batch)
+        for hole, mover in zip(holes, movers, strict=True):
+            self.seqs[hole] = self.seqs[mover]
+        del self.seqs[batch:]
+        return gone
