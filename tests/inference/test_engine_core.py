@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -173,3 +174,32 @@ def test_a_failed_step_fails_the_running_rows_and_the_core_goes_on(
     assert len(first.output_ids) == len(first.logprobs) == 2  # prefill + one step
     assert second.stop.reason is FinishReason.LENGTH
     assert second.output_ids == greedy_no_eos(ref_model, [4, 5, 6], 5)
+
+
+def test_aborting_one_running_row_keeps_the_others_exact(ref_model, tokenizer) -> None:
+    spec = SamplingSpec(temperature=0.0, ignore_eos=True)
+    prompts = [[7, 8, 9], [3, 4], [11, 12, 13, 14]]
+    seqs = [make_seq(i, p, 60, spec) for i, p in enumerate(prompts)]
+    core = EngineCore(ref_model, tokenizer, CoreOptions(max_batch=4), "v1")
+    done = threading.Semaphore(0)
+    for seq in seqs:
+        seq.notify = lambda _s: done.release()
+    worker = threading.Thread(target=core.run, daemon=True)
+    worker.start()
+    try:
+        assert core.submit(seqs)
+        deadline = time.monotonic() + WAIT_S
+        while core.load()[0] < 3:  # all three decoding (60 steps leave time to catch them)
+            assert time.monotonic() < deadline, f"{core.load()=}"
+            time.sleep(0.001)
+        core.post(lambda: core.abort("r0"))  # runs between two steps
+        for _ in seqs:
+            assert done.acquire(timeout=WAIT_S), "a sequence never finished"
+    finally:
+        core.stop()
+        worker.join(WAIT_S)
+    assert seqs[0].stop.reason is FinishReason.ABORT
+    assert len(seqs[0].output_ids) == len(seqs[0].logprobs) < 60
+    for seq, prompt in zip(seqs[1:], prompts[1:], strict=True):
+        assert seq.stop.reason is FinishReason.LENGTH
+        assert seq.output_ids == greedy_no_eos(ref_model, prompt, 60)
