@@ -71,6 +71,7 @@ class EngineSpec:
     device: str = "cpu"
     weight_version: str = "default"
     torch_threads: int = 0  # 0 = torch's default
+    weights_roots: tuple[str, ...] = ()  # reloads only from inside these (--weights-root)
     extra_args: tuple[str, ...] = ()
     startup_timeout_s: float = 120.0
     log_path: str | None = None  # None = a temp file
@@ -119,6 +120,8 @@ def server_command(spec: EngineSpec, port: int) -> list[str]:
         cmd += ["--torch-threads", str(spec.torch_threads)]
     if spec.api_key:
         cmd += ["--api-key", spec.api_key]
+    for root in spec.weights_roots:
+        cmd += ["--weights-root", str(root)]
     return cmd + list(spec.extra_args)
 
 
@@ -219,8 +222,9 @@ async def start_engine(spec: EngineSpec) -> EngineProcess:
 
 
 def _spec(model_dir: str | Path, kwargs: dict[str, Any]) -> EngineSpec:
-    if "extra_args" in kwargs:
-        kwargs["extra_args"] = tuple(kwargs["extra_args"])
+    for key in ("extra_args", "weights_roots"):
+        if key in kwargs:
+            kwargs[key] = tuple(kwargs[key])
     return EngineSpec(model_dir=str(model_dir), **kwargs)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -70,3 +71,32 @@ def teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], output: l
     full = torch.tensor([prompt + output])
     logits = model(full).logits[0, len(prompt) - 1 : -1].float()
     return logits.log_softmax(-1).gather(1, torch.tensor(output)[:, None])[:, 0]
+
+
+@pytest.fixture(scope="session")
+def fault_servers(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    """Two servers for the fault tests, started in parallel: "rooted" (reloads only from inside
+    its `--weights-root`, `fault_servers["rooted"].root`), and "short" (2 s request timeout, a
+    queue of 4, 1 MB bodies)."""
+    root = tmp_path_factory.mktemp("weights-root")
+    model = str(tiny_model_dir)
+    procs = {
+        "rooted": spawn(EngineSpec(model_dir=model, max_batch=4, weights_roots=(str(root),))),
+        "short": spawn(
+            EngineSpec(
+                model_dir=model,
+                max_batch=2,
+                max_queue=4,
+                extra_args=("--request-timeout-s", "2", "--max-body-mb", "1"),
+            )
+        ),
+    }
+    try:
+        for proc in procs.values():
+            wait_healthy_sync(proc, 120.0)
+        yield {**procs, "root": root}
+    finally:
+        for proc in procs.values():
+            proc.stop()

@@ -44,11 +44,14 @@ class ServeOptions:
     weight_version: str = "default"
     served_model_name: str = ""
     request_timeout_s: float = 600.0
+    weights_roots: tuple[str, ...] = ()  # weight reloads only from inside these (none: anywhere)
+    max_body_mb: float = 64.0
 
     def __post_init__(self) -> None:
         assert self.logprobs_from in ("raw", "scaled"), f"{self.logprobs_from=}"
         assert self.max_batch >= 1, f"{self.max_batch=}"
         assert self.max_queue >= 1, f"{self.max_queue=}"
+        assert self.max_body_mb > 0, f"{self.max_body_mb=}"
 
 
 def load_model(options: ServeOptions) -> tuple[Any, Any]:
@@ -60,6 +63,18 @@ def load_model(options: ServeOptions) -> tuple[Any, Any]:
     model = model.to(options.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(options.model)
     return model, tokenizer
+
+
+def max_prompt_chars(tokenizer: Any, context_len: int, slack: int = 4) -> int:
+    """Characters beyond which a text prompt can never fit `context_len` tokens.
+
+    A token stands for at most as many characters as its vocabulary string has (byte-level and
+    SentencePiece vocabularies alike), so a text of more than `context_len * longest` characters
+    has more tokens than the context; `slack` covers normalizers that merge characters.
+    """
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    assert context_len >= 1, f"{context_len=}"
+    return slack * max(longest, 1) * context_len
 
 
 def build_core(options: ServeOptions, model: Any, tokenizer: Any) -> tuple[EngineCore, ServerInfo]:
@@ -86,6 +101,9 @@ def build_core(options: ServeOptions, model: Any, tokenizer: Any) -> tuple[Engin
         max_queue=options.max_queue,
         logprobs_from=options.logprobs_from,
         request_timeout_s=options.request_timeout_s,
+        weights_roots=options.weights_roots,
+        max_prompt_chars=max_prompt_chars(tokenizer, context_len),
+        max_body_bytes=int(options.max_body_mb * 2**20),
     )
     return EngineCore(model, tokenizer, core_options, options.weight_version), info
 

@@ -93,15 +93,22 @@ class RunningBatch:
             self._kv = kvops.SlotCache(cache, self.options.max_batch, cap)
             self._table = SlotTable(self.options.max_batch, self._kv.pos_R.device)
         first = len(self.seqs)
-        self._kv.place(cache, mask_U_W, which_N)
-        self._table.admit(
-            [s.spec for s in ready],
-            [s.max_new for s in ready],
-            [s.generator is not None for s in ready],
-            self.options.eos_token_ids,
-        )
-        self.seqs.extend(ready)
-        return len(distinct), self._leave(self._record(first, logits_U_V[which_N]))
+        try:
+            self._kv.place(cache, mask_U_W, which_N)
+            self._table.admit(
+                [s.spec for s in ready],
+                [s.max_new for s in ready],
+                [s.generator is not None for s in ready],
+                self.options.eos_token_ids,
+            )
+            self.seqs.extend(ready)
+            finished = self._record(first, logits_U_V[which_N])
+        except Exception:  # the running slots stay as they were; the caller fails `ready`
+            del self.seqs[first:]
+            self._kv.move([], [], first)
+            self._table.move([], [], first)
+            raise
+        return len(distinct), self._leave(finished)
 
     def step(self) -> list[Sequence]:
         """Decode one token for every slot; returns the sequences that finished."""

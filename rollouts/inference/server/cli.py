@@ -8,7 +8,9 @@ default; scaled = log_softmax of the temperature-scaled logits).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--api-key", default="", help="require 'Authorization: Bearer KEY'")
+    parser.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve a non-loopback --host without --api-key (anyone who reaches the port can "
+        "generate, pause, abort and reload weights)",
+    )
+    parser.add_argument(
+        "--weights-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="weight reloads only from inside DIR (repeatable); without it, from any path",
+    )
+    parser.add_argument(
+        "--max-body-mb", type=float, default=64.0, help="larger request bodies get 413"
+    )
     parser.add_argument("--max-batch", type=int, default=64, help="sequences decoded together")
     parser.add_argument("--max-queue", type=int, default=1024, help="waiting sequences; then 503")
     parser.add_argument("--max-prefill", type=int, default=64, help="new sequences per step")
@@ -62,21 +80,51 @@ def options_from_args(args: argparse.Namespace) -> Any:
         weight_version=args.weight_version,
         served_model_name=args.served_model_name,
         request_timeout_s=args.request_timeout_s,
+        weights_roots=tuple(str(Path(r).resolve()) for r in args.weights_root),
+        max_body_mb=args.max_body_mb,
     )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) is reachable only from this machine."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def usage_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the command line (the message to print), or None."""
+    if not (Path(args.model) / "config.json").is_file():
+        return f"--model {args.model}: no config.json there (an HF model directory?)"
+    for name in ("max_batch", "max_queue", "max_prefill"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be >= 1"
+    if args.max_body_mb <= 0:
+        return f"--max-body-mb {args.max_body_mb} must be > 0"
+    for root in args.weights_root:
+        if not Path(root).is_dir():
+            return f"--weights-root {root}: not a directory"
+    if not args.api_key and not args.allow_unauthenticated and not is_loopback(args.host):
+        return (
+            f"--host {args.host} is reachable from other machines and no --api-key is set: "
+            "anyone could reload weights, pause or abort. Set --api-key KEY, or pass "
+            "--allow-unauthenticated if the network is trusted"
+        )
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; 2 when the model directory or an option is unusable."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
-    if not (Path(args.model) / "config.json").is_file():
-        print(
-            f"--model {args.model}: no config.json there (an HF model directory?)", file=sys.stderr
-        )
+    if (error := usage_error(args)) is not None:
+        print(f"rollouts serve: {error}", file=sys.stderr)
         return 2
-    for name in ("max_batch", "max_queue", "max_prefill"):
-        if getattr(args, name) < 1:
-            print(f"--{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
     import torch
     import trio
 

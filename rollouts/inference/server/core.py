@@ -181,7 +181,14 @@ class EngineCore:
         start = time.perf_counter()
         for seq in self._admitting:
             seq.version_starts = [(self.weight_version, 0)]
-        distinct, finished = self._batch.admit(self._admitting)
+        try:  # a failure while admitting fails only the sequences being admitted
+            distinct, finished = self._batch.admit(self._admitting)
+        except Exception:
+            log.exception("admitting %d sequences failed; failing only them", len(self._admitting))
+            failed, self._admitting = self._admitting, []
+            for seq in failed:
+                self._finish(seq, Stop(reason=FinishReason.ERROR))
+            return
         stats = self._busy()
         stats.prefills, stats.prompts = stats.prefills + 1, stats.prompts + len(self._admitting)
         stats.distinct += distinct
@@ -223,10 +230,10 @@ class EngineCore:
     # ---- commands (run in the worker via `post`) ----
     def abort(self, rid_prefix: str | None) -> int:
         """Abort running and waiting sequences (all, or those whose rid starts with the prefix)."""
+        return self.abort_where(lambda s: rid_prefix is None or s.rid.startswith(rid_prefix))
 
-        def hit(seq: Sequence) -> bool:
-            return rid_prefix is None or seq.rid.startswith(rid_prefix)
-
+    def abort_where(self, hit: Callable[[Sequence], bool]) -> int:
+        """Abort the running and waiting sequences `hit` selects; returns how many."""
         with self._cv:
             gone = [s for s in self._waiting if hit(s)]
             self._waiting = collections.deque(s for s in self._waiting if not hit(s))

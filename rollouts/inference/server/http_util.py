@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import trio
 from starlette.requests import Request
@@ -13,12 +14,18 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rollouts.inference.server.sampling import BadRequest, SamplingSpec
-from rollouts.inference.server.state import ServerState, ServiceUnavailable
+from rollouts.inference.server.state import ServerState, ServiceUnavailable, WeightPathForbidden
 from rollouts.inference.server.weights import WeightLoadError
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)  # reachable without the API key
 HEALTH_GENERATE_TIMEOUT_S = 30.0
+RETRY_AFTER_S = 1  # the Retry-After of a 503: the queue drains or a pause ends
+T = TypeVar("T")
+
+
+class PayloadTooLarge(ValueError):
+    """A request body over `--max-body-mb`: HTTP 413."""
 
 
 def state_of(request: Request) -> ServerState:
@@ -32,9 +39,26 @@ def error_json(status: int, message: str, kind: str, param: str | None = None) -
     return JSONResponse(body, status_code=status)
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, or PayloadTooLarge as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(
+            f"the body has {declared} bytes; the limit is {limit} (--max-body-mb)"
+        )
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the body exceeds the limit of {limit} bytes (--max-body-mb)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def json_body(request: Request, *, allow_empty: bool = False) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400 that says what is wrong with it."""
-    raw = await request.body()
+    """The request body as a JSON object, or a 400 that says what is wrong with it (413 when
+    it is larger than the server takes)."""
+    raw = await read_body(request, state_of(request).info.max_body_bytes)
     if not raw.strip() and allow_empty:
         return {}
     try:
@@ -52,10 +76,18 @@ async def on_bad_request(_request: Request, exc: Exception) -> Response:
 
 
 async def on_unavailable(_request: Request, exc: Exception) -> Response:
-    return error_json(503, str(exc), "ServiceUnavailableError")
+    response = error_json(503, str(exc), "ServiceUnavailableError")
+    response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
+
+
+async def on_too_large(_request: Request, exc: Exception) -> Response:
+    return error_json(413, str(exc), "PayloadTooLargeError")
 
 
 async def on_weight_error(_request: Request, exc: Exception) -> Response:
+    if isinstance(exc, WeightPathForbidden):
+        return error_json(403, str(exc), "PermissionDeniedError", "model_path")
     return error_json(400, str(exc), "BadRequestError", "model_path")
 
 
@@ -72,9 +104,33 @@ EXCEPTION_HANDLERS = {
     Exception: on_crash,
     BadRequest: on_bad_request,
     ServiceUnavailable: on_unavailable,
+    PayloadTooLarge: on_too_large,
     WeightLoadError: on_weight_error,
     trio.TooSlowError: on_timeout,
 }
+
+
+async def unless_disconnected(request: Request, fn: Callable[[], Awaitable[T]]) -> T | None:
+    """`await fn()`, cancelled when the client disconnects first (then None): the work of a
+    client that is gone (its generating rows) stops instead of running to the end."""
+    result: list[T] = []
+
+    async def watch(scope: trio.CancelScope) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        log.info("client of %s disconnected; aborting its request", request.url.path)
+        scope.cancel()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch, nursery.cancel_scope)
+            result.append(await fn())
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:  # fn's own error (400, 503, 504) reaches its handler
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+    return result[0] if result else None
 
 
 class ApiKeyMiddleware:

@@ -12,9 +12,9 @@ from starlette.routing import Route
 
 from rollouts.inference.protocol import FinishReason
 from rollouts.inference.server.core import Sequence
-from rollouts.inference.server.http_util import json_body, state_of
+from rollouts.inference.server.http_util import json_body, state_of, unless_disconnected
 from rollouts.inference.server.sampling import BadRequest, as_type
-from rollouts.inference.server.sglang_routes import output_text
+from rollouts.inference.server.sglang_routes import CLIENT_GONE, output_text
 from rollouts.inference.server.state import ServerState
 from rollouts.inference.server.wire import openai_spec, token_ids_or_none
 
@@ -59,12 +59,12 @@ def usage(groups: list[list[Sequence]]) -> dict[str, int]:
     }
 
 
-def completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
+async def completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
     """`prompt` as str | list[str] | list[int] | list[list[int]] -> token-id prompts."""
     if isinstance(prompt, str):
-        return [state.tokenizer.encode(prompt, add_special_tokens=False)]
+        return [await state.encode(prompt, "prompt")]
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        return [state.tokenizer.encode(p, add_special_tokens=False) for p in prompt]
+        return [await state.encode(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     ids = token_ids_or_none("prompt", prompt)
     if ids is None or not ids:
         raise BadRequest("prompt", "must be a string, a list of strings, or token ids")
@@ -125,12 +125,15 @@ async def completions(request: Request) -> Response:
     top_n = as_type("logprobs", body.get("logprobs") or 0, int)
     if top_n:
         spec = _with_top(spec, top_n, "logprobs")
-    prompts = completion_prompts(state, extra["prompt"])
+    prompts = await completion_prompts(state, extra["prompt"])
     for p in prompts:
         state.check_prompt(p, "prompt")
     rid = str(body.get("request_id") or f"cmpl-{uuid.uuid4().hex}")
     work = [(p, spec, rid if len(prompts) == 1 else f"{rid}-{i}", n) for i, p in enumerate(prompts)]
-    groups = await state.generate_many(work)
+    state.check_count(len(prompts) * n, "n")
+    groups = await unless_disconnected(request, lambda: state.generate_many(work))
+    if groups is None:
+        return Response(status_code=CLIENT_GONE)
     seqs = [s for g in groups for s in g]
     return JSONResponse(
         {
@@ -216,10 +219,15 @@ async def chat_completions(request: Request) -> Response:
         )
     except Exception as exc:  # a template error is the request's fault
         raise BadRequest("messages", f"the chat template failed: {exc}") from None
-    prompt = state.tokenizer.encode(text, add_special_tokens=False)
+    prompt = await state.encode(text, "messages")
     state.check_prompt(prompt, "messages")
     rid = str(body.get("request_id") or f"chatcmpl-{uuid.uuid4().hex}")
-    groups = await state.generate_many([(prompt, spec, rid, n)])
+    state.check_count(n, "n")
+    groups = await unless_disconnected(
+        request, lambda: state.generate_many([(prompt, spec, rid, n)])
+    )
+    if groups is None:
+        return Response(status_code=CLIENT_GONE)
     return JSONResponse(
         {
             "id": rid,

@@ -11,13 +11,14 @@ from starlette.routing import Route
 
 from rollouts.inference.protocol import FinishReason
 from rollouts.inference.server.core import Sequence
-from rollouts.inference.server.http_util import json_body, state_of
+from rollouts.inference.server.http_util import json_body, state_of, unless_disconnected
 from rollouts.inference.server.sampling import BadRequest, as_type
 from rollouts.inference.server.scheduler import trim_text
-from rollouts.inference.server.state import ServerState
-from rollouts.inference.server.wire import sglang_spec, token_ids_or_none
+from rollouts.inference.server.state import ServerState, WeightPathForbidden
+from rollouts.inference.server.wire import check_generate_keys, sglang_spec, token_ids_or_none
 
 PAUSE_MODES = {"abort": "abort", "retract": "keep", "in_place": "keep"}
+CLIENT_GONE = 499  # the status logged for a request whose client disconnected (nginx's code)
 
 
 def finish_json(seq: Sequence) -> dict[str, Any]:
@@ -72,14 +73,14 @@ def sglang_result(state: ServerState, seq: Sequence, opts: dict[str, Any]) -> di
     return out
 
 
-def sglang_prompts(state: ServerState, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
-    """The prompts as token ids, and whether the request was a batch."""
+async def sglang_prompts(state: ServerState, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
+    """The prompts as token ids (texts encoded off the event loop), and whether it was a batch."""
     if body.get("text") is not None:
         text = body["text"]
         if isinstance(text, str):
-            return [state.tokenizer.encode(text, add_special_tokens=False)], False
+            return [await state.encode(text, "text")], False
         if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-            return [state.tokenizer.encode(t, add_special_tokens=False) for t in text], True
+            return [await state.encode(t, f"text[{i}]") for i, t in enumerate(text)], True
         raise BadRequest("text", "must be a string or a non-empty list of strings")
     if body.get("input_ids") is not None:
         ids = token_ids_or_none("input_ids", body["input_ids"])
@@ -105,11 +106,12 @@ async def generate(request: Request) -> Response:
     """POST /generate: one prompt or a batch; n samples each; aborts answer 200 with partials."""
     state = state_of(request)
     body = await json_body(request)
+    check_generate_keys(body)
     if body.get("stream"):
         raise BadRequest("stream", "streaming is not supported by the built-in server")
     if body.get("logprob_start_len", -1) not in (-1, None):
         raise BadRequest("logprob_start_len", "only -1 (output tokens only) is supported")
-    prompts, is_batch = sglang_prompts(state, body)
+    prompts, is_batch = await sglang_prompts(state, body)
     for i, p in enumerate(prompts):
         state.check_prompt(p, "input_ids" if body.get("text") is None else f"text[{i}]")
     top_n = as_type("top_logprobs_num", body.get("top_logprobs_num") or 0, int)
@@ -119,7 +121,10 @@ async def generate(request: Request) -> Response:
     for p, sp, rid in zip(prompts, params, rids, strict=True):
         spec, n = sglang_spec(sp, top_n)
         work.append((p, spec, str(rid) if rid is not None else state.new_rid(), n))
-    groups = await state.generate_many(work)
+    state.check_count(sum(n for *_, n in work), "sampling_params.n")
+    groups = await unless_disconnected(request, lambda: state.generate_many(work))
+    if groups is None:
+        return Response(status_code=CLIENT_GONE)
     results = [sglang_result(state, seq, body) for group in groups for seq in group]
     if not is_batch and len(results) == 1:
         return JSONResponse(results[0])
@@ -150,6 +155,8 @@ async def update_weights_from_disk(request: Request) -> Response:
         )
     try:
         await state.reload(path, version, bool(body.get("abort_all_requests")))
+    except WeightPathForbidden as exc:
+        return JSONResponse({"success": False, "message": str(exc)}, status_code=403)
     except ValueError as exc:
         return JSONResponse(
             {"success": False, "message": str(exc), "num_paused_requests": 0}, status_code=400

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,11 +17,17 @@ from rollouts.inference.server.sampling import BadRequest, SamplingSpec
 from rollouts.inference.server.scheduler import allowed_new_tokens
 from rollouts.inference.server.weights import WeightLoadError
 
+log = logging.getLogger(__name__)
 COMMAND_TIMEOUT_S = 600.0
+SEED_MODULUS = 2**64  # sample i of a seeded request uses (seed + i) mod 2**64, as torch does
 
 
 class ServiceUnavailable(RuntimeError):
     """The server cannot take the request now (queue full, paused): HTTP 503."""
+
+
+class WeightPathForbidden(WeightLoadError):
+    """A reload from outside every `--weights-root`: HTTP 403."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,6 +42,9 @@ class ServerInfo:
     max_queue: int
     logprobs_from: str
     request_timeout_s: float
+    weights_roots: tuple[str, ...] = ()  # reloads only from inside these ("" = anywhere)
+    max_prompt_chars: int = 0  # a longer text prompt can never fit the context (0 = no bound)
+    max_body_bytes: int = 64 * 2**20  # a longer request body is refused with 413
 
 
 class ServerState:
@@ -45,6 +56,40 @@ class ServerState:
         self.reject_new = False  # vLLM pause in abort/wait mode: new requests get 503
         self.sglang_pause: str | None = None  # the /pause_generation mode until a resume
         self._ids = itertools.count()
+        self._tokenizing = trio.CapacityLimiter(1)  # one encode at a time, off the event loop
+
+    async def encode(self, text: str, field: str) -> list[int]:
+        """Token ids of a text prompt, encoded in a thread so the event loop keeps serving; a
+        text too long to ever fit the context is a 400 before any work."""
+        bound = self.info.max_prompt_chars
+        if bound and len(text) > bound:
+            raise BadRequest(
+                field,
+                f"the text has {len(text)} characters; no text over {bound} fits the context "
+                f"of {self.info.context_len} tokens",
+            )
+        return await trio.to_thread.run_sync(
+            lambda: self.tokenizer.encode(text, add_special_tokens=False),
+            limiter=self._tokenizing,
+        )
+
+    def check_weights_path(self, path: str) -> None:
+        """403 unless `path` (links resolved) is inside a `--weights-root` (when any is set)."""
+        roots = [Path(r).resolve() for r in self.info.weights_roots]
+        if roots and not any(Path(path).resolve().is_relative_to(r) for r in roots):
+            raise WeightPathForbidden(
+                f"model_path {path!r} is outside the server's --weights-root "
+                f"({', '.join(map(str, roots))})"
+            )
+
+    def check_count(self, count: int, field: str) -> None:
+        """400 for a request of more sequences than the waiting queue can ever hold."""
+        if count > self.info.max_queue:
+            raise BadRequest(
+                field,
+                f"the request asks for {count} sequences; at most {self.info.max_queue} "
+                "can ever be queued (--max-queue)",
+            )
 
     def new_rid(self) -> str:
         return f"req-{next(self._ids)}"
@@ -72,38 +117,54 @@ class ServerState:
     async def generate_many(
         self, prompts: list[tuple[list[int], SamplingSpec, str, int]]
     ) -> list[list[Sequence]]:
-        """Submit every sequence of every prompt at once, so they share the batch."""
+        """Submit every sequence of every prompt at once, so they share the batch. When the
+        caller gives up (timeout, client gone: any cancellation) its sequences are aborted."""
         if self.reject_new:
             raise ServiceUnavailable("the server is paused; POST /resume first")
+        self.check_count(sum(n for *_, n in prompts), "n")
         events: list[trio.Event] = []
-        groups: list[list[Sequence]] = []
-        for prompt_ids, spec, rid, n in prompts:
-            group = []
-            for i in range(n):
-                event = trio.Event()
-                events.append(event)
-                seed = None if spec.seed is None else spec.seed + i
-                group.append(
-                    Sequence(
-                        rid=rid if n == 1 else f"{rid}-{i}",
-                        prompt_ids=prompt_ids,
-                        spec=spec,
-                        max_new=allowed_new_tokens(
-                            prompt_len=len(prompt_ids),
-                            max_new_tokens=spec.max_new_tokens,
-                            context_len=self.info.context_len,
-                        ),
-                        notify=self._notifier(event),
-                        generator=None if seed is None else torch.Generator().manual_seed(seed),
-                    )
-                )
-            groups.append(group)
-        if not self.core.submit([s for g in groups for s in g]):
-            raise ServiceUnavailable(f"the waiting queue is full ({self.info.max_queue} requests)")
-        with trio.fail_after(self.info.request_timeout_s):
-            for event in events:
-                await event.wait()
+        groups = [self._sequences(*prompt, events) for prompt in prompts]
+        seqs = [s for g in groups for s in g]
+        if not self.core.submit(seqs):
+            running, waiting = self.core.load()
+            raise ServiceUnavailable(
+                f"the waiting queue is full: {waiting} sequences wait ({running} running), "
+                f"this request adds {len(seqs)}, --max-queue is {self.info.max_queue}"
+            )
+        try:
+            with trio.fail_after(self.info.request_timeout_s):
+                for event in events:
+                    await event.wait()
+        except BaseException:
+            ours = {id(s) for s in seqs}
+            self.core.post(lambda: self.core.abort_where(lambda s: id(s) in ours))
+            raise
         return groups
+
+    def _sequences(
+        self, prompt_ids: list[int], spec: SamplingSpec, rid: str, n: int, events: list
+    ) -> list[Sequence]:
+        """The n sequences of one prompt (sample i seeded with seed + i), one event each."""
+        group = []
+        for i in range(n):
+            event = trio.Event()
+            events.append(event)
+            seed = None if spec.seed is None else (spec.seed + i) % SEED_MODULUS
+            group.append(
+                Sequence(
+                    rid=rid if n == 1 else f"{rid}-{i}",
+                    prompt_ids=prompt_ids,
+                    spec=spec,
+                    max_new=allowed_new_tokens(
+                        prompt_len=len(prompt_ids),
+                        max_new_tokens=spec.max_new_tokens,
+                        context_len=self.info.context_len,
+                    ),
+                    notify=self._notifier(event),
+                    generator=None if seed is None else torch.Generator().manual_seed(seed),
+                )
+            )
+        return group
 
     def _notifier(self, event: trio.Event) -> Callable[[Sequence], None]:
         def notify(_seq: Sequence) -> None:
@@ -170,18 +231,23 @@ class ServerState:
         await self.command(run)
 
     async def reload(self, path: str, version: str | None, abort_first: bool) -> None:
-        """Load new weights: at once when paused, else after the running requests finish."""
+        """Load new weights: at once when paused, else after the running requests finish. On a
+        failure the old weights and version stay (every file is read before any is copied)."""
+        self.check_weights_path(path)
 
         def run(reply: Callable[[Any], None]) -> None:
             if abort_first:
                 self.core.abort(None)
 
-            def load() -> None:
+            def load() -> None:  # may run later, from the worker loop: must always reply
                 try:
                     self.core.reload(path, version)
-                    reply(None)
-                except (WeightLoadError, OSError, RuntimeError) as exc:
-                    reply(WeightLoadError(str(exc)))
+                except Exception as exc:
+                    log.warning("weight reload from %s failed: %s", path, exc)
+                    message = str(exc) if isinstance(exc, WeightLoadError) else f"{path}: {exc!r}"
+                    reply(WeightLoadError(message))
+                    return
+                reply(None)
 
             if self.core.paused:
                 load()

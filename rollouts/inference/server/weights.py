@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 
@@ -22,7 +23,10 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
         raise WeightLoadError(f"model_path {str(root)!r}: no *.safetensors file in it")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        tensors.update(load_file(str(f)))
+        try:
+            tensors.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as exc:  # corrupt, truncated, unreadable
+            raise WeightLoadError(f"model_path {str(root)!r}: cannot read {f.name}: {exc}") from exc
     return tensors
 
 

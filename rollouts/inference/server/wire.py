@@ -7,6 +7,8 @@ SGLang puts sampling in `sampling_params` (names as in `SamplingSpec`, `n` insid
 
 from __future__ import annotations
 
+import difflib
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -71,16 +73,119 @@ NEUTRAL = {
 }
 
 
+# SGLang's GenerateReqInput fields the built-in server reads (besides the prompt fields)
+GENERATE_KEYS = {
+    "text",
+    "input_ids",
+    "input_embeds",
+    "sampling_params",
+    "rid",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+    "return_prompt_token_ids",
+    "stream",
+}
+# GenerateReqInput fields that only route, label or log a request: accepted, no effect here
+GENERATE_METADATA = {
+    "log_metrics",
+    "priority",
+    "extra_key",
+    "routing_key",
+    "routed_dp_rank",
+    "disagg_prefill_dp_rank",
+    "data_parallel_rank",
+    "conversation_id",
+    "no_logs",
+    "custom_labels",
+    "external_trace_header",
+    "received_time",
+    "http_worker_ipc",
+    "modalities",
+    "routed_experts_start_len",
+    "max_dynamic_patch",
+    "min_dynamic_patch",
+    "image_max_dynamic_patch",
+    "video_max_dynamic_patch",
+    "decode_tp_size",
+}
+# GenerateReqInput features the built-in server lacks: accepted only when null, false or empty
+GENERATE_UNSUPPORTED = {
+    "image_data",
+    "video_data",
+    "audio_data",
+    "use_audio_in_video",
+    "token_ids_logprob",
+    "return_hidden_states",
+    "return_routed_experts",
+    "return_indexer_topk",
+    "session_params",
+    "lora_path",
+    "lora_id",
+    "custom_logit_processor",
+    "positional_embed_overrides",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "bootstrap_pair_key",
+    "require_reasoning",
+    "background",
+    "return_bytes",
+    "return_entropy",
+    "need_wait_for_mm_inputs",
+    "num_items_assigned",
+    "multi_item_delimiter_indices",
+}
+INT64 = (-(2**63), 2**63 - 1)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+
+def unknown_key(name: str, known: set[str]) -> BadRequest:
+    """A 400 for a key the route does not know, naming the closest known key if any."""
+    close = difflib.get_close_matches(name.rsplit(".", 1)[-1], sorted(known), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return BadRequest(name, f"unknown key{hint}")
+
+
+def check_generate_keys(body: Mapping[str, Any]) -> None:
+    """/generate: an unknown top-level key (a typo such as `return_logprobs`) is a 400, and a
+    feature the built-in server lacks is a 400 unless it is off (null, false or empty)."""
+    known = GENERATE_KEYS | GENERATE_METADATA | GENERATE_UNSUPPORTED
+    for key, value in body.items():
+        if key in GENERATE_UNSUPPORTED and value not in (None, False, [], {}, ""):
+            raise BadRequest(key, "is not supported by the built-in server")
+        if key not in known:
+            raise unknown_key(key, known)
+
+
 def _convert(field: str, value: Any, kind: Any) -> Any:
     if kind == "str_list":
         return as_str_list(field, value)
     if kind == "int_list":
-        return as_int_list(field, value)
+        ids = as_int_list(field, value)
+        if any(not INT64[0] <= t <= INT64[1] for t in ids):
+            raise BadRequest(field, "token ids must fit in 64 bits")
+        return ids
     if value is None:
         raise BadRequest(field, "must not be null")
     if kind is int and isinstance(value, float) and value.is_integer():
         value = int(value)
-    return as_type(field, value, kind)
+    value = as_type(field, value, kind)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise BadRequest(field, f"{value!r} must be a finite number")
+    low, high = SEED_RANGE if field.endswith("seed") else INT64
+    if isinstance(value, int) and not isinstance(value, bool) and not low <= value <= high:
+        raise BadRequest(field, f"{value} is outside [{low}, {high}]")
+    return value
+
+
+def parse_n(field: str, value: Any) -> int:
+    """The number of samples per prompt: absent or null means 1, else an int >= 1."""
+    n = 1 if value is None else _convert(field, value, int)
+    if n < 1:
+        raise BadRequest(field, f"{n} must be >= 1")
+    return n
 
 
 def check_neutral(key: str, value: Any, name: str) -> None:
@@ -109,16 +214,14 @@ def parse_params(
         elif key in NEUTRAL:
             check_neutral(key, value, name)
         else:
-            raise BadRequest(name, "unknown key")
+            raise unknown_key(name, set(table) | extra | set(NEUTRAL))
     return fields, others
 
 
 def sglang_spec(params: Any, top_logprobs: int) -> tuple[SamplingSpec, int]:
     """SamplingSpec and n from one SGLang `sampling_params` object."""
     fields, others = parse_params(params or {}, SGLANG_PARAMS, {"n"}, "sampling_params.")
-    n = _convert("sampling_params.n", others.get("n", 1), int)
-    if n < 1:
-        raise BadRequest("sampling_params.n", f"{n} must be >= 1")
+    n = parse_n("sampling_params.n", others.get("n"))
     names = {k: f"sampling_params.{w}" for w, (k, _) in SGLANG_PARAMS.items()}
     spec = check_spec(SamplingSpec(**_defaults(fields, names), top_logprobs=top_logprobs), names)
     return spec, n
@@ -129,9 +232,7 @@ def openai_spec(body: Mapping[str, Any], extra: set[str]) -> tuple[SamplingSpec,
     fields, others = parse_params(body, OPENAI_PARAMS, extra | {"n"})
     fields.setdefault("max_new_tokens", 16)
     fields.setdefault("no_stop_trim", False)
-    n = _convert("n", others.pop("n", 1) or 1, int)
-    if n < 1:
-        raise BadRequest("n", f"{n} must be >= 1")
+    n = parse_n("n", others.pop("n", None))
     names = {k: w for w, (k, _) in OPENAI_PARAMS.items() if w != "max_completion_tokens"}
     return check_spec(SamplingSpec(**_defaults(fields, names)), names), n, others
 

@@ -1,0 +1,170 @@
+"""Work nobody waits for stops: a client that disconnects and a request that times out (504) have
+their rows aborted; a failing admission fails only the rows being admitted; a full queue says
+when to retry; an answered request is no longer counted as running."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rollouts.inference.protocol import FinishReason, SamplingParams
+from rollouts.inference.server import kv as kvops
+from rollouts.inference.server.app import ServeOptions, build_core
+from rollouts.inference.server.core import EngineCore, Sequence
+from rollouts.inference.server.sampling import SamplingSpec
+from rollouts.inference.sglang import SGLangEngine
+
+LONG = {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+
+
+async def _until(predicate, timeout_s: float = 30.0) -> None:
+    with trio.fail_after(timeout_s):
+        while not await predicate():
+            await trio.sleep(0.005)
+
+
+async def _load(http: httpx.AsyncClient) -> tuple[int, int]:
+    load = (await http.get("/v1/loads")).json()
+    return load["num_running_reqs"], load["num_waiting_reqs"]
+
+
+async def _frozen_long_request(http: httpx.AsyncClient, url: str, box: list) -> None:
+    """Start a long generation on its own connection, then freeze it running (pause in_place)."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as own:
+        box.append(await own.post("/generate", json={"input_ids": [5, 6], "sampling_params": LONG}))
+
+
+async def _idle(http: httpx.AsyncClient) -> bool:
+    return await _load(http) == (0, 0)
+
+
+async def test_a_disconnected_client_has_its_rows_aborted(fault_servers) -> None:
+    proc = fault_servers["rooted"]
+    async with httpx.AsyncClient(base_url=proc.url, timeout=60) as http:
+        box: list = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_frozen_long_request, http, proc.url, box)
+            await _until(lambda: _running(http))
+            await http.post("/pause_generation", json={"mode": "in_place"})  # frozen, not done
+            assert (await _load(http))[0] == 1
+            nursery.cancel_scope.cancel()  # the client goes away mid-request
+        assert not box
+        await _until(lambda: _idle(http))  # aborted although the server is still paused
+        await http.post("/continue_generation", json={})
+    assert "disconnected; aborting its request" in proc.log_tail(20_000)
+
+
+async def _running(http: httpx.AsyncClient) -> bool:
+    return (await _load(http))[0] > 0
+
+
+async def test_a_timed_out_request_gets_504_and_its_rows_are_aborted(fault_servers) -> None:
+    url = fault_servers["short"].url  # --request-timeout-s 2
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        box: list = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_frozen_long_request, http, url, box)
+            await _until(lambda: _running(http))
+            await http.post("/pause_generation", json={"mode": "in_place"})
+        assert box[0].status_code == 504, box[0].text
+        await _until(lambda: _idle(http))
+        await http.post("/continue_generation", json={})
+
+
+async def test_a_full_queue_says_when_to_retry_and_counts_sequences(fault_servers) -> None:
+    url = fault_servers["short"].url  # --max-queue 4
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        await http.post("/pause_generation", json={"mode": "in_place"})
+        first: list = []
+        sp = {"max_new_tokens": 2, "n": 3}
+        async with trio.open_nursery() as nursery:
+
+            async def three() -> None:
+                body = {"input_ids": [1, 2], "sampling_params": sp}
+                first.append(await http.post("/generate", json=body))
+
+            nursery.start_soon(three)
+            await _until(lambda: _waiting_is(http, 3))
+            body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "n": 2}}
+            r = await http.post("/generate", json=body)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            message = r.json()["error"]["message"]
+            assert "3 sequences wait" in message and "adds 2" in message, message
+            await http.post("/continue_generation", json={})
+        assert first[0].status_code == 200 and len(first[0].json()) == 3
+        r = await http.post("/v1/completions", json={"prompt": [1], "n": 5, "max_tokens": 1})
+        assert r.status_code == 400 and "at most 4" in r.text, r.text  # can never fit: no 503
+
+
+async def _waiting_is(http: httpx.AsyncClient, count: int) -> bool:
+    return (await _load(http))[1] == count
+
+
+async def test_an_answered_request_is_not_counted_running(fault_servers) -> None:
+    engine = SGLangEngine(fault_servers["rooted"].url)
+    for _ in range(10):
+        await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2, temperature=0.0))
+        load = await engine.load()
+        assert (load.running, load.waiting) == (0, 0), load
+    await engine.aclose()
+
+
+# ---- the engine core in this process: a fault injected into prefill ----
+
+
+@pytest.fixture(scope="module")
+def core(tiny_model_dir: Path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    core, _info = build_core(ServeOptions(model=str(tiny_model_dir)), model, tokenizer)
+    worker = threading.Thread(target=core.run, daemon=True)
+    worker.start()
+    yield core
+    core.stop()
+    worker.join(timeout=10)
+
+
+def _submit(core: EngineCore, prompt: list[int], max_new: int, seen: list) -> threading.Event:
+    done = threading.Event()
+
+    def notify(seq: Sequence) -> None:
+        seen.append((seq, core.load()))
+        done.set()
+
+    spec = SamplingSpec(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    seq = Sequence(rid=str(prompt), prompt_ids=prompt, spec=spec, max_new=max_new, notify=notify)
+    assert core.submit([seq])
+    return done
+
+
+def test_a_failing_admission_fails_only_the_new_rows(core, monkeypatch) -> None:
+    real_prefill = kvops.prefill
+
+    def prefill(model, prompts, pad):
+        if [9, 9, 9] in prompts:
+            raise RuntimeError("injected prefill fault")
+        return real_prefill(model, prompts, pad)
+
+    monkeypatch.setattr(kvops, "prefill", prefill)
+    seen: list = []
+    long_done = _submit(core, [5, 6, 7], 300, seen)
+    while core.load()[0] == 0:
+        assert not long_done.is_set()
+    bad_done = _submit(core, [9, 9, 9], 5, seen)
+    assert bad_done.wait(30) and long_done.wait(60)
+    finished = {tuple(seq.prompt_ids): seq for seq, _ in seen}
+    assert finished[(9, 9, 9)].stop.reason is FinishReason.ERROR
+    survivor = finished[(5, 6, 7)]
+    assert survivor.stop.reason is FinishReason.LENGTH and len(survivor.output_ids) == 300
+
+
+def test_a_row_is_out_of_the_batch_when_its_owner_hears_of_it(core) -> None:
+    seen: list = []
+    assert _submit(core, [1, 2, 3], 4, seen).wait(30)
+    ((seq, (running, waiting)),) = seen
+    assert seq.stop.reason is FinishReason.LENGTH and (running, waiting) == (0, 0)
