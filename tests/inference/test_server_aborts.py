@@ -5,6 +5,7 @@ when to retry; an answered request is no longer counted as running."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +17,7 @@ from rollouts.inference.protocol import FinishReason, SamplingParams
 from rollouts.inference.server import kv as kvops
 from rollouts.inference.server.app import ServeOptions, build_core
 from rollouts.inference.server.core import EngineCore, Sequence
+from rollouts.inference.server.rows import SlotTable
 from rollouts.inference.server.sampling import SamplingSpec
 from rollouts.inference.sglang import SGLangEngine
 
@@ -142,25 +144,32 @@ def _submit(core: EngineCore, prompt: list[int], max_new: int, seen: list) -> th
     return done
 
 
-def test_a_failing_admission_fails_only_the_new_rows(core, monkeypatch) -> None:
-    real_prefill = kvops.prefill
+@pytest.mark.parametrize("where", ["prefill", "slot_table"])
+def test_a_failing_admission_fails_only_the_new_rows(core, monkeypatch, where) -> None:
+    """A fault while admitting [9, 9, 9] (in its prefill, or after its rows took cache slots)
+    answers it with an error; the row already running goes on to the same output as alone."""
+    alone: list = []
+    assert _submit(core, [5, 6, 7], 300, alone).wait(60)
+    target, name = (kvops, "prefill") if where == "prefill" else (SlotTable, "admit")
+    real = getattr(target, name)
 
-    def prefill(model, prompts, pad):
-        if [9, 9, 9] in prompts:
-            raise RuntimeError("injected prefill fault")
-        return real_prefill(model, prompts, pad)
+    def faulty(*args):  # prefill(model, prompts, pad) or SlotTable.admit(self, specs, ...)
+        if [9, 9, 9] in args[1] or any(getattr(s, "max_new_tokens", 0) == 5 for s in args[1]):
+            raise RuntimeError("injected fault")
+        return real(*args)
 
-    monkeypatch.setattr(kvops, "prefill", prefill)
+    monkeypatch.setattr(target, name, faulty)
     seen: list = []
     long_done = _submit(core, [5, 6, 7], 300, seen)
     while core.load()[0] == 0:
-        assert not long_done.is_set()
+        time.sleep(0.001)
     bad_done = _submit(core, [9, 9, 9], 5, seen)
     assert bad_done.wait(30) and long_done.wait(60)
     finished = {tuple(seq.prompt_ids): seq for seq, _ in seen}
     assert finished[(9, 9, 9)].stop.reason is FinishReason.ERROR
     survivor = finished[(5, 6, 7)]
-    assert survivor.stop.reason is FinishReason.LENGTH and len(survivor.output_ids) == 300
+    assert survivor.stop.reason is FinishReason.LENGTH
+    assert survivor.output_ids == alone[0][0].output_ids
 
 
 def test_a_row_is_out_of_the_batch_when_its_owner_hears_of_it(core) -> None:
