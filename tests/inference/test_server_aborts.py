@@ -35,10 +35,13 @@ async def _load(http: httpx.AsyncClient) -> tuple[int, int]:
     return load["num_running_reqs"], load["num_waiting_reqs"]
 
 
-async def _frozen_long_request(http: httpx.AsyncClient, url: str, box: list) -> None:
-    """Start a long generation on its own connection, then freeze it running (pause in_place)."""
+async def _frozen_long_request(
+    http: httpx.AsyncClient, url: str, box: list, prompt: tuple = (5, 6)
+) -> None:
+    """A long generation on its own connection (the tests freeze it with pause in_place)."""
+    body = {"input_ids": list(prompt), "sampling_params": LONG}
     async with httpx.AsyncClient(base_url=url, timeout=60) as own:
-        box.append(await own.post("/generate", json={"input_ids": [5, 6], "sampling_params": LONG}))
+        box.append(await own.post("/generate", json=body))
 
 
 async def _idle(http: httpx.AsyncClient) -> bool:
@@ -46,19 +49,33 @@ async def _idle(http: httpx.AsyncClient) -> bool:
 
 
 async def test_a_disconnected_client_has_its_rows_aborted(fault_servers) -> None:
+    """Its row leaves the batch at once (the other row moves into its slot and goes on)."""
     proc = fault_servers["rooted"]
     async with httpx.AsyncClient(base_url=proc.url, timeout=60) as http:
-        box: list = []
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_frozen_long_request, http, proc.url, box)
-            await _until(lambda: _running(http))
-            await http.post("/pause_generation", json={"mode": "in_place"})  # frozen, not done
-            assert (await _load(http))[0] == 1
-            nursery.cancel_scope.cancel()  # the client goes away mid-request
-        assert not box
-        await _until(lambda: _idle(http))  # aborted although the server is still paused
-        await http.post("/continue_generation", json={})
+        gone: list = []
+        kept: list = []
+        async with trio.open_nursery() as outer:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_frozen_long_request, http, proc.url, gone, [5, 6])
+                await _until(lambda: _running_is(http, 1))  # slot 0
+                outer.start_soon(_frozen_long_request, http, proc.url, kept, [7, 8])
+                await _until(lambda: _running_is(http, 2))
+                await http.post("/pause_generation", json={"mode": "in_place"})
+                nursery.cancel_scope.cancel()  # one client goes away mid-request
+            await _until(lambda: _load_is(http, (1, 0)))  # aborted though the server is paused
+            await http.post("/continue_generation", json={})
+        assert not gone
+        answer = kept[0].json()
+        assert answer["meta_info"]["finish_reason"]["type"] == "length", answer
     assert "disconnected; aborting its request" in proc.log_tail(20_000)
+
+
+async def _running_is(http: httpx.AsyncClient, count: int) -> bool:
+    return (await _load(http))[0] == count
+
+
+async def _load_is(http: httpx.AsyncClient, load: tuple[int, int]) -> bool:
+    return await _load(http) == load
 
 
 async def _running(http: httpx.AsyncClient) -> bool:
