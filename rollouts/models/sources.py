@@ -184,3 +184,28 @@ def fetch_source(name: str, out_dir: str | Path | None = None, *, force: bool = 
     assert is_converted(out), f"{out} not converted after fetch"
     print(f"[models] {name} verified and saved to {out}", flush=True)
     return out
+
+
+def looks_like_hub_id(path: str) -> bool:
+    """ "org/name" (as on the Hugging Face hub) and not an existing local path."""
+    parts = path.split("/")
+    return (
+        len(parts) == 2
+        and all(parts)
+        and not path.startswith((".", "~"))
+        and not Path(path).exists()
+    )
+
+
+def download_hub_model(repo_id: str) -> Path:
+    """A local snapshot of hub model `repo_id` (from the HF cache when already there)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id))
+    except Exception as err:  # offline, unknown repo, gated: say which key to fix
+        raise FileNotFoundError(
+            f"model.path = {repo_id!r} is not a local directory and could not be fetched from "
+            f"the Hugging Face hub ({type(err).__name__}: {err}); point model.path at an HF "
+            "model directory, or set model.source"
+        ) from err

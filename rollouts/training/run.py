@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ from rollouts.training.run_setup import (
     watch_signals,
     with_response_text,
 )
+from rollouts.training.summary import finish_run, quiet_progress_bars
 from rollouts.training.weight_sync import (
     clean_sync_root,
     publish_weights,
@@ -360,6 +362,7 @@ async def _rl_with_engines(
 async def _main(
     mode: str, config: Config, resume: bool, config_path: str, make_backend: Any
 ) -> int:
+    started = time.monotonic()
     e = config.engines
     on_cpu = resolve_device(config.training.device).type == "cpu" and e.kind == "builtin"
     threads = cpu_share(config.training.torch_threads, "cpu" if on_cpu else "gpu", e.num_engines)
@@ -380,7 +383,9 @@ async def _main(
     if stop():
         print(f"[train] stopped by signal; resume with --resume (run dir {run_dir})", flush=True)
         return 130
-    print(f"[train] done; run dir {run_dir}", flush=True)
+    phase = "rl" if mode in ("rl", "sft+rl") else "sft"
+    last = find_latest_checkpoint(checkpoint_root(config, run_dir, phase))
+    finish_run(run_dir, time.monotonic() - started, last)
     return 0
 
 
@@ -390,6 +395,7 @@ def run_training(mode: str, config: Config, *, resume: bool = False, config_path
     Under torchrun with several ranks (the FSDP backend), rank 0 runs the driver and the other
     ranks mirror its backend calls (`backends/mirror.py`).
     """
+    quiet_progress_bars()
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return trio.run(_main, mode, config, resume, config_path, create_backend)
     from rollouts.training.backends.mirror import BackendHub

@@ -16,7 +16,7 @@ from typing import Any
 import trio
 
 from rollouts.config import Config, config_to_dict
-from rollouts.models.sources import fetch_source
+from rollouts.models.sources import download_hub_model, fetch_source, looks_like_hub_id
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
 from rollouts.plugins import import_object, is_async_callable
 from rollouts.training.metrics import ConsoleSink, JsonlSink, MetricsLogger, truncate_jsonl
@@ -89,8 +89,8 @@ def _corpus(config: Config) -> list[str]:
 
 
 def prepare_base_model(config: Config) -> Path:
-    """model.path, built first when missing: from model.source (converted and verified once,
-    cached) or with the tiny-model kit when model.tiny.enabled."""
+    """model.path as a local HF directory: converted from model.source (once, cached), a hub id
+    ("org/name") downloaded to the HF cache, or built with the tiny-model kit when asked."""
     if config.model.source:
         return fetch_source(config.model.source, config.model.path or None)
     path = Path(config.model.path)
@@ -101,6 +101,8 @@ def prepare_base_model(config: Config) -> Path:
     if (path / "config.json").is_file():
         return path
     tiny = config.model.tiny
+    if not tiny.enabled and looks_like_hub_id(config.model.path):
+        return download_hub_model(config.model.path)
     if not tiny.enabled:
         raise FileNotFoundError(
             f"model.path = {str(path)!r} is not an HF model directory (no config.json); "

@@ -75,3 +75,24 @@ def test_config_model_source_is_checked() -> None:
         config_from_dict({"model": {"source": "smol"}})
     with pytest.raises(ConfigError, match="keep one of them"):
         config_from_dict({"model": {"source": "smollm2-135m-instruct", "tiny": {"enabled": True}}})
+
+
+def test_hub_ids_are_told_apart_from_local_paths(tmp_path: Path) -> None:
+    assert sources.looks_like_hub_id("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert not sources.looks_like_hub_id("runs/x/base")
+    assert not sources.looks_like_hub_id(str(tmp_path))
+    assert not sources.looks_like_hub_id("./a")
+    assert not sources.looks_like_hub_id("a/b/c")
+
+
+def test_an_unreachable_hub_id_names_the_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"model.path = 'nobody/no-model'"):
+        sources.download_hub_model("nobody/no-model")
