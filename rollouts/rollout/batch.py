@@ -34,14 +34,14 @@ class ShortBatchError(RuntimeError):
 
 
 def check_reward(value: Any) -> Reward:
-    """A reward function's value as a Reward; anything else (None, str, NaN) is an error."""
+    """A reward function's value as a Reward; anything else (None, str, NaN, inf) is an error."""
     if not isinstance(value, int | float | tuple | list):  # bools count as 0.0 / 1.0
         raise TypeError(f"reward function returned {value!r}: expected a float or tuple of floats")
     out: Reward = (
         tuple(float(v) for v in value) if isinstance(value, tuple | list) else float(value)
     )
-    if any(math.isnan(v) for v in (out if isinstance(out, tuple) else (out,))):
-        raise ValueError(f"reward function returned NaN ({value!r})")
+    if not all(math.isfinite(v) for v in (out if isinstance(out, tuple) else (out,))):
+        raise ValueError(f"reward function returned a non-finite reward ({value!r})")
     return out
 
 
