@@ -73,7 +73,7 @@ def last_step(path: Path) -> int | None:
     return max((int(row.get("step", -1)) for row in read_jsonl_rows(path)), default=None)
 
 
-def append_line(file: Any, path: Path, line: str) -> None:
+def append_line(file: Any, path: Path, line: str, what: str = "metrics") -> None:
     """Append one whole line to `file` (binary, unbuffered) or none of it: on a write error
     (a full disk) the file is cut back to where it was and a DiskWriteError names `path`."""
     data = line.encode("utf-8")
@@ -84,7 +84,7 @@ def append_line(file: Any, path: Path, line: str) -> None:
             view = view[file.write(view) :]
     except OSError as e:
         file.truncate(start)
-        raise write_error("metrics", path, e) from e
+        raise write_error(what, path, e) from e
 
 
 class JsonlSink:
@@ -225,21 +225,23 @@ class MetricsLogger:
         """Append (prompt, response text, reward, status) of `samples` to rollouts.jsonl."""
         if self.rollouts_path is None or not samples:
             return
-        with self.rollouts_path.open("a", encoding="utf-8") as f:
-            for s in samples:
-                row = sample_to_dict(s)
-                out = {
-                    "step": step,
-                    "index": s.index,
-                    "group_index": s.group_index,
-                    "prompt": row["prompt"],
-                    "response": decode(list(s.response_tokens)),
-                    "reward": row["reward"],
-                    "label": row["label"],
-                    "status": row["status"],
-                    "weight_versions": row["weight_versions"],
-                }
-                f.write(json.dumps(out) + "\n")
+        lines = []
+        for s in samples:
+            row = sample_to_dict(s)
+            out = {
+                "step": step,
+                "index": s.index,
+                "group_index": s.group_index,
+                "prompt": row["prompt"],
+                "response": decode(list(s.response_tokens)),
+                "reward": row["reward"],
+                "label": row["label"],
+                "status": row["status"],
+                "weight_versions": row["weight_versions"],
+            }
+            lines.append(json.dumps(out) + "\n")
+        with self.rollouts_path.open("ab", buffering=0) as f:  # the step's lines whole, or none
+            append_line(f, self.rollouts_path, "".join(lines), "sampled rollouts")
 
     def close(self) -> None:
         for sink in self.sinks:
