@@ -32,6 +32,7 @@ from rollouts.config.loader import (
 from rollouts.config.model import DataConfig, ModelConfig, RunSection, TinyModelConfig
 from rollouts.config.rollout import EnginesConfig, RolloutConfig, SamplingConfig
 from rollouts.config.training import CheckpointConfig, LoggingConfig, OptimConfig, TrainingConfig
+from rollouts.config.weight_sync import WeightSyncConfig
 
 __all__ = [
     "ADVANTAGES",
@@ -54,6 +55,7 @@ __all__ = [
     "SamplingConfig",
     "TinyModelConfig",
     "TrainingConfig",
+    "WeightSyncConfig",
     "apply_overrides",
     "config_from_dict",
     "config_to_dict",

@@ -18,6 +18,7 @@ from rollouts.config.base import ConfigError, _Section
 from rollouts.config.model import DataConfig, ModelConfig, RunSection
 from rollouts.config.rollout import EnginesConfig, RolloutConfig
 from rollouts.config.training import CheckpointConfig, LoggingConfig, OptimConfig, TrainingConfig
+from rollouts.config.weight_sync import WeightSyncConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,6 +35,7 @@ class Config(_Section):
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    weight_sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
 
 
 RunConfig = Config  # the name the design uses for the whole tree

@@ -138,3 +138,71 @@ class InferenceEngine(Protocol):
     async def aclose(self) -> None:
         """Close the HTTP client."""
         ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class WeightGroupSpec:
+    """The trainer's weight-update process group, as the engines are told to join it."""
+
+    master_address: str
+    master_port: int
+    world_size: int  # 1 (the trainer, rank 0) + every engine's ranks
+    group_name: str = "rollouts_weights"
+    backend: str = "gloo"  # "gloo" | "nccl"
+
+    def __post_init__(self) -> None:
+        assert self.world_size >= 2, f"{self.world_size=}: the trainer and at least one engine"
+        assert 0 < self.master_port < 65536, f"{self.master_port=}"
+        assert self.backend in ("gloo", "nccl"), f"{self.backend=}"
+
+
+class TensorSpecLike(Protocol):
+    """What a receiver reads of one tensor of a bucket (`weight_group.TensorSpec`)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@runtime_checkable
+class WeightReceiver(Protocol):
+    """An engine that takes new weights as broadcasts over a process group with the trainer.
+
+    `weight_wire` says how the trainer must send: "sglang" (a torch.distributed group,
+    SGLang's flattened buckets; SGLang and the built-in server) or "vllm" (vLLM's NCCL weight
+    transfer engine, tensor by tensor). One sync: begin -> one receive per bucket, each started
+    BEFORE the trainer broadcasts that bucket -> finish.
+    """
+
+    url: str
+    weight_wire: str
+
+    async def weight_group_size(self) -> int:
+        """How many ranks of the group this engine takes (its tensor-parallel size)."""
+        ...
+
+    async def init_weight_group(self, group: WeightGroupSpec, rank_offset: int) -> None:
+        """Join the group at `rank_offset`; returns once the whole group has formed."""
+        ...
+
+    async def begin_weight_update(self) -> None:
+        """Open one update (before the first bucket)."""
+        ...
+
+    async def receive_weight_bucket(
+        self, specs: Sequence[TensorSpecLike], *, version: str | None, flush_cache: bool
+    ) -> None:
+        """Receive one bucket (the trainer broadcasts it meanwhile) and load it."""
+        ...
+
+    async def finish_weight_update(self, version: str) -> None:
+        """Close the update; afterwards the engine serves `version`."""
+        ...
+
+    async def abort_weight_update(self) -> None:
+        """After a failed update: close the update without claiming a new version."""
+        ...
+
+    async def destroy_weight_group(self, group_name: str) -> None:
+        """Leave the group."""
+        ...

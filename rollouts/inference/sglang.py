@@ -12,13 +12,15 @@ from typing import Any
 import httpx
 import trio
 
-from rollouts.inference.http import EngineError, EngineHttp, HttpOptions
+from rollouts.inference.http import EngineError, EngineHttp, EngineRequestError, HttpOptions
 from rollouts.inference.protocol import (
     PAUSE_MODES,
     Completion,
     EngineLoad,
     FinishReason,
     SamplingParams,
+    TensorSpecLike,
+    WeightGroupSpec,
 )
 from rollouts.inference.versions import SyncBracket, completion_version, span_versions
 
@@ -115,6 +117,35 @@ def parse_generate(answer: Any, version: str | None = None) -> Completion:
     )
 
 
+def init_group_body(group: WeightGroupSpec, rank_offset: int) -> dict[str, Any]:
+    """The POST /init_weights_update_group body (SGLang's InitWeightsUpdateGroupReqInput)."""
+    return {
+        "master_address": group.master_address,
+        "master_port": group.master_port,
+        "rank_offset": rank_offset,
+        "world_size": group.world_size,
+        "group_name": group.group_name,
+        "backend": group.backend,
+    }
+
+
+def distributed_update_body(
+    specs: Sequence[TensorSpecLike], *, group_name: str, version: str | None, flush_cache: bool
+) -> dict[str, Any]:
+    """The POST /update_weights_from_distributed body for one flattened bucket."""
+    assert specs, "an empty bucket"
+    return {
+        "names": [s.name for s in specs],
+        "dtypes": [s.dtype for s in specs],
+        "shapes": [list(s.shape) for s in specs],
+        "group_name": group_name,
+        "flush_cache": flush_cache,
+        "abort_all_requests": False,
+        "weight_version": version,
+        "load_format": "flattened_bucket",
+    }
+
+
 class SGLangEngine:
     """InferenceEngine over SGLang's native API (`/generate`, `/update_weights_from_disk`, ...)."""
 
@@ -130,6 +161,7 @@ class SGLangEngine:
         self.url = self.http.url
         self._paused = False  # between this client's pause and resume
         self.bracket = SyncBracket()
+        self._group_name = "weight_update_group"  # SGLang's default; set by init_weight_group
 
     async def generate(
         self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None
@@ -225,6 +257,59 @@ class SGLangEngine:
             running=sum(int(x.get("num_running_reqs", 0)) for x in loads),
             waiting=sum(int(x.get("num_waiting_reqs", 0)) for x in loads),
         )
+
+    # ---- weight updates over a process group (SGLang's distributed protocol) ----
+    weight_wire = "sglang"
+
+    async def weight_group_size(self) -> int:
+        """The server's tensor-parallel size (its ranks in the group), from GET /server_info."""
+        info = await self.http.json("GET", "/server_info")
+        return int(info.get("tp_size", 1)) if isinstance(info, dict) else 1
+
+    async def init_weight_group(self, group: WeightGroupSpec, rank_offset: int) -> None:
+        """POST /init_weights_update_group; answers once every rank joined."""
+        self._group_name = group.group_name
+        await self._weights_call("/init_weights_update_group", init_group_body(group, rank_offset))
+
+    async def begin_weight_update(self) -> None:
+        """POST /begin_weight_update (SGLang >= 0.5.21 needs it; older servers lack the route)."""
+        self.bracket.begin_sync()
+        await self._optional_call("/begin_weight_update", {})
+
+    async def receive_weight_bucket(
+        self, specs: Sequence[TensorSpecLike], *, version: str | None, flush_cache: bool
+    ) -> None:
+        """POST /update_weights_from_distributed for one flattened bucket."""
+        body = distributed_update_body(
+            specs, group_name=self._group_name, version=version, flush_cache=flush_cache
+        )
+        await self._weights_call("/update_weights_from_distributed", body)
+
+    async def finish_weight_update(self, version: str) -> None:
+        """POST /end_weight_update (the version came with the last bucket)."""
+        await self._optional_call("/end_weight_update", {})
+        self.bracket.served(str(version))
+
+    async def abort_weight_update(self) -> None:
+        """POST /end_weight_update, so that the next update can begin."""
+        await self._optional_call("/end_weight_update", {})
+
+    async def destroy_weight_group(self, group_name: str) -> None:
+        """POST /destroy_weights_update_group."""
+        body = {"group_name": group_name}
+        await self._weights_call("/destroy_weights_update_group", body)
+
+    async def _weights_call(self, path: str, body: dict[str, Any]) -> None:
+        answer = await self.http.json("POST", path, json_body=body)
+        if not answer.get("success", False):
+            raise EngineError(f"{self.url}{path}: {answer.get('message')}")
+
+    async def _optional_call(self, path: str, body: dict[str, Any]) -> None:
+        try:
+            await self._weights_call(path, body)
+        except EngineRequestError as exc:
+            if exc.status != 404:
+                raise
 
     async def aclose(self) -> None:
         """Close the HTTP client."""

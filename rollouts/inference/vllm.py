@@ -16,13 +16,15 @@ from typing import Any
 
 import httpx
 
-from rollouts.inference.http import EngineError, EngineHttp, HttpOptions
+from rollouts.inference.http import EngineError, EngineHttp, EngineRequestError, HttpOptions
 from rollouts.inference.protocol import (
     PAUSE_MODES,
     Completion,
     EngineLoad,
     FinishReason,
     SamplingParams,
+    TensorSpecLike,
+    WeightGroupSpec,
 )
 from rollouts.inference.versions import SyncBracket, completion_version, span_versions
 
@@ -105,6 +107,29 @@ def reports_weight_versions(version: str) -> bool | None:
     except (IndexError, ValueError):
         return None
     return (major, minor) >= (0, 33)
+
+
+def transfer_init_info(group: WeightGroupSpec, rank_offset: int) -> dict[str, Any]:
+    """`init_info` of POST /init_weight_transfer_engine (NCCL backend, TCP rendezvous).
+
+    Only the fields vLLM 0.27 to 0.33 all accept; no `packed`: tensors go one by one.
+    """
+    return {
+        "master_address": group.master_address,
+        "master_port": group.master_port,
+        "rank_offset": rank_offset,
+        "world_size": group.world_size,
+    }
+
+
+def transfer_update_info(specs: Sequence[TensorSpecLike]) -> dict[str, Any]:
+    """`update_info` of POST /update_weights (vLLM's NCCLWeightTransferUpdateInfo)."""
+    assert specs, "an empty bucket"
+    return {
+        "names": [s.name for s in specs],
+        "dtype_names": [s.dtype for s in specs],
+        "shapes": [list(s.shape) for s in specs],
+    }
 
 
 class VLLMEngine:
@@ -223,6 +248,53 @@ class VLLMEngine:
     async def load(self) -> EngineLoad:
         """vLLM has no load route in its API: this client's own in-flight requests."""
         return EngineLoad(running=self._in_flight, waiting=0)
+
+    # ---- weight updates over NCCL (vLLM's weight-transfer engine, dev mode) ----
+    weight_wire = "vllm"
+
+    async def weight_group_size(self) -> int:
+        """The server's workers (TP x PP x DP), from GET /get_world_size."""
+        answer = await self.http.json("GET", "/get_world_size")
+        return int(answer.get("world_size", 1)) if isinstance(answer, dict) else 1
+
+    async def init_weight_group(self, group: WeightGroupSpec, rank_offset: int) -> None:
+        """POST /init_weight_transfer_engine; answers once every rank joined.
+
+        vLLM's transfer backend is chosen on its command line (`--weight-transfer-config`);
+        the group name and backend of `group` are not sent.
+        """
+        body = {"init_info": transfer_init_info(group, rank_offset)}
+        await self.http.call("POST", "/init_weight_transfer_engine", json_body=body)
+
+    async def begin_weight_update(self) -> None:
+        """POST /start_weight_update."""
+        self.bracket.begin_sync()
+        await self.http.call("POST", "/start_weight_update", json_body={})
+
+    async def receive_weight_bucket(
+        self, specs: Sequence[TensorSpecLike], *, version: str | None, flush_cache: bool
+    ) -> None:
+        """POST /update_weights with the bucket's names, dtypes and shapes (sent one by one)."""
+        body = {"update_info": transfer_update_info(specs)}
+        await self.http.call("POST", "/update_weights", json_body=body)
+
+    async def finish_weight_update(self, version: str) -> None:
+        """POST /finish_weight_update with the new version."""
+        body = {"weight_version": str(version)}
+        await self.http.call("POST", "/finish_weight_update", json_body=body)
+        self.bracket.served(str(version))
+
+    async def abort_weight_update(self) -> None:
+        """POST /finish_weight_update without a version (the old one stays reported)."""
+        await self.http.call("POST", "/finish_weight_update", json_body={})
+
+    async def destroy_weight_group(self, group_name: str) -> None:
+        """POST /shutdown_weight_transfer_engine (vLLM >= 0.33; older servers lack it)."""
+        try:
+            await self.http.call("POST", "/shutdown_weight_transfer_engine", json_body={})
+        except EngineRequestError as exc:
+            if exc.status != 404:
+                raise
 
     async def aclose(self) -> None:
         """Close the HTTP client."""

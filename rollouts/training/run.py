@@ -28,6 +28,7 @@ from rollouts.inference.pool import EnginePool
 from rollouts.plugins import load_function
 from rollouts.rewards.protocol import RewardFn
 from rollouts.rollout.manager import AsyncRolloutManager
+from rollouts.training import dist_sync
 from rollouts.training.backends.factories import create_backend, load_tokenizer, resolve_device
 from rollouts.training.backends.pytorch import MODEL_DIR
 from rollouts.training.checkpoint import (
@@ -308,14 +309,22 @@ async def _rl_with_engines(
         reference = ref.params_to_checkpoint() if ref is not None else None
         await _save(backend, root, step, version, extra, c.keep_last, metrics, best, reference)
 
+    distributed = dist_sync.from_config(config)  # None for weight_sync.method = "disk"
+
     async def sync(version: str) -> dict[str, float]:
+        pause_mode = "keep" if config.rollout.mode == "async" else "abort"
+        if distributed is not None:
+            report = await distributed.sync(
+                pool.engines, backend.get_weights, version, pause_mode=pause_mode, step=int(version)
+            )
+            return report.metrics()
         path = await trio.to_thread.run_sync(publish_weights, backend, sync_root, version)
         report = await sync_pool(
             pool,
             path,
             version,
             attempts=config.training.weight_sync_attempts,
-            pause_mode="keep" if config.rollout.mode == "async" else "abort",
+            pause_mode=pause_mode,
         )
         return report.metrics()
 
@@ -352,6 +361,9 @@ async def _rl_with_engines(
         )
     finally:
         logger.close()
+        if distributed is not None:
+            with trio.CancelScope(shield=True):
+                await distributed.close(pool.engines)
         clean_sync_root(sync_root, configured)
     acc = result.last_metrics.get("eval/accuracy")
     if acc is not None:

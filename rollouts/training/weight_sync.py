@@ -35,11 +35,13 @@ RESUME_TIMEOUT_S = 30.0
 class WeightSyncError(RuntimeError):
     """Some engines did not end up serving the new version (the report says which and why)."""
 
-    def __init__(self, report: SyncReport) -> None:
-        self.report = report
+    def __init__(self, report: SyncReport, step: int | None = None) -> None:
+        self.report, self.step = report, step
         lines = [f"  {r.url}: {r.error} (after {r.attempts} attempt(s))" for r in report.failed]
+        at = f" at step {step}" if step is not None else ""
         super().__init__(
-            f"weight sync to version {report.version!r} failed on {len(report.failed)} of "
+            f"weight sync to version {report.version!r}{at} ({report.path}) failed on "
+            f"{len(report.failed)} of "
             f"{len(report.results)} engine(s):\n" + "\n".join(lines)
         )
 

@@ -1,0 +1,41 @@
+"""[weight_sync] section: how the trainer's weights reach the engines."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rollouts.config.base import _check, _one_of, _Section
+
+METHODS = ("disk", "distributed")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class WeightSyncConfig(_Section):
+    """[weight_sync]: "disk" (HF safetensors in /dev/shm, reloaded by path) or "distributed"
+    (broadcast over a process group the trainer forms with the engines: gloo on CPU, NCCL on
+    GPU; SGLang's protocol for SGLang and the built-in engine, vLLM's weight transfer for vLLM).
+    """
+
+    method: str = "disk"  # "disk" | "distributed"
+    bucket_mb: float = 256.0  # tensors per broadcast: one HTTP call + one collective per bucket
+    master_address: str = "127.0.0.1"  # the trainer's address as the engines reach it
+    master_port: int = 0  # 0 = a free port, picked each time the group forms
+    backend: str = "auto"  # "auto" (nccl on cuda, else gloo) | "gloo" | "nccl"
+    group_name: str = "rollouts_weights"
+    timeout_s: float = 300.0  # forming the group, and one whole sync
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _one_of(p, "weight_sync.method", self.method, METHODS)
+        _one_of(p, "weight_sync.backend", self.backend, BACKENDS)
+        _check(p, self.bucket_mb > 0, f"weight_sync.bucket_mb = {self.bucket_mb}: must be > 0")
+        _check(
+            p,
+            0 <= self.master_port < 65536,
+            f"weight_sync.master_port = {self.master_port}: must be in [0, 65535] (0 = free port)",
+        )
+        _check(p, bool(self.master_address), "weight_sync.master_address: must not be empty")
+        _check(p, bool(self.group_name), "weight_sync.group_name: must not be empty")
+        _check(p, self.timeout_s > 0, f"weight_sync.timeout_s = {self.timeout_s}: must be > 0")
+        return p

@@ -1,0 +1,76 @@
+"""Distributed weight sync (SGLang's protocol, gloo over loopback) into real engine processes:
+trained weights reach one engine, then two; a refused bucket and a killed engine fail the sync
+by name and step, never hang, and the survivor recovers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from rollouts.inference.http import HttpOptions
+from rollouts.inference.launch import EngineSpec, spawn, wait_healthy_sync
+from rollouts.inference.protocol import SamplingParams
+from rollouts.inference.sglang import SGLangEngine
+from rollouts.training.dist_sync import DistributedWeightSync, DistSyncOptions
+from rollouts.training.weight_sync import WeightSyncError
+from tests.training.backend_helpers import one_torch_thread  # noqa: F401 (autouse)
+from tests.training.test_weight_sync import _greedy, _train_to_memorise
+
+
+async def _greedy_outputs(engines: list[SGLangEngine], prompt: list[int], n: int) -> list:
+    greedy = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    done = [await e.generate(prompt, greedy) for e in engines]
+    return [(list(c.output_ids), c.weight_version) for c in done]
+
+
+async def test_distributed_sync_into_one_then_two_engines_and_its_failures(
+    tiny_model_dir: Path,
+) -> None:
+    procs = [spawn(EngineSpec(model_dir=str(tiny_model_dir), weight_version="0")) for _ in "ab"]
+    try:
+        backend, prompt, response = await trio.to_thread.run_sync(
+            _train_to_memorise, tiny_model_dir
+        )
+        trained = _greedy(backend.lm, prompt, len(response))
+        assert trained == response  # the trainer memorised the answer
+        for proc in procs:
+            await trio.to_thread.run_sync(wait_healthy_sync, proc, 120.0)
+        http = HttpOptions(max_retries=0, timeout_s=30.0)
+        engines = [SGLangEngine(p.url, options=http) for p in procs]
+        sync = DistributedWeightSync(DistSyncOptions(bucket_bytes=16 * 1024, timeout_s=30.0))
+        before = await _greedy_outputs(engines, prompt, len(trained))
+        one = await sync.sync(engines[:1], backend.get_weights, "1", step=1)
+        after_one = await _greedy_outputs(engines, prompt, len(trained))
+        two = await sync.sync(engines, backend.get_weights, "2", step=2)  # the group re-forms
+        after_two = await _greedy_outputs(engines, prompt, len(trained))
+
+        bogus = {**backend.get_weights(), "bogus.weight": torch.zeros(3)}
+        with pytest.raises(WeightSyncError, match="at step 3") as refused:
+            await sync.sync(engines, lambda: bogus, "3", step=3)  # received, refused: no hang
+        versions_after_refusal = [await e.weight_version() for e in engines]
+        procs[1].kill()
+        with pytest.raises(WeightSyncError, match="at step 4") as killed:
+            await sync.sync(engines, backend.get_weights, "4", step=4)
+        assert not sync.connected  # dropped after a failure; formed anew next time
+        survivor = await sync.sync(engines[:1], backend.get_weights, "5", step=5)
+        served = await engines[0].weight_version()
+        await sync.close(engines[:1])
+        for engine in engines:
+            await engine.aclose()
+        backend.close()
+    finally:
+        for proc in procs:
+            proc.stop()
+    assert before[0][0] != trained and before[0][1] == "0"
+    assert one.ok and two.ok and two.metrics()["load_s_max"] > 0
+    assert after_one == [(trained, "1"), before[1]]
+    assert after_two == [(trained, "2"), (trained, "2")]
+    assert [r.ok for r in refused.value.report.results] == [False, False]
+    assert "names not in the served model: ['bogus.weight']" in str(refused.value)
+    assert versions_after_refusal == ["2", "2"]
+    assert [r.ok for r in killed.value.report.results] == [False, False]  # none left "ok"
+    assert f"{procs[1].url}: EngineUnavailable" in str(killed.value)
+    assert survivor.ok and served == "5"
