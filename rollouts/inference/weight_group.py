@@ -153,9 +153,9 @@ def init_custom_group(
     assert 0 <= rank < world_size, f"{rank=} not in [0, {world_size=})"
     assert backend in ("gloo", "nccl"), f"{backend=}"
     timeout = datetime.timedelta(seconds=timeout_s)
-    url = f"tcp://{address}:{port}"
-    store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # what SGLang's `tcp://` rendezvous makes, built directly: under torchrun, rendezvous() would
+    # join torchrun's own agent store instead of hosting this one on rank 0
+    store = dist.TCPStore(address, port, world_size, rank == 0, timeout, multi_tenant=True)
     store = c10d.PrefixStore(group_name, store)
     params = inspect.signature(c10d._new_process_group_helper).parameters
     options = {"backend_options" if "backend_options" in params else "pg_options": None}

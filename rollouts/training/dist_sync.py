@@ -296,7 +296,12 @@ def _report(
             )
         )
     where = f"{spec.backend}://{spec.master_address}:{spec.master_port}" if spec else "distributed"
-    return SyncReport(version=version, path=where, results=tuple(results), total_s=total_s)
+    stats = {k: times[k] for k in ("connect_s", "buckets") if k in times}
+    if "bytes" in times:
+        stats["mib"] = times["bytes"] / 2**20
+    return SyncReport(
+        version=version, path=where, results=tuple(results), total_s=total_s, stats=stats
+    )
 
 
 def from_config(config: Config) -> DistributedWeightSync | None:

@@ -70,6 +70,7 @@ class SyncReport:
     results: tuple[EngineSyncResult, ...]
     total_s: float
     engines_down: int = 0  # engines of the pool that were down and not synced (`sync_pool`)
+    stats: dict[str, float] = dataclasses.field(default_factory=dict)  # method-specific numbers
 
     @property
     def ok(self) -> bool:
@@ -86,7 +87,7 @@ class SyncReport:
         for phase in ("pause_s", "load_s", "resume_s", "verify_s"):
             out[f"{phase}_max"] = max((getattr(r, phase) for r in self.results), default=0.0)
         out["attempts"] = float(sum(r.attempts for r in self.results))
-        return out
+        return out | self.stats
 
 
 class _Clock:

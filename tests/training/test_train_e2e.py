@@ -171,16 +171,21 @@ def test_rl_only_from_a_model_directory(tmp_path: Path) -> None:
 
 
 def test_nproc_2_relaunches_under_torchrun_and_matches_one_process(tmp_path: Path) -> None:
-    """--nproc 2: rank 0 drives, rank 1 mirrors its FSDP calls; SFT losses match one process."""
+    """--nproc 2: rank 0 drives, rank 1 mirrors its FSDP calls; SFT losses match one process;
+    weights reach the engine over torch.distributed (rank 0 hosts the group under torchrun)."""
     losses = {}
     for nproc in (1, 2):
         work = tmp_path / f"n{nproc}"
         work.mkdir()
-        config = _config(work, training={"sft_steps": 3, "rl_steps": 1})
+        config = _config(
+            work, training={"sft_steps": 3, "rl_steps": 1}, weight_sync={"method": "distributed"}
+        )
         done = _train("--mode", "sft+rl", "--config", str(config), "--nproc", str(nproc))
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         rows = (work / "run" / "sft_metrics.jsonl").read_text().splitlines()
         losses[nproc] = [json.loads(line)["sft/loss"] for line in rows]
         assert _steps(work / "run" / "metrics.jsonl") == [0, 1]
+        synced = json.loads((work / "run" / "metrics.jsonl").read_text().splitlines()[1])
+        assert synced["sync/failed_engines"] == 0.0 and synced["sync/buckets"] >= 1  # over gloo
     assert "re-launching under torchrun" in done.stdout
     assert losses[2] == pytest.approx(losses[1], rel=1e-4)
