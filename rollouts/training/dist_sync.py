@@ -26,11 +26,9 @@ from typing import Protocol
 import torch
 import trio
 
-from rollouts.config import Config
 from rollouts.inference.launch import free_port
 from rollouts.inference.protocol import InferenceEngine, WeightGroupSpec, WeightReceiver
 from rollouts.inference.weight_group import plan_buckets, state_specs
-from rollouts.training.backends.factories import resolve_device
 from rollouts.training.dist_transport import Transport, make_transport
 from rollouts.training.weight_sync import (
     RESUME_TIMEOUT_S,
@@ -84,21 +82,32 @@ class DistributedWeightSync:
         self._transport: Transport | None = None
         self._members: tuple[str, ...] = ()
         self.spec: WeightGroupSpec | None = None
+        self.culprits: tuple[str, ...] = ()  # engines whose own call failed in the last sync
 
     @property
     def connected(self) -> bool:
         return self._transport is not None
 
-    async def connect(self, engines: Sequence[SyncTarget]) -> None:
-        """Form the group with `engines` (all of one wire); bounded by `timeout_s`."""
+    async def connect(
+        self, engines: Sequence[SyncTarget], errors: dict[str, str] | None = None
+    ) -> None:
+        """Form the group with `engines` (all of one wire); bounded by `timeout_s`. A failing
+        engine is recorded in `errors` under its URL (then the call raises)."""
         assert engines, "no engines to connect"
         wires = {e.weight_wire for e in engines}
         if len(wires) != 1:
             raise ValueError(f"engines of different wires in one group: {sorted(wires)}")
         o = self.options
+        errors = {} if errors is None else errors
         await self.close(engines)
         with trio.fail_after(o.timeout_s):
-            sizes = [await e.weight_group_size() for e in engines]
+            found: dict[str, int] = {}
+
+            async def size_of(engine: SyncTarget) -> None:
+                found[engine.url] = await engine.weight_group_size()
+
+            await self._each(engines, errors, size_of)  # a dead engine fails here, not in a join
+            sizes = [found[e.url] for e in engines]
             spec = WeightGroupSpec(
                 master_address=o.master_address,
                 master_port=o.master_port or free_port(o.master_address),
@@ -108,10 +117,12 @@ class DistributedWeightSync:
             )
             transport = make_transport(wires.pop(), o.device)
             join = functools.partial(transport.join, spec, o.timeout_s)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_in_thread, join)
-                for engine, offset in zip(engines, rank_offsets(sizes), strict=True):
-                    nursery.start_soon(engine.init_weight_group, spec, offset)
+            offsets = dict(zip((e.url for e in engines), rank_offsets(sizes), strict=True))
+
+            def init(engine: SyncTarget) -> Awaitable[None]:
+                return engine.init_weight_group(spec, offsets[engine.url])
+
+            await self._each(engines, errors, init, beside=join)
         self._transport, self.spec = transport, spec
         self._members = tuple(e.url for e in engines)
 
@@ -145,7 +156,7 @@ class DistributedWeightSync:
         times: dict[str, float] = {}
         try:
             if not self.connected or self._members != tuple(e.url for e in engines):
-                await self._timed(times, "connect_s", self.connect(engines))
+                await self._timed(times, "connect_s", self.connect(engines, errors))
             weights = await _in_thread(get_weights)
             await self._transfer(engines, weights, version, pause_mode, errors, times)
         except _Failed:
@@ -156,6 +167,7 @@ class DistributedWeightSync:
             )
         except Exception as exc:  # reported below with every engine: all are stale
             errors.setdefault("*", f"{type(exc).__name__}: {exc}")
+        self.culprits = tuple(e.url for e in engines if e.url in errors)
         if errors:
             await self._drop_group(engines)
         report = _report(engines, version, errors, times, self.spec, time.perf_counter() - start)
@@ -227,7 +239,7 @@ class DistributedWeightSync:
                 try:
                     await _in_thread(beside)
                 except Exception as exc:
-                    errors.setdefault("trainer", f"broadcast failed: {type(exc).__name__}: {exc}")
+                    errors.setdefault("trainer", f"trainer side: {type(exc).__name__}: {exc}")
                     nursery.cancel_scope.cancel()
 
             for engine in engines:  # the receives are on their way before the broadcast starts
@@ -302,29 +314,3 @@ def _report(
     return SyncReport(
         version=version, path=where, results=tuple(results), total_s=total_s, stats=stats
     )
-
-
-def from_config(config: Config) -> DistributedWeightSync | None:
-    """The distributed sync `[weight_sync]` asks for; None for method = "disk".
-
-    backend "auto": NCCL when the trainer is on CUDA and so are the engines (external SGLang /
-    vLLM servers, or built-in engines on a CUDA device), else gloo.
-    """
-    ws = config.weight_sync
-    if ws.method != "distributed":
-        return None
-    device = resolve_device(config.training.device)
-    engines_on_cuda = config.engines.kind != "builtin" or config.engines.device.startswith("cuda")
-    backend = ws.backend
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" and engines_on_cuda else "gloo"
-    options = DistSyncOptions(
-        bucket_bytes=max(1, int(ws.bucket_mb * 2**20)),
-        master_address=ws.master_address,
-        master_port=ws.master_port,
-        backend=backend,
-        device=str(device) if backend == "nccl" or config.engines.kind == "vllm" else "cpu",
-        group_name=ws.group_name,
-        timeout_s=ws.timeout_s,
-    )
-    return DistributedWeightSync(options)

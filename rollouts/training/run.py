@@ -28,7 +28,6 @@ from rollouts.inference.pool import EnginePool
 from rollouts.plugins import load_function
 from rollouts.rewards.protocol import RewardFn
 from rollouts.rollout.manager import AsyncRolloutManager
-from rollouts.training import dist_sync
 from rollouts.training.backends.factories import create_backend, load_tokenizer, resolve_device
 from rollouts.training.backends.pytorch import MODEL_DIR
 from rollouts.training.checkpoint import (
@@ -39,6 +38,7 @@ from rollouts.training.checkpoint import (
     load_reference_params,
     save_checkpoint,
 )
+from rollouts.training.dist_pool import distributed_sync_for, sync_pool_distributed
 from rollouts.training.engines import cpu_share, open_engines
 from rollouts.training.evaluation import EvalSpec, evaluate
 from rollouts.training.loops.rl import RLHooks, run_rl_training
@@ -309,13 +309,18 @@ async def _rl_with_engines(
         reference = ref.params_to_checkpoint() if ref is not None else None
         await _save(backend, root, step, version, extra, c.keep_last, metrics, best, reference)
 
-    distributed = dist_sync.from_config(config)  # None for weight_sync.method = "disk"
+    distributed = distributed_sync_for(config)  # None for weight_sync.method = "disk"
 
     async def sync(version: str) -> dict[str, float]:
         pause_mode = "keep" if config.rollout.mode == "async" else "abort"
         if distributed is not None:
-            report = await distributed.sync(
-                pool.engines, backend.get_weights, version, pause_mode=pause_mode, step=int(version)
+            report = await sync_pool_distributed(
+                pool,
+                distributed,
+                backend.get_weights,
+                version,
+                pause_mode=pause_mode,
+                step=int(version),
             )
             return report.metrics()
         path = await trio.to_thread.run_sync(publish_weights, backend, sync_root, version)

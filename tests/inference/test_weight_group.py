@@ -17,7 +17,8 @@ from rollouts.inference.weight_group import (
     specs_from_request,
     unflatten,
 )
-from rollouts.training.dist_sync import from_config, rank_offsets
+from rollouts.training.dist_pool import distributed_sync_for
+from rollouts.training.dist_sync import rank_offsets
 
 # the request fields of SGLang 0.5.21's io_struct (InitWeightsUpdateGroupReqInput,
 # UpdateWeightsFromDistributedReqInput) and vLLM's NCCL init / update infos (0.27 and 0.33)
@@ -93,8 +94,8 @@ def test_rank_offsets_put_the_trainer_first_and_engines_after() -> None:
 
 
 def test_weight_sync_config_is_checked_and_resolved() -> None:
-    assert from_config(config_from_dict({})) is None  # disk by default
-    dist = from_config(config_from_dict({"weight_sync": {"method": "distributed"}}))
+    assert distributed_sync_for(config_from_dict({})) is None  # disk by default
+    dist = distributed_sync_for(config_from_dict({"weight_sync": {"method": "distributed"}}))
     assert dist is not None and dist.options.backend == "gloo" and dist.options.device == "cpu"
     assert dist.options.bucket_bytes == 256 * 2**20
     with pytest.raises(ConfigError) as info:

@@ -1,6 +1,7 @@
 """Distributed weight sync (SGLang's protocol, gloo over loopback) into real engine processes:
 trained weights reach one engine, then two; a refused bucket and a killed engine fail the sync
-by name and step, never hang, and the survivor recovers."""
+by name and step, never hang; over the pool, the dead engine is marked down and the survivor
+synced in a new group."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import trio
 
 from rollouts.inference.http import HttpOptions
 from rollouts.inference.launch import EngineSpec, spawn, wait_healthy_sync
+from rollouts.inference.pool import EnginePool
 from rollouts.inference.protocol import SamplingParams
 from rollouts.inference.sglang import SGLangEngine
+from rollouts.training.dist_pool import sync_pool_distributed
 from rollouts.training.dist_sync import DistributedWeightSync, DistSyncOptions
 from rollouts.training.weight_sync import WeightSyncError
 from tests.training.backend_helpers import one_torch_thread  # noqa: F401 (autouse)
@@ -55,7 +58,8 @@ async def test_distributed_sync_into_one_then_two_engines_and_its_failures(
         with pytest.raises(WeightSyncError, match="at step 4") as killed:
             await sync.sync(engines, backend.get_weights, "4", step=4)
         assert not sync.connected  # dropped after a failure; formed anew next time
-        survivor = await sync.sync(engines[:1], backend.get_weights, "5", step=5)
+        pool = EnginePool(engines, wait_for_up_s=5.0)  # both "up": the sync finds the dead one
+        survivor = await sync_pool_distributed(pool, sync, backend.get_weights, "5", step=5)
         served = await engines[0].weight_version()
         await sync.close(engines[:1])
         for engine in engines:
@@ -74,4 +78,6 @@ async def test_distributed_sync_into_one_then_two_engines_and_its_failures(
     results = killed.value.report.results
     assert [r.ok for r in results] == [False, False], str(killed.value)  # none left "ok"
     assert results[1].url == procs[1].url and results[1].error, str(killed.value)
-    assert survivor.ok and served == "5"
+    assert survivor.ok and served == "5" and pool.up == [True, False]
+    assert survivor.metrics()["engines_down"] == 1.0
+    assert (pool.version, pool.weights_path) == ("5", None)  # no file to reload old weights from

@@ -1,0 +1,99 @@
+"""The distributed weight sync over an EnginePool: the engines that are up (and those back up),
+the failing ones marked down, fatal only when none is left.
+
+The group is a collective: one engine failing fails the bucket for all. The engines whose own
+call failed are marked down and the others are synced again at once in a group without them
+(bounded: each retry drops at least one engine). There is no file to reload from, so an engine
+that comes back is not routed to (the pool records no weights path) until the next sync, which
+takes every engine that answers /health into the group and marks it up once it serves the version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import torch
+
+from rollouts.config import Config
+from rollouts.inference.http import EngineUnavailable
+from rollouts.inference.pool import EnginePool
+from rollouts.training.backends.factories import resolve_device
+from rollouts.training.dist_sync import DistributedWeightSync, DistSyncOptions
+from rollouts.training.weight_sync import SyncReport, WeightSyncError
+
+
+async def _reachable(pool: EnginePool) -> list[int]:
+    """Engines that are up, and down ones that answer /health again (they rejoin the group)."""
+    return [i for i, up in enumerate(pool.up) if up or await pool.engines[i].health()]
+
+
+async def sync_pool_distributed(
+    pool: EnginePool,
+    sender: DistributedWeightSync,
+    get_weights: Callable[[], Mapping[str, torch.Tensor]],
+    version: str,
+    *,
+    pause_mode: str = "abort",
+    step: int | None = None,
+) -> SyncReport:
+    """Broadcast the trainer's weights to the pool's live engines as `version`.
+
+    Raises EngineUnavailable when no engine is up within `pool.wait_for_up_s`, WeightSyncError
+    when no engine took the new weights (or the trainer's side failed).
+    """
+    if not await pool.wait_for_up():
+        raise EngineUnavailable(
+            f"weight sync to version {version!r}: no engine of {pool.url} is up after "
+            f"{pool.wait_for_up_s}s; the run stops (resume it with --resume)"
+        )
+    async with pool.weights_lock:
+        live = await _reachable(pool)
+        if not live:
+            raise EngineUnavailable(f"weight sync to version {version!r}: every engine is down")
+        while True:
+            engines = [pool.engines[i] for i in live]
+            try:
+                report = await sender.sync(
+                    engines, get_weights, version, pause_mode=pause_mode, step=step
+                )
+                break
+            except WeightSyncError:
+                failed = [i for i in live if pool.engines[i].url in sender.culprits]
+                for i in failed:
+                    pool.mark_down(i)
+                    print(f"[engines] {pool.engines[i].url} marked down (weight sync failed)")
+                live = [i for i in live if i not in failed]
+                if not failed or not live:
+                    raise
+        for i in live:
+            pool.up[i] = True
+        # no weights path: a returning engine must not reload old files under the new version
+        pool.weights_path, pool.version = None, str(version)
+    return dataclasses.replace(report, engines_down=len(pool.engines) - len(live))
+
+
+def distributed_sync_for(config: Config) -> DistributedWeightSync | None:
+    """The distributed sync `[weight_sync]` asks for; None for method = "disk".
+
+    backend "auto": NCCL when the trainer is on CUDA and so are the engines (external SGLang /
+    vLLM servers, or built-in engines on a CUDA device), else gloo.
+    """
+    ws = config.weight_sync
+    if ws.method != "distributed":
+        return None
+    device = resolve_device(config.training.device)
+    engines_on_cuda = config.engines.kind != "builtin" or config.engines.device.startswith("cuda")
+    backend = ws.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" and engines_on_cuda else "gloo"
+    options = DistSyncOptions(
+        bucket_bytes=max(1, int(ws.bucket_mb * 2**20)),
+        master_address=ws.master_address,
+        master_port=ws.master_port,
+        backend=backend,
+        device=str(device) if backend == "nccl" or config.engines.kind == "vllm" else "cpu",
+        group_name=ws.group_name,
+        timeout_s=ws.timeout_s,
+    )
+    return DistributedWeightSync(options)
