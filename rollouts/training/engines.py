@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import trio
@@ -41,8 +41,14 @@ def cpu_share(threads: int, device: str, num_engines: int) -> int:
 
 
 @contextlib.asynccontextmanager
-async def open_engines(config: Config, model_dir: Path, version: str) -> AsyncIterator[EnginePool]:
-    """An EnginePool over built-in engine processes (started here, stopped on exit) or URLs."""
+async def open_engines(
+    config: Config, model_dir: Path, version: str, weights_roots: Sequence[Path] = ()
+) -> AsyncIterator[EnginePool]:
+    """An EnginePool over built-in engine processes (started here, stopped on exit) or URLs.
+
+    Built-in engines reload weights only from inside `weights_roots` when any is given (the
+    run's starting model and its weight-copy directory), so no other local process can make
+    them serve weights of its choosing."""
     e = config.engines
     async with trio.open_nursery() as nursery:
         if e.kind == "builtin":
@@ -60,6 +66,7 @@ async def open_engines(config: Config, model_dir: Path, version: str) -> AsyncIt
                     weight_version=version,
                     startup_timeout_s=e.startup_timeout_s,
                     max_restarts=e.max_restarts,
+                    weights_roots=tuple(str(Path(r).resolve()) for r in weights_roots),
                 )
             )
         else:

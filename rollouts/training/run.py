@@ -216,7 +216,11 @@ async def rl_phase(
         if ref is not None and latest is not None:
             await trio.to_thread.run_sync(restore_reference, ref, latest)
         engine_model = latest / MODEL_DIR if latest is not None else model_dir
-        async with open_engines(config, engine_model, str(version)) as pool:
+        # the engines reload only from the starting model and the run's weight copies
+        sync_root = run_sync_root(config.training.weight_sync_dir, config.run.name, run_dir)
+        async with open_engines(
+            config, engine_model, str(version), (engine_model, sync_root)
+        ) as pool:
             return await _rl_with_engines(
                 config,
                 run_dir,

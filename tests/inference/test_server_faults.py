@@ -171,7 +171,7 @@ async def test_reloads_only_from_inside_the_weights_root(fault_servers, tiny_mod
 
 def test_a_public_address_needs_an_api_key(tiny_model_dir) -> None:
     base = [sys.executable, "-m", "rollouts.inference.server", "--model", str(tiny_model_dir)]
-    for args in (["--host", "0.0.0.0"], ["--weights-root", "/nonexistent"]):
+    for args in (["--host", "0.0.0.0"], ["--weights-root", str(tiny_model_dir / "config.json")]):
         done = subprocess.run(base + args, capture_output=True, text=True, timeout=60)
         assert done.returncode == 2, done.stderr
         assert ("--api-key" if "--host" in args else "not a directory") in done.stderr

@@ -107,8 +107,8 @@ def usage_error(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 1"
     if args.max_body_mb <= 0:
         return f"--max-body-mb {args.max_body_mb} must be > 0"
-    for root in args.weights_root:
-        if not Path(root).is_dir():
+    for root in args.weights_root:  # it may appear later (a trainer's first weight copy)
+        if Path(root).exists() and not Path(root).is_dir():
             return f"--weights-root {root}: not a directory"
     if not args.api_key and not args.allow_unauthenticated and not is_loopback(args.host):
         return (
