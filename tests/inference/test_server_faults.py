@@ -7,13 +7,17 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import httpx
 import trio
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollouts.inference.protocol import FinishReason, SamplingParams
+from rollouts.inference.server.app import ServeOptions, build_app, build_core
 from rollouts.inference.server.cli import is_loopback
+from rollouts.inference.server.state import ServerState
 from rollouts.inference.sglang import SGLangEngine, generate_body
 from rollouts.inference.vllm import completion_body
 
@@ -177,3 +181,37 @@ def test_a_public_address_needs_an_api_key(tiny_model_dir) -> None:
         assert ("--api-key" if "--host" in args else "not a directory") in done.stderr
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+
+
+# ---- the app in this process, its tokenizer made to hang (fault injection) ----
+
+
+async def test_tokenising_a_prompt_does_not_stop_the_server(tiny_model_dir) -> None:
+    """While one text prompt is being tokenised (here: blocked), other requests are answered."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    core, info = build_core(ServeOptions(model=str(tiny_model_dir)), model, tokenizer)
+    state = ServerState(core, info, trio.lowlevel.current_trio_token())
+    entered, release, released = threading.Event(), threading.Event(), []
+
+    class HangingTokenizer:
+        def encode(self, _text: str, add_special_tokens: bool) -> list[int]:
+            entered.set()
+            released.append(release.wait(10))  # False: nobody was answered while it hung
+            return [1] * 1000  # longer than the context: a 400, the worker is never needed
+
+    state.tokenizer = HangingTokenizer()
+    transport = httpx.ASGITransport(app=build_app(state))
+    answers: list = []
+    async with httpx.AsyncClient(transport=transport, base_url="http://app") as http:
+
+        async def slow_request() -> None:
+            answers.append(await http.post("/generate", json={"text": "hello"}))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(slow_request)
+            await trio.to_thread.run_sync(entered.wait)
+            assert (await http.get("/model_info")).status_code == 200
+            release.set()
+    assert released == [True]
+    assert answers[0].status_code == 400 and "1000 tokens" in answers[0].text
