@@ -5,9 +5,12 @@
    (no padding), with the logprob chunk covering the micro-batch, and with chunks of 1024
    (the default: less memory, the LM head recomputed in backward).
 2. padding fraction of the "pad" and "pack" layouts on a ragged batch.
-3. weight sync to a running built-in engine: publish weights-only files (/dev/shm) + sync, and a
-   full checkpoint + sync, vs just save_file + load_file of the same safetensors.
+3. weight sync to a running built-in engine, for the tiny model and a ~100M-parameter one: the
+   disk path (weights-only files in /dev/shm + /update_weights_from_disk) and the distributed
+   path (SGLang's protocol: gloo broadcast of flattened buckets) vs just save_file + load_file of
+   the same safetensors.
 Usage: python scripts/bench_train.py [--device cpu|cuda] [--hidden 256] [--layers 4] [--seq 256]
+       python scripts/bench_train.py --only sync [--sync-models 100m] [--bucket-mb 256]
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from rollouts.inference.sglang import SGLangEngine
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
 from rollouts.training.backends.batching import padding_fraction, plan_micro_batches
 from rollouts.training.backends.factories import create_pytorch_backend
-from rollouts.training.checkpoint import save_checkpoint
+from rollouts.training.dist_sync import DistributedWeightSync, DistSyncOptions
 from rollouts.training.weight_sync import publish_weights, sync_weights_to_engines
 from rollouts.types import ModelOutputs, TrainBatch
 
@@ -116,40 +119,58 @@ def save_load_safetensors(weights: dict[str, torch.Tensor], root: Path) -> float
     return time.perf_counter() - t0
 
 
-async def bench_sync(model_dir: Path, args: argparse.Namespace) -> None:
+def median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+async def bench_sync(model_dir: Path, label: str, args: argparse.Namespace) -> None:
+    """One engine: disk path (publish + reload) vs distributed path (gloo broadcast of buckets)
+    vs raw save_file + load_file of the same tensors, interleaved, medians after a warm-up."""
     backend = create_pytorch_backend(config_for(model_dir, args.device, 4096, 1024))
     shm = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    disk = Path(tempfile.mkdtemp())
     weights = backend.get_weights()
+    n_params = sum(v.numel() for v in weights.values())
     size_mb = sum(v.numel() * v.element_size() for v in weights.values()) / 2**20
+    options = DistSyncOptions(bucket_bytes=int(args.bucket_mb * 2**20), timeout_s=600.0)
+    dist = DistributedWeightSync(options)
+    disk, net, raw, phases = [], [], [], []
     async with engine_server(model_dir, weight_version="0") as url:
         engine = SGLangEngine(url)
-        fast, full, raw, phases = [], [], [], []
-        for i in range(-1, args.reps):  # round -1 warms up
+        for i in range(-1, args.sync_reps):  # round -1 warms up (and forms the group)
             t0 = time.perf_counter()
-            path = await trio.to_thread.run_sync(publish_weights, backend, shm / "w", f"{i}a")
-            t1 = time.perf_counter()
-            report = await sync_weights_to_engines([engine], path, f"{i}a")
-            fast.append(time.perf_counter() - t0)
-            phases.append({"publish_s": t1 - t0, **report.metrics()})
+            path = await trio.to_thread.run_sync(publish_weights, backend, shm / "w", f"{i}d")
+            await sync_weights_to_engines([engine], path, f"{i}d")
+            disk.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            ckpt = await trio.to_thread.run_sync(
-                lambda i=i: save_checkpoint(backend, disk, step=i + 1, weight_version=f"{i}b")
-            )
-            await sync_weights_to_engines([engine], ckpt / "model", f"{i}b")
-            full.append(time.perf_counter() - t0)
+            report = await dist.sync([engine], backend.get_weights, f"{i}n")
+            net.append(time.perf_counter() - t0)
+            phases.append(report.metrics())
             raw.append(await trio.to_thread.run_sync(save_load_safetensors, weights, shm))
+        await dist.close([engine])
         await engine.aclose()
     backend.close()
     shutil.rmtree(shm)
-    shutil.rmtree(disk)
-    f, c, r = (sorted(x[1:])[len(x[1:]) // 2] for x in (fast, full, raw))
-    keys = ("publish_s", "pause_s_max", "load_s_max", "resume_s_max", "verify_s_max")
-    median = {k: sorted(p[k] for p in phases[1:])[len(phases[1:]) // 2] * 1e3 for k in keys}
-    print(f"weight sync ({size_mb:.1f} MiB fp32, 1 engine): save+load safetensors {r * 1e3:.1f} ms")
-    print(f"  fast path (weights-only in /dev/shm + sync): {f * 1e3:.1f} ms, ratio {f / r:.2f}x")
-    print(f"  plain path (full checkpoint + sync):        {c * 1e3:.1f} ms, ratio {c / r:.2f}x")
-    print("  fast path phases (median ms): " + ", ".join(f"{k} {v:.1f}" for k, v in median.items()))
+    d, n, r = (median(x[1:]) for x in (disk, net, raw))
+    buckets = phases[-1].get("buckets", 0.0)
+    load = median([p["load_s_max"] for p in phases[1:]])
+    print(
+        f"weight sync, {label}: {n_params / 1e6:.1f}M params, {size_mb:.1f} MiB fp32, 1 engine, "
+        f"median of {args.sync_reps}"
+    )
+    print(f"  raw save_file + load_file (/dev/shm):         {r * 1e3:8.1f} ms  (baseline)")
+    print(f"  disk path (weights-only in /dev/shm + reload): {d * 1e3:8.1f} ms  {d / r:5.2f}x raw")
+    print(
+        f"  distributed path (gloo, {buckets:.0f} bucket(s)):      {n * 1e3:8.1f} ms  "
+        f"{n / r:5.2f}x raw, {d / n:5.2f}x faster than disk (transfer {load * 1e3:.1f} ms)"
+    )
+
+
+SYNC_MODELS = {
+    # ~100M parameters: 11 Llama layers of width 768 (9.4M each) over a byte vocabulary
+    "100m": TinyModelSpec(
+        hidden_size=768, num_layers=11, num_heads=12, intermediate_size=3072, seed=0
+    ),
+}
 
 
 def main() -> None:
@@ -162,6 +183,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", choices=("all", "train", "sync"), default="all")
+    parser.add_argument("--sync-reps", type=int, default=5)
+    parser.add_argument("--bucket-mb", type=float, default=256.0)
+    parser.add_argument("--sync-models", default="100m", help="extra models for the sync bench")
     args = parser.parse_args()
     spec = TinyModelSpec(
         hidden_size=args.hidden,
@@ -177,7 +201,13 @@ def main() -> None:
             bench_fwd_bwd(model_dir, args)
             bench_padding(args)
         if args.only in ("all", "sync"):
-            trio.run(bench_sync, model_dir, args)
+            trio.run(
+                bench_sync, model_dir, f"tiny (hidden {args.hidden}, {args.layers} layers)", args
+            )
+            for name in args.sync_models.split(","):
+                if name:
+                    big = make_tiny_model(Path(tmp) / name, SYNC_MODELS[name])
+                    trio.run(bench_sync, big, name, args)
 
 
 if __name__ == "__main__":

@@ -83,11 +83,39 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[tuple[T
     return buckets
 
 
-def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """The raw bytes of `tensors`, concatenated in order, as one uint8 tensor."""
+def flatten(tensors: Iterable[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The raw bytes of `tensors`, concatenated in order, as one uint8 tensor: a new one, or the
+    front of `out` (a reused uint8 buffer, on any device: each tensor is copied into its slice)."""
     parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
     assert parts, "an empty bucket"
-    return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+    total = sum(p.numel() for p in parts)
+    if out is None:
+        return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+    assert out.dtype == torch.uint8 and out.numel() >= total, f"{out.shape=} < {total=} bytes"
+    flat, start = out[:total], 0
+    for part in parts:
+        flat[start : start + part.numel()].copy_(part)
+        start += part.numel()
+    return flat
+
+
+class BucketBuffer:
+    """One uint8 buffer reused for every bucket (grown to the largest): buckets land in memory
+    that is already mapped, and at most one bucket's bytes are held on the device."""
+
+    def __init__(self, device: str | torch.device) -> None:
+        self.device = torch.device(device)
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 view of `nbytes` bytes (its contents are whatever was there)."""
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = None  # free the old one before the bigger one is made
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._buffer[:nbytes]
+
+    def release(self) -> None:
+        self._buffer = None
 
 
 def unflatten(flat: torch.Tensor, specs: Sequence[TensorSpec]) -> list[tuple[str, torch.Tensor]]:

@@ -19,6 +19,7 @@ import torch
 
 from rollouts.inference.protocol import WeightGroupSpec
 from rollouts.inference.weight_group import (
+    BucketBuffer,
     broadcast_bucket,
     destroy_group,
     flatten,
@@ -48,6 +49,7 @@ class TorchGroupTransport:
     def __init__(self, device: str | torch.device = "cpu") -> None:
         self.device = _indexed(device)
         self.group: Any = None
+        self.buffer = BucketBuffer(self.device)
 
     def join(self, spec: WeightGroupSpec, timeout_s: float) -> None:
         """Host the rendezvous store and join as rank 0."""
@@ -66,13 +68,14 @@ class TorchGroupTransport:
         )
 
     def send(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Flatten the bucket on the group's device and broadcast it."""
+        """Flatten the bucket into the reused buffer on the group's device and broadcast it."""
         assert self.group is not None, "join the group first"
-        flat = flatten(t.to(self.device, non_blocking=True) for t in tensors)
-        broadcast_bucket(self.group, flat)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        broadcast_bucket(self.group, flatten(tensors, out=self.buffer.take(nbytes)))
 
     def close(self) -> None:
         group, self.group = self.group, None
+        self.buffer.release()
         destroy_group(group)
 
 

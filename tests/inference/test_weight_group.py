@@ -10,6 +10,7 @@ from rollouts.inference.protocol import WeightGroupSpec
 from rollouts.inference.sglang import distributed_update_body, init_group_body
 from rollouts.inference.vllm import transfer_init_info, transfer_update_info
 from rollouts.inference.weight_group import (
+    BucketBuffer,
     TensorSpec,
     flatten,
     plan_buckets,
@@ -59,6 +60,10 @@ def test_flatten_and_unflatten_round_trip_mixed_dtypes() -> None:
     specs = [spec_of(k, v) for k, v in tensors.items()]
     flat = flatten(tensors.values())
     assert flat.dtype == torch.uint8 and flat.numel() == 12 * 4 + 5 * 2 + 4 * 2
+    buffer = BucketBuffer("cpu")
+    into = flatten(tensors.values(), out=buffer.take(flat.numel()))
+    assert torch.equal(into, flat)
+    assert buffer.take(10).data_ptr() == into.data_ptr()  # reused, not reallocated
     for (name, got), (want_name, want) in zip(unflatten(flat, specs), tensors.items(), strict=True):
         assert name == want_name and got.dtype == want.dtype
         assert torch.equal(got, want)

@@ -22,6 +22,7 @@ import trio
 from rollouts.inference.server.state import ServerState
 from rollouts.inference.weight_group import (
     DTYPES,
+    BucketBuffer,
     TensorSpec,
     broadcast_bucket,
     bucket_bytes,
@@ -57,16 +58,17 @@ class GroupRequest:
 
 
 def receive_bucket(
-    group: Any, specs: Sequence[TensorSpec], device: torch.device, flattened: bool
+    group: Any, specs: Sequence[TensorSpec], buffer: BucketBuffer, flattened: bool
 ) -> list[tuple[str, torch.Tensor]]:
-    """Receive one bucket broadcast from rank 0: one flat uint8 broadcast, or one per tensor."""
+    """Receive one bucket broadcast from rank 0: one flat uint8 broadcast into the reused
+    buffer (the tensors returned are views of it), or one broadcast per tensor."""
     if flattened:
-        flat = torch.empty(bucket_bytes(specs), dtype=torch.uint8, device=device)
+        flat = buffer.take(bucket_bytes(specs))
         broadcast_bucket(group, flat)
         return unflatten(flat, specs)
     out = []
     for s in specs:
-        tensor = torch.empty(s.shape, dtype=DTYPES[s.dtype], device=device)
+        tensor = torch.empty(s.shape, dtype=DTYPES[s.dtype], device=buffer.device)
         broadcast_bucket(group, tensor)
         out.append((s.name, tensor))
     return out
@@ -97,6 +99,7 @@ class DistWeights:
         self.state = state
         self.device = next(state.core.model.parameters()).device
         self.groups: dict[str, tuple[Any, str]] = {}  # name -> (process group, backend)
+        self.buffers: dict[str, BucketBuffer] = {}  # per backend: "cpu" (gloo) or the device
         self.session = False
         self._lock = trio.Lock()  # one collective at a time
 
@@ -128,6 +131,8 @@ class DistWeights:
                 raise UpdateRefused("The group to be destroyed does not exist.")
             group, _ = self.groups.pop(group_name)
             await trio.to_thread.run_sync(destroy_group, group)
+            if not self.groups:
+                self.buffers.clear()
 
     def begin(self) -> None:
         if self.session:
@@ -154,18 +159,18 @@ class DistWeights:
         if load_format not in LOAD_FORMATS:
             raise UpdateRefused(f"load_format {load_format!r} not in {list(LOAD_FORMATS)}")
         group, backend = self.groups[group_name]
-        buffers_on = self.device if backend == "nccl" else torch.device("cpu")
-        async with self._lock:
-            receive = functools.partial(
-                receive_bucket, group, specs, buffers_on, load_format == "flattened_bucket"
-            )
+        if backend not in self.buffers:
+            self.buffers[backend] = BucketBuffer(self.device if backend == "nccl" else "cpu")
+        flat = load_format == "flattened_bucket"
+        async with self._lock:  # held until loaded: the next bucket reuses the buffer
+            receive = functools.partial(receive_bucket, group, specs, self.buffers[backend], flat)
             tensors = await _in_thread(receive, self.device)
-        if not self.session:  # received, so the trainer is not left waiting, but not loaded
-            raise UpdateRefused(
-                "update_weights_from_distributed must run between begin_weight_update and "
-                "end_weight_update"
-            )
-        await self.state.command(self._loader(tensors, version, flush_cache))
+            if not self.session:  # received, so the trainer is not left waiting; not loaded
+                raise UpdateRefused(
+                    "update_weights_from_distributed must run between begin_weight_update and "
+                    "end_weight_update"
+                )
+            await self.state.command(self._loader(tensors, version, flush_cache))
 
     def _loader(
         self, tensors: list[tuple[str, torch.Tensor]], version: str | None, flush_cache: bool
