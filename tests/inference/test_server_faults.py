@@ -120,6 +120,9 @@ async def test_huge_prompts_and_bodies_are_refused_at_once(fault_servers) -> Non
             assert r.status_code == 400 and "fits the context" in r.text, r.text[:300]
         r = await http.post("/generate", json={"text": "ab" * 5000})  # tokenised, then too long
         assert r.status_code == 400 and "the context is 512" in r.text, r.text
+        for deep in (b"[" * 100_000 + b"]" * 100_000, b"[" * 2**20 + b"]" * 2**20):
+            r = await http.post("/generate", content=deep)
+            assert r.status_code == 400 and "nested too deeply" in r.text, r.text
         assert (await http.get("/health")).status_code == 200
     async with httpx.AsyncClient(base_url=fault_servers["short"].url, timeout=60) as http:
         r = await http.post("/generate", json={"input_ids": [1] * 600_000})  # 1.2 MB > 1 MB

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)  # reachable without the API key
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 RETRY_AFTER_S = 1  # the Retry-After of a 503: the queue drains or a pause ends
+BIG_BODY = 2**20  # bytes: parse a larger JSON body in a thread
 T = TypeVar("T")
 
 
@@ -61,10 +62,15 @@ async def json_body(request: Request, *, allow_empty: bool = False) -> dict[str,
     raw = await read_body(request, state_of(request).info.max_body_bytes)
     if not raw.strip() and allow_empty:
         return {}
-    try:
-        body = json.loads(raw)
+    try:  # a large body is parsed in a thread, so the event loop keeps serving
+        if len(raw) > BIG_BODY:
+            body = await trio.to_thread.run_sync(json.loads, raw)
+        else:
+            body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest("body", f"malformed JSON ({exc})") from None
+    except RecursionError:
+        raise BadRequest("body", "the JSON is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("body", "must be a JSON object")
     return body

@@ -42,7 +42,7 @@ class ServerInfo:
     max_queue: int
     logprobs_from: str
     request_timeout_s: float
-    weights_roots: tuple[str, ...] = ()  # reloads only from inside these ("" = anywhere)
+    weights_roots: tuple[str, ...] = ()  # reloads only from inside these (none: anywhere)
     max_prompt_chars: int = 0  # a longer text prompt can never fit the context (0 = no bound)
     max_body_bytes: int = 64 * 2**20  # a longer request body is refused with 413
 
@@ -136,8 +136,8 @@ class ServerState:
                 for event in events:
                     await event.wait()
         except BaseException:
-            ours = {id(s) for s in seqs}
-            self.core.post(lambda: self.core.abort_where(lambda s: id(s) in ours))
+            ours = {id(s): s for s in seqs}  # holds them, so no other sequence takes an id
+            self.core.post(lambda: self.core.abort_where(lambda s: ours.get(id(s)) is s))
             raise
         return groups
 
