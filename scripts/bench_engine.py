@@ -15,6 +15,7 @@ Both sides use the same number of torch threads (`--threads`, default 1, as issu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import re
@@ -23,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import torch
 import trio
 from transformers import AutoModelForCausalLM
@@ -80,8 +82,9 @@ def baseline(model, prompts: list[list[int]], lengths: list[int], pad_id: int) -
     return time.perf_counter() - start
 
 
-async def through(client, prompts: list[list[int]], lengths: list[int]) -> float:
-    """Seconds for all requests sent at once through `client` (logprobs come back)."""
+async def through(client, prompts: list[list[int]], lengths: list[int]) -> tuple[float, float]:
+    """All requests sent at once through `client` (logprobs come back): (start, end) on the
+    machine's monotonic clock."""
     done: list[int] = []
 
     async def one(p: list[int], n: int) -> None:
@@ -90,13 +93,54 @@ async def through(client, prompts: list[list[int]], lengths: list[int]) -> float
         assert len(c.logprobs) == n, f"{len(c.logprobs)=} != {n=}"
         done.append(c.completion_tokens)
 
-    start = time.perf_counter()
-    async with trio.open_nursery() as nursery:
-        for p, n in zip(prompts, lengths, strict=True):
-            nursery.start_soon(one, p, n)
-    elapsed = time.perf_counter() - start
+    start = time.monotonic()
+    if isinstance(client, GroupClient):
+        done.append(await client.run(prompts, lengths))
+    else:
+        async with trio.open_nursery() as nursery:
+            for p, n in zip(prompts, lengths, strict=True):
+                nursery.start_soon(one, p, n)
+    end = time.monotonic()
     assert sum(done) == sum(lengths), f"{sum(done)=} != {sum(lengths)=}"
-    return elapsed
+    return start, end
+
+
+class GroupClient:
+    """One SGLang /generate per group of identical prompts (a batch request of the group's
+    prompts, each with its own sampling_params), as a trainer could send a GRPO group."""
+
+    def __init__(self, url: str, group: int, connections: int) -> None:
+        self.group = group
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        self.http = httpx.AsyncClient(base_url=url, timeout=600, limits=limits)
+
+    async def run(self, prompts: list[list[int]], lengths: list[int]) -> int:
+        """All groups at once; the number of tokens that came back (logprobs checked)."""
+        got: list[int] = []
+
+        async def one(first: int) -> None:
+            rows = range(first, first + self.group)
+            params = [
+                {"max_new_tokens": lengths[i], "temperature": 1.0, "ignore_eos": True} for i in rows
+            ]
+            body = {
+                "input_ids": [prompts[i] for i in rows],
+                "sampling_params": params,
+                "return_logprob": True,
+            }
+            response = await self.http.post("/generate", json=body)
+            response.raise_for_status()
+            for answer, i in zip(response.json(), rows, strict=True):
+                assert len(answer["meta_info"]["output_token_logprobs"]) == lengths[i]
+                got.append(len(answer["output_ids"]))
+
+        async with trio.open_nursery() as nursery:
+            for first in range(0, len(prompts), self.group):
+                nursery.start_soon(one, first)
+        return sum(got)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
 
 
 def cpu_s(pid: int) -> float:
@@ -106,19 +150,55 @@ def cpu_s(pid: int) -> float:
 
 
 def drained(log_path: str) -> list[tuple[float, ...]]:
-    """(busy s, decode steps, ms/step, prefills) of each "batch drained" line in the server log."""
+    """(start, end, decode steps, ms/step, prefills) of each "batch drained" line in the
+    server's log (start and end on the machine's monotonic clock)."""
     found = re.findall(
-        r"after ([\d.]+) s: (\d+) decode steps, ([\d.]+) ms/step.*?; (\d+) prefills",
+        r"\(monotonic ([\d.]+)-([\d.]+)\): (\d+) decode steps, ([\d.]+) ms/step.*?; "
+        r"(\d+) prefills",
         Path(log_path).read_text(),
     )
     return [tuple(float(x) for x in line) for line in found]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Run:
+    """One timed run: wall and CPU seconds; for the server also its own account of it."""
+
+    wall_s: float
+    cpu_s: float
+    client_cpu_s: float = 0.0  # the bench process's CPU while the client ran
+    lead_s: float = 0.0  # client start -> first admission
+    tail_s: float = 0.0  # batch drained -> last answer parsed by the client
+    steps: float = 0.0
+    ms_per_step: float = 0.0
+    prefills: float = 0.0
+
+
+async def server_run(client, proc, prompts: list[list[int]], lengths: list[int]) -> Run:
+    """Time one run through `client`, with the server's busy periods from its log."""
+    pid, seen = proc.process.pid, len(drained(proc.log_path))
+    cpu0, client_cpu0 = cpu_s(pid), time.process_time()
+    start, end = await through(client, prompts, lengths)
+    cpu, client_cpu = cpu_s(pid) - cpu0, time.process_time() - client_cpu0
+    busy = drained(proc.log_path)[seen:]
+    steps = sum(b[2] for b in busy)
+    return Run(
+        wall_s=end - start,
+        cpu_s=cpu,
+        client_cpu_s=client_cpu,
+        lead_s=busy[0][0] - start if busy else float("nan"),
+        tail_s=end - busy[-1][1] if busy else float("nan"),
+        steps=steps,
+        ms_per_step=sum(b[2] * b[3] for b in busy) / max(steps, 1),
+        prefills=sum(b[4] for b in busy),
+    )
+
+
 async def run_all(model, model_dir: str, cases: dict, args: argparse.Namespace) -> dict:
-    """{(case, side): [(wall s, cpu s) per rep]}; each rep times the baseline and both clients
-    back to back, so a ratio compares runs under the same load of the machine."""
+    """{(case, side): [Run per rep]}; each rep times the baseline and both clients back to
+    back, so a ratio compares runs under the same load of the machine."""
     options = HttpOptions(max_connections=args.connections, timeout_s=600)
-    out: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    out: dict[tuple[str, str], list[Run]] = {}
     async with engine_process(
         model_dir,
         max_batch=args.max_batch,
@@ -126,24 +206,21 @@ async def run_all(model, model_dir: str, cases: dict, args: argparse.Namespace) 
         startup_timeout_s=300,
         extra_args=("--log-level", "DEBUG"),  # the core logs its ms/step when a batch drains
     ) as proc:
-        pid = proc.process.pid
         clients = {"SGLang": SGLangEngine(proc.url, options=options)}
         clients["vLLM"] = VLLMEngine(proc.url, options=options)
-        for client in clients.values():  # warm-up
-            await through(client, *[x[: args.group] for x in cases["varying"]])
+        clients["groups"] = GroupClient(proc.url, args.group, args.connections)
+        for client in clients.values():  # warm-up (and the connections opened)
+            await through(client, *cases["varying"])
         baseline(model, *cases["equal"], 0)
         for _ in range(args.reps):
             for name, (prompts, lengths) in cases.items():
                 cpu0 = time.process_time()
                 wall = baseline(model, prompts, lengths, 0)
-                out.setdefault((name, "generate"), []).append((wall, time.process_time() - cpu0))
+                run = Run(wall_s=wall, cpu_s=time.process_time() - cpu0)
+                out.setdefault((name, "generate"), []).append(run)
                 for side, client in clients.items():
-                    cpu0, seen = cpu_s(pid), len(drained(proc.log_path))
-                    wall = await through(client, prompts, lengths)
-                    out.setdefault((name, side), []).append((wall, cpu_s(pid) - cpu0))
-                    out.setdefault((name, side + " steps"), []).extend(
-                        drained(proc.log_path)[seen:]
-                    )
+                    run = await server_run(client, proc, prompts, lengths)
+                    out.setdefault((name, side), []).append(run)
         for client in clients.values():
             await client.aclose()
     return out
@@ -184,52 +261,66 @@ def main() -> None:
         "varying": workload(args.prompts, args.group, args.seed + 1, None),
     }
     timed = trio.run(run_all, model, model_dir, cases, args)
-    rows = args.prompts * args.group
+    report(timed, cases, args)
+
+
+def report(timed: dict, cases: dict, args: argparse.Namespace) -> None:
+    """The table: tokens/s and ratios per case and client, then the server's own account."""
+    med = statistics.median
     print(
-        f"{rows} sequences ({args.prompts} prompts x {args.group}), temperature 1, logprobs; "
-        f"tiny Llama hidden {args.hidden}, {args.layers} layers; torch threads {args.threads} "
-        f"per side (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}); "
-        f"{args.reps} reps, medians (ratios per rep, then median)"
+        "SGLang, vLLM: one request per sequence through the project's clients (what the rollout "
+        "manager sends); groups: one SGLang /generate per group of 8 (raw HTTP, a batch request)"
     )
     print(
-        f"{'case':<8} {'tokens':>6} {'generate tok/s':>14} {'ms/step':>7} {'SGLang tok/s':>12} "
-        f"{'ms/step':>7} {'ratio':>5} {'vLLM tok/s':>10} {'ratio':>5} {'cpu ratio S/V':>13} "
-        f"{'goal':>7}"
+        f"{args.prompts * args.group} sequences ({args.prompts} prompts x {args.group}), "
+        f"temperature 1, logprobs; tiny Llama hidden {args.hidden}, {args.layers} layers; torch "
+        f"threads {args.threads} per side (OMP_NUM_THREADS="
+        f"{os.environ.get('OMP_NUM_THREADS', 'unset')}); {args.reps} reps: medians, each ratio "
+        "taken per rep against the baseline run just before it"
+    )
+    sides = ("SGLang", "vLLM", "groups")
+    print(
+        f"{'case':<8} {'tokens':>6} {'generate tok/s':>14} {'SGLang tok/s':>12} {'ratio':>5} "
+        f"{'vLLM tok/s':>10} {'ratio':>5} {'groups tok/s':>12} {'ratio':>5} {'goal':>7}   "
+        "ratios per rep (SGLang/vLLM/groups)"
     )
     for name, (_, lengths) in cases.items():
-        tokens, steps = sum(lengths), max(lengths)
-        base = timed[(name, "generate")]
-
-        def med(side: str, i: int, base=base, name=name) -> tuple[float, float]:
-            own = timed[(name, side)]
-            ratios = [b[i] / o[i] for b, o in zip(base, own, strict=True)]
-            return statistics.median(o[i] for o in own), statistics.median(ratios)
-
-        b = statistics.median(x[0] for x in base)
-        (s, s_ratio), (v, v_ratio) = med("SGLang", 0), med("vLLM", 0)
-        s_cpu, v_cpu = med("SGLang", 1)[1], med("vLLM", 1)[1]
-        print(
-            f"{name:<8} {tokens:>6} {tokens / b:>14.1f} {1000 * b / steps:>7.1f} "
-            f"{tokens / s:>12.1f} {1000 * s / steps:>7.1f} {s_ratio:>5.2f} {tokens / v:>10.1f} "
-            f"{v_ratio:>5.2f} {s_cpu:>6.2f}/{v_cpu:<6.2f} {'>= ' + str(GOALS[name]) + 'x':>7}"
+        tokens, base = sum(lengths), timed[(name, "generate")]
+        ratios = {
+            side: [b.wall_s / r.wall_s for b, r in zip(base, timed[(name, side)], strict=True)]
+            for side in sides
+        }
+        walls = {side: med(r.wall_s for r in timed[(name, side)]) for side in sides}
+        reps = ", ".join(
+            "/".join(f"{x:.2f}" for x in rep)
+            for rep in zip(*(ratios[side] for side in sides), strict=True)
         )
-    for name in cases:
-        for side in ("SGLang", "vLLM"):
-            runs = timed[(name, side + " steps")]
-            steps = sum(r[1] for r in runs)
-            ms = sum(r[1] * r[2] for r in runs) / max(steps, 1)
-            busy = statistics.median(r[0] for r in runs) if runs else float("nan")
-            wall = statistics.median(w for w, _ in timed[(name, side)])
+        cols = " ".join(
+            f"{tokens / walls[side]:>{w}.1f} {med(ratios[side]):>5.2f}"
+            for side, w in zip(sides, (12, 10, 12), strict=True)
+        )
+        print(
+            f"{name:<8} {tokens:>6} {tokens / med(b.wall_s for b in base):>14.1f} {cols} "
+            f"{'>= ' + str(GOALS[name]) + 'x':>7}   {reps}"
+        )
+    for name, (_, lengths) in cases.items():
+        base = timed[(name, "generate")]
+        print(
+            f"generate ({name}): {1000 * med(b.wall_s for b in base) / max(lengths):.1f} ms/step "
+            f"(wall / {max(lengths)} steps, prefill included), "
+            f"{med(b.cpu_s for b in base):.2f} CPU s"
+        )
+        for side in sides:
+            runs = timed[(name, side)]
             print(
-                f"server ({name}, {side}): {steps / args.reps:.0f} decode steps per run at "
-                f"{ms:.2f} ms/step, {sum(r[3] for r in runs) / args.reps:.0f} prefills; busy "
-                f"{busy:.2f} s of the client's {wall:.2f} s"
+                f"server ({name}, {side}): {med(r.steps for r in runs):.0f} decode steps at "
+                f"{med(r.ms_per_step for r in runs):.1f} ms/step, "
+                f"{med(r.prefills for r in runs):.0f} prefills; client start -> first "
+                f"admission {med(r.lead_s for r in runs):.2f} s, drained -> last answer "
+                f"{med(r.tail_s for r in runs):.2f} s of {med(r.wall_s for r in runs):.2f} s; "
+                f"CPU s: server {med(r.cpu_s for r in runs):.2f}, client "
+                f"{med(r.client_cpu_s for r in runs):.2f}"
             )
-    print(
-        "ratio: generate wall time / server wall time (tokens/s, higher is better); cpu ratio: "
-        "the same with CPU seconds (baseline process vs server process, all its threads); "
-        "ms/step: wall time / longest sequence, prefill included"
-    )
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ import time
 
 from rollouts.inference.protocol import FinishReason
 
-GATHER_GAP_S = 0.003  # a burst of requests has ended after this long without a new one
-GATHER_MAX_S = 0.05  # a fresh batch waits at most this long for the rest of a burst
+GATHER_GAP_S = 0.005  # a burst of requests has ended after this long without a new one
+GATHER_MAX_S = 0.1  # a fresh batch waits at most this long for the rest of a burst
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,7 +115,7 @@ def allowed_new_tokens(*, prompt_len: int, max_new_tokens: int, context_len: int
 class BusyStats:
     """What the worker did since its batch was last empty (logged when it drains again)."""
 
-    started_s: float = dataclasses.field(default_factory=time.perf_counter)
+    started_s: float = dataclasses.field(default_factory=time.monotonic)
     steps: int = 0  # decode steps
     rows: int = 0  # rows decoded, summed over steps
     decode_s: float = 0.0  # forward + sampling + bookkeeping of the decode steps
@@ -129,7 +129,8 @@ class BusyStats:
         per_step = 1000 * self.decode_s / max(self.steps, 1)
         per_prefill = 1000 * self.prefill_s / max(self.prefills, 1)
         return (
-            f"batch drained after {time.perf_counter() - self.started_s:.3f} s: "
+            f"batch drained after {time.monotonic() - self.started_s:.3f} s "
+            f"(monotonic {self.started_s:.3f}-{time.monotonic():.3f}): "
             f"{self.steps} decode steps, {per_step:.2f} ms/step, mean batch "
             f"{self.rows / max(self.steps, 1):.1f}; {self.prefills} prefills "
             f"({per_prefill:.2f} ms each) of {self.distinct} distinct prompts for "
