@@ -115,7 +115,12 @@ async def test_what_real_clients_send_to_generate_is_accepted(fault_servers) -> 
 async def test_huge_prompts_and_bodies_are_refused_at_once(fault_servers) -> None:
     big = "x" * 10_000_000  # far more characters than any 512-token context holds
     async with httpx.AsyncClient(base_url=fault_servers["rooted"].url, timeout=60) as http:
-        for route, body in [("/generate", {"text": big}), ("/v1/completions", {"prompt": big})]:
+        chat = {"messages": [{"role": "user", "content": big}]}
+        for route, body in [
+            ("/generate", {"text": big}),
+            ("/v1/completions", {"prompt": big}),
+            ("/v1/chat/completions", chat),
+        ]:
             r = await http.post(route, json=body)
             assert r.status_code == 400 and "fits the context" in r.text, r.text[:300]
         r = await http.post("/generate", json={"text": "ab" * 5000})  # tokenised, then too long

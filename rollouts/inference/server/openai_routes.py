@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from typing import Any
 
+import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -209,14 +211,18 @@ async def chat_completions(request: Request) -> Response:
         spec = _with_top(
             spec, as_type("top_logprobs", body.get("top_logprobs") or 0, int), "top_logprobs"
         )
-    try:
-        text = state.tokenizer.apply_chat_template(
-            messages,
-            tokenize=False,
-            add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-            continue_final_message=bool(body.get("continue_final_message", False)),
-            **(body.get("chat_template_kwargs") or {}),
-        )
+    render = functools.partial(
+        state.tokenizer.apply_chat_template,
+        messages,
+        tokenize=False,
+        add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+        continue_final_message=bool(body.get("continue_final_message", False)),
+    )
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise BadRequest("chat_template_kwargs", "must be an object")
+    try:  # in a thread: a long conversation must not stop the event loop
+        text = await trio.to_thread.run_sync(functools.partial(render, **kwargs))
     except Exception as exc:  # a template error is the request's fault
         raise BadRequest("messages", f"the chat template failed: {exc}") from None
     prompt = await state.encode(text, "messages")
