@@ -120,13 +120,15 @@ def test_seeded_sampling_does_not_depend_on_the_batch(ref_model, tokenizer, top_
     prompt = [10, 20, 30, 40]
     alone = run_core(ref_model, tokenizer, [make_seq(0, prompt, 12, spec, seed=5)], max_batch=8)
     others = [make_seq(i, [i + 3] * (i + 1), 6 + i, spec) for i in range(1, 6)]
+    greedy = make_seq(9, prompt, 12, SamplingSpec(temperature=0.0, ignore_eos=True))
     crowd = run_core(
         ref_model,
         tokenizer,
-        [*others[:2], make_seq(0, prompt, 12, spec, seed=5), *others[2:]],
+        [*others[:2], make_seq(0, prompt, 12, spec, seed=5), greedy, *others[2:]],
         max_batch=8,
     )
     assert crowd[2].output_ids == alone[0].output_ids
+    assert greedy.output_ids == greedy_no_eos(ref_model, prompt, 12)  # greedy among sampled
     expected = teacher_forced_logprobs(ref_model, prompt, alone[0].output_ids)
     torch.testing.assert_close(torch.tensor(alone[0].logprobs), expected, atol=1e-4, rtol=0)
 
@@ -203,3 +205,29 @@ def test_aborting_one_running_row_keeps_the_others_exact(ref_model, tokenizer) -
     for seq, prompt in zip(seqs[1:], prompts[1:], strict=True):
         assert seq.stop.reason is FinishReason.LENGTH
         assert seq.output_ids == greedy_no_eos(ref_model, prompt, 60)
+
+
+def test_grouped_query_attention_model_is_exact() -> None:
+    """A Qwen2-shaped model (2 KV heads for 4 query heads) through the slot cache."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config).eval()
+    spec = SamplingSpec(temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    seqs = [make_seq(i, p, 3 + 4 * i, spec) for i, p in enumerate(prompts)]
+    run_core(model, None, seqs, max_batch=2)
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        assert seq.output_ids == greedy_no_eos(model, prompt, seq.max_new), seq.rid
+        expected = teacher_forced_logprobs(model, prompt, seq.output_ids)
+        torch.testing.assert_close(torch.tensor(seq.logprobs), expected, atol=1e-4, rtol=0)
