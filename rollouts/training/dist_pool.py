@@ -77,16 +77,21 @@ def distributed_sync_for(config: Config) -> DistributedWeightSync | None:
     """The distributed sync `[weight_sync]` asks for; None for method = "disk".
 
     backend "auto": NCCL when the trainer is on CUDA and so are the engines (external SGLang /
-    vLLM servers, or built-in engines on a CUDA device), else gloo.
+    vLLM servers, or built-in engines on a CUDA device), else gloo. NCCL refuses two ranks of a
+    group on one GPU, so built-in engines on the trainer's own GPU get gloo.
     """
     ws = config.weight_sync
     if ws.method != "distributed":
         return None
     device = resolve_device(config.training.device)
-    engines_on_cuda = config.engines.kind != "builtin" or config.engines.device.startswith("cuda")
-    backend = ws.backend
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" and engines_on_cuda else "gloo"
+    e = config.engines
+    backend = choose_backend(ws.backend, device.type == "cuda", e.kind, e.device)
+    if e.kind == "vllm" and (backend != "nccl" or device.type != "cuda"):
+        raise ValueError(
+            f"weight_sync.method = 'distributed' with engines.kind = 'vllm' needs NCCL from a "
+            f"trainer on CUDA (weight_sync.backend = {ws.backend!r}, training.device = "
+            f"{config.training.device!r}); use weight_sync.method = 'disk' otherwise"
+        )
     options = DistSyncOptions(
         bucket_bytes=max(1, int(ws.bucket_mb * 2**20)),
         master_address=ws.master_address,
@@ -97,3 +102,22 @@ def distributed_sync_for(config: Config) -> DistributedWeightSync | None:
         timeout_s=ws.timeout_s,
     )
     return DistributedWeightSync(options)
+
+
+def choose_backend(
+    requested: str, trainer_on_cuda: bool, engines_kind: str, engines_device: str
+) -> str:
+    """`weight_sync.backend`, with "auto" resolved: NCCL when the trainer is on CUDA and the
+    engines are on GPUs of their own (external servers are taken to be; built-in engines are
+    on "cuda:N" with N not the trainer's GPU, cuda:0), else gloo."""
+    if requested != "auto":
+        return requested
+    if not trainer_on_cuda:
+        return "gloo"
+    if engines_kind != "builtin":
+        return "nccl"
+    own_gpu = engines_device.startswith("cuda") and torch.device(engines_device).index not in (
+        None,
+        0,
+    )
+    return "nccl" if own_gpu else "gloo"

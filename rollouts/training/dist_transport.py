@@ -70,6 +70,8 @@ class TorchGroupTransport:
     def send(self, tensors: Sequence[torch.Tensor]) -> None:
         """Flatten the bucket into the reused buffer on the group's device and broadcast it."""
         assert self.group is not None, "join the group first"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # this worker thread's current device
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         broadcast_bucket(self.group, flatten(tensors, out=self.buffer.take(nbytes)))
 
@@ -109,6 +111,7 @@ class VLLMNcclTransport:
     def send(self, tensors: Sequence[torch.Tensor]) -> None:
         """One NCCL broadcast per tensor, in the order of the bucket's names."""
         assert self.comm is not None, "join the group first"
+        torch.cuda.set_device(self.device)  # this worker thread's current device
         stream = torch.cuda.current_stream(self.device)
         for tensor in tensors:
             self.comm.broadcast(tensor.to(self.device).contiguous(), src=0, stream=stream)

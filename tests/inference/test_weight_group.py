@@ -18,7 +18,7 @@ from rollouts.inference.weight_group import (
     specs_from_request,
     unflatten,
 )
-from rollouts.training.dist_pool import distributed_sync_for
+from rollouts.training.dist_pool import choose_backend, distributed_sync_for
 from rollouts.training.dist_sync import rank_offsets
 
 # the request fields of SGLang 0.5.21's io_struct (InitWeightsUpdateGroupReqInput,
@@ -108,3 +108,12 @@ def test_weight_sync_config_is_checked_and_resolved() -> None:
     text = str(info.value)
     assert "weight_sync.method = 'nccl'" in text and "weight_sync.bucket_mb = 0" in text
     assert "weight_sync.master_port = 70000" in text
+
+
+def test_auto_backend_is_nccl_only_between_distinct_gpus() -> None:
+    assert choose_backend("auto", False, "sglang", "cpu") == "gloo"  # trainer on CPU
+    assert choose_backend("auto", True, "sglang", "cpu") == "nccl"  # servers on their own GPUs
+    assert choose_backend("auto", True, "builtin", "cuda") == "gloo"  # the trainer's own GPU
+    assert choose_backend("auto", True, "builtin", "cuda:0") == "gloo"
+    assert choose_backend("auto", True, "builtin", "cuda:1") == "nccl"
+    assert choose_backend("gloo", True, "vllm", "cpu") == "gloo"  # as asked
