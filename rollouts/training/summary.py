@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from rollouts.training.checkpoint import read_best
+
 MODEL_DIR = "model"
 
 
@@ -73,13 +75,16 @@ def format_duration(seconds: float) -> str:
     return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
 def phase_line(p: PhaseSummary, metric: str, wall_s: float | None) -> str:
     """'RL: 40 steps in 52m10s; held-out accuracy 0.210 -> 0.460 (best 0.480 at step 35)'."""
     line = f"{p.name}: {p.steps} steps"
     line += f" in {format_duration(wall_s)}" if wall_s is not None else ""
     if p.before is not None or p.after is not None:
-        fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
-        line += f"; {metric} {fmt(p.before)} -> {fmt(p.after)}"
+        line += f"; {metric} {_fmt(p.before)} -> {_fmt(p.after)}"
         if p.best is not None and p.best[1] != p.after:
             line += f" (best {p.best[1]:.3f} at step {p.best[0]})"
     return line
@@ -92,16 +97,21 @@ def summary_lines(
     checkpoint: Path | None,
     plots: list[Path],
     plot_error: str = "",
+    best: dict[str, Any] | None = None,
 ) -> list[str]:
-    """The summary as lines (pure: everything comes in as arguments)."""
+    """The summary as lines (everything comes in as arguments; it only looks which run files
+    exist). `best` is the checkpoints' best.json record, shown when it is not the last one."""
     lines = [phase_line(p, metric, None) for p, metric in phases]
     lines.append(f"wall time:  {format_duration(wall_s)}")
-    files = [n for n in ("config.json", "metrics.jsonl", "rollouts.jsonl", "sft_metrics.jsonl")]
+    files = ("config.json", "metrics.jsonl", "rollouts.jsonl", "sft_metrics.jsonl")
     present = [n for n in files if (run_dir / n).is_file()]
     lines.append(f"run dir:    {run_dir}  ({', '.join(present)})")
     if checkpoint is not None:
         model = checkpoint / MODEL_DIR
         lines.append(f"checkpoint: {model}  (AutoModelForCausalLM.from_pretrained loads it)")
+    if best is not None and checkpoint is not None and best["name"] != checkpoint.name:
+        where = checkpoint.parent / str(best["name"]) / MODEL_DIR
+        lines.append(f"best:       {where}  ({best['metric']} {float(best['value']):.3f})")
     if plots:
         names = ", ".join(p.name for p in plots)
         lines.append(f"plots:      {plots[0].parent}  ({names})")
@@ -133,7 +143,8 @@ def finish_run(run_dir: Path, wall_s: float, checkpoint: Path | None) -> list[st
     rl = summarize_phase("RL", _rows(run_dir / "metrics.jsonl"), "eval/accuracy")
     if rl is not None:
         phases.append((rl, "held-out accuracy"))
-    lines = summary_lines(run_dir, phases, wall_s, checkpoint, plots, why)
+    best = read_best(checkpoint.parent) if checkpoint is not None else None
+    lines = summary_lines(run_dir, phases, wall_s, checkpoint, plots, why, best)
     print("[train] ---- summary ----", flush=True)
     for line in lines:
         print(f"[train] {line}", flush=True)

@@ -14,6 +14,7 @@ from rollouts.training.summary import (
     phase_line,
     quiet_progress_bars,
     summarize_phase,
+    summary_lines,
 )
 
 
@@ -56,6 +57,11 @@ def test_finish_run_writes_plots_and_says_where_to_look(
     assert lines[3].startswith(f"checkpoint: {ckpt / 'model'}")
     assert lines[4].startswith(f"plots:      {tmp_path / 'plots'}  (")
     assert (tmp_path / "plots" / "accuracy.png").is_file()
+    best = {"name": "step_000001", "metric": "eval/accuracy", "value": 0.75}
+    lines = summary_lines(tmp_path, [], 1.0, ckpt, [], "", best)
+    assert (
+        lines[-1] == f"best:       {ckpt.parent / 'step_000001' / 'model'}  (eval/accuracy 0.750)"
+    )
 
 
 def test_finish_run_without_rl_metrics_says_why_no_plots(tmp_path: Path) -> None:
