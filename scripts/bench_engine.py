@@ -180,6 +180,9 @@ async def server_run(client, proc, prompts: list[list[int]], lengths: list[int])
     cpu0, client_cpu0 = cpu_s(pid), time.process_time()
     start, end = await through(client, prompts, lengths)
     cpu, client_cpu = cpu_s(pid) - cpu0, time.process_time() - client_cpu0
+    with trio.move_on_after(5):  # the worker logs the drain just after the last answer
+        while len(drained(proc.log_path)) == seen:
+            await trio.sleep(0.01)
     busy = drained(proc.log_path)[seen:]
     steps = sum(b[2] for b in busy)
     return Run(

@@ -231,3 +231,26 @@ def test_grouped_query_attention_model_is_exact() -> None:
         assert seq.output_ids == greedy_no_eos(model, prompt, seq.max_new), seq.rid
         expected = teacher_forced_logprobs(model, prompt, seq.output_ids)
         torch.testing.assert_close(torch.tensor(seq.logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_stop_strings_see_the_text_built_incrementally(ref_model, tokenizer) -> None:
+    prompt = [40, 41, 42, 43]
+
+    def spec(stop: str) -> SamplingSpec:
+        return SamplingSpec(temperature=1.0, ignore_eos=True, stop=(stop,))
+
+    free = run_core(ref_model, tokenizer, [make_seq(0, prompt, 40, spec("\x00no"), seed=3)])[0]
+    full = tokenizer.decode(free.output_ids, skip_special_tokens=False)
+    assert free.text == full or (full.endswith("\ufffd") and full.startswith(free.text))
+    at = next(
+        i
+        for i in range(3, len(full) - 1)
+        if full[i : i + 2].isascii()
+        and full[i : i + 2].isprintable()
+        and full.find(full[i : i + 2]) == i
+    )
+    stop = full[at : at + 2]
+    cut = run_core(ref_model, tokenizer, [make_seq(0, prompt, 40, spec(stop), seed=3)])[0]
+    assert (cut.stop.reason, cut.stop.matched) == (FinishReason.STOP, stop)
+    text = tokenizer.decode(cut.output_ids, skip_special_tokens=False)
+    assert text.endswith(stop) and full.startswith(text), (text, stop)

@@ -36,7 +36,11 @@ class Sequence:
     output_ids: list[int] = dataclasses.field(default_factory=list)  # set when it leaves
     logprobs: list[float] = dataclasses.field(default_factory=list)  # set when it leaves
     top: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
-    text_len: int = 0  # length of the decoded text at the previous step (stop strings)
+    # stop strings only: the output decoded so far, built a few tokens at a time (the tokens
+    # from `text_prefix` on are decoded again each step, those from `text_read` on are new)
+    text: str = ""
+    text_prefix: int = 0
+    text_read: int = 0
     stop: Stop | None = None
     weight_version: str = ""  # served when it finished
     # (version, first output token it produced): one entry, or more when the weights were
@@ -177,23 +181,34 @@ class RunningBatch:
 
     def _stop_now(self, seq: Sequence, slot: int, token: int) -> Stop | None:
         assert self._table is not None, "no slot table"
-        text = None
+        before = len(seq.text)
         if seq.spec.stop:
-            ids, _ = self._table.outputs(slot)
-            text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        stop = stop_after_token(
+            self._detokenize(seq, slot)
+        return stop_after_token(
             token=token,
             num_output=int(self._table.n_out_R[slot]),
             max_new_tokens=seq.max_new,
             stop_token_ids=seq.spec.stop_token_ids,
             eos_token_ids=self.options.eos_token_ids,
             ignore_eos=seq.spec.ignore_eos,
-            text=text,
+            text=seq.text if seq.spec.stop else None,
             stop=seq.spec.stop,
-            text_before_len=seq.text_len,
+            text_before_len=before,
         )
-        seq.text_len = len(text) if text is not None else 0
-        return stop
+
+    def _detokenize(self, seq: Sequence, slot: int) -> None:
+        """Extend `seq.text` incrementally (not the whole output each step): decode the tokens
+        from `text_prefix` with and without the unread ones and keep the difference, once it
+        does not end inside a character; context before the read point keeps spacing right."""
+        assert self._table is not None, "no slot table"
+        n = int(self._table.n_out_R[slot])
+        ids = self._table.tok_R_W[slot, seq.text_prefix : n].tolist()
+        read = seq.text_read - seq.text_prefix
+        old = self.tokenizer.decode(ids[:read], skip_special_tokens=False)
+        new = self.tokenizer.decode(ids, skip_special_tokens=False)
+        if len(new) > len(old) and not new.endswith("\ufffd"):
+            seq.text += new[len(old) :]
+            seq.text_prefix, seq.text_read = seq.text_read, n
 
     def _leave(self, slots: list[int]) -> list[Sequence]:
         """Sequences in `slots` leave (outputs as lists); the last active slots fill the holes."""
