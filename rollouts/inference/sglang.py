@@ -132,7 +132,7 @@ def init_group_body(group: WeightGroupSpec, rank_offset: int) -> dict[str, Any]:
 def distributed_update_body(
     specs: Sequence[TensorSpecLike], *, group_name: str, version: str | None, flush_cache: bool
 ) -> dict[str, Any]:
-    """The POST /update_weights_from_distributed body for one flattened bucket."""
+    """The POST /update_weights_from_distributed body for one bucket, sent tensor by tensor."""
     assert specs, "an empty bucket"
     return {
         "names": [s.name for s in specs],
@@ -142,7 +142,7 @@ def distributed_update_body(
         "flush_cache": flush_cache,
         "abort_all_requests": False,
         "weight_version": version,
-        "load_format": "flattened_bucket",
+        "load_format": None,  # tensor by tensor
     }
 
 
@@ -279,7 +279,7 @@ class SGLangEngine:
     async def receive_weight_bucket(
         self, specs: Sequence[TensorSpecLike], *, version: str | None, flush_cache: bool
     ) -> None:
-        """POST /update_weights_from_distributed for one flattened bucket."""
+        """POST /update_weights_from_distributed for one bucket."""
         body = distributed_update_body(
             specs, group_name=self._group_name, version=version, flush_cache=flush_cache
         )

@@ -3,10 +3,11 @@
 SGLang's `/init_weights_update_group` makes each engine join a torch.distributed group of its own
 (not its default group): a `tcp://master_address:master_port` rendezvous whose store is prefixed
 with the group name, the trainer at rank 0, engine ranks from `rank_offset`. Weights then travel
-as broadcasts from rank 0. With `load_format = "flattened_bucket"` one bucket is one broadcast of
-the bucket's tensors' raw bytes, concatenated in order (uint8); each side rebuilds the tensors from
-the names, dtypes and shapes of the HTTP request. The trainer and the built-in engine both use
-this module, so the bytes on the wire are the same as with a real SGLang server.
+as broadcasts from rank 0: one per tensor of the bucket, in the order of the HTTP request's names
+(`load_format` null), or, with `load_format = "flattened_bucket"`, one broadcast of the bucket's
+tensors' raw bytes concatenated in order (uint8); the receiver builds the tensors from the names,
+dtypes and shapes of the request. The trainer and the built-in engine both use this module, so
+the bytes on the wire are the same as with a real SGLang server.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 Two wires, one per engine family (`WeightReceiver.weight_wire`):
 - "sglang": a torch.distributed group made like SGLang makes it (`weight_group.init_custom_group`),
-  gloo on CPU or NCCL on CUDA; one broadcast per bucket of the bucket's bytes (flattened_bucket).
+  gloo on CPU or NCCL on CUDA; a bucket's tensors are broadcast one by one, issued together
+  (SGLang's default format, which every 0.5.x server reads; measured faster on CPU than one
+  flattened broadcast, which costs a copy of the bucket on each side).
   SGLang and the built-in engine server receive it.
 - "vllm": vLLM's own NCCL communicator (vLLM's `StatelessProcessGroup` + `PyNcclCommunicator`,
   imported from the installed vllm: its rendezvous is vLLM's, not torch's); tensors are
@@ -16,15 +18,10 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from rollouts.inference.protocol import WeightGroupSpec
-from rollouts.inference.weight_group import (
-    BucketBuffer,
-    broadcast_bucket,
-    destroy_group,
-    flatten,
-    init_custom_group,
-)
+from rollouts.inference.weight_group import destroy_group, init_custom_group
 
 
 class Transport(Protocol):
@@ -44,12 +41,11 @@ class Transport(Protocol):
 
 
 class TorchGroupTransport:
-    """SGLang's wire: a custom torch.distributed group, one flattened broadcast per bucket."""
+    """SGLang's wire: a custom torch.distributed group, the bucket's tensors broadcast in order."""
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
         self.device = _indexed(device)
         self.group: Any = None
-        self.buffer = BucketBuffer(self.device)
 
     def join(self, spec: WeightGroupSpec, timeout_s: float) -> None:
         """Host the rendezvous store and join as rank 0."""
@@ -68,16 +64,20 @@ class TorchGroupTransport:
         )
 
     def send(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Flatten the bucket into the reused buffer on the group's device and broadcast it."""
+        """Broadcast the bucket's tensors one by one, in order (SGLang's default format: every
+        0.5.x server reads it); issued together, waited for together."""
         assert self.group is not None, "join the group first"
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # this worker thread's current device
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        broadcast_bucket(self.group, flatten(tensors, out=self.buffer.take(nbytes)))
+        sent = [t.detach().to(self.device).contiguous() for t in tensors]
+        works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in sent]
+        for work in works:
+            work.wait()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def close(self) -> None:
         group, self.group = self.group, None
-        self.buffer.release()
         destroy_group(group)
 
 

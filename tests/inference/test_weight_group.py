@@ -86,7 +86,7 @@ def test_request_bodies_use_the_servers_field_names() -> None:
     assert set(init) == SGLANG_INIT and init["rank_offset"] == 2 and init["world_size"] == 3
     bucket = [_spec("a", 4), TensorSpec(name="b", dtype="bfloat16", shape=(2, 2))]
     update = distributed_update_body(bucket, group_name="g", version="7", flush_cache=False)
-    assert set(update) <= SGLANG_UPDATE and update["load_format"] == "flattened_bucket"
+    assert set(update) <= SGLANG_UPDATE and update["load_format"] is None
     assert update["dtypes"] == ["float32", "bfloat16"] and update["shapes"] == [[4], [2, 2]]
     assert set(transfer_init_info(group, 1)) <= VLLM_INIT_027
     info = transfer_update_info(bucket)

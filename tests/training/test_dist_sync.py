@@ -15,7 +15,8 @@ from rollouts.inference.http import HttpOptions
 from rollouts.inference.launch import EngineSpec, spawn, wait_healthy_sync
 from rollouts.inference.pool import EnginePool
 from rollouts.inference.protocol import SamplingParams
-from rollouts.inference.sglang import SGLangEngine
+from rollouts.inference.sglang import SGLangEngine, distributed_update_body
+from rollouts.inference.weight_group import broadcast_bucket, flatten, state_specs
 from rollouts.training.dist_pool import sync_pool_distributed
 from rollouts.training.dist_sync import DistributedWeightSync, DistSyncOptions
 from rollouts.training.weight_sync import WeightSyncError
@@ -27,6 +28,26 @@ async def _greedy_outputs(engines: list[SGLangEngine], prompt: list[int], n: int
     greedy = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
     done = [await e.generate(prompt, greedy) for e in engines]
     return [(list(c.output_ids), c.weight_version) for c in done]
+
+
+async def _send_flattened(
+    sync: DistributedWeightSync, engine: SGLangEngine, weights: dict, version: str
+) -> str:
+    """One bucket in SGLang's "flattened_bucket" format, over the group `sync` formed."""
+    assert sync._transport is not None and sync.spec is not None
+    group = sync._transport.group
+    specs = state_specs(weights)
+    body = distributed_update_body(
+        specs, group_name=sync.spec.group_name, version=version, flush_cache=True
+    )
+    body["load_format"] = "flattened_bucket"
+    await engine.begin_weight_update()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine._weights_call, "/update_weights_from_distributed", body)
+        flat = flatten(weights[s.name] for s in specs)
+        nursery.start_soon(trio.to_thread.run_sync, broadcast_bucket, group, flat)
+    await engine.finish_weight_update(version)
+    return await engine.weight_version()
 
 
 async def test_distributed_sync_into_one_then_two_engines_and_its_failures(
@@ -61,6 +82,7 @@ async def test_distributed_sync_into_one_then_two_engines_and_its_failures(
         pool = EnginePool(engines, wait_for_up_s=5.0)  # both "up": the sync finds the dead one
         survivor = await sync_pool_distributed(pool, sync, backend.get_weights, "5", step=5)
         served = await engines[0].weight_version()
+        flattened = await _send_flattened(sync, engines[0], backend.get_weights(), "6")
         await sync.close(engines[:1])
         for engine in engines:
             await engine.aclose()
@@ -78,6 +100,7 @@ async def test_distributed_sync_into_one_then_two_engines_and_its_failures(
     results = killed.value.report.results
     assert [r.ok for r in results] == [False, False], str(killed.value)  # none left "ok"
     assert results[1].url == procs[1].url and results[1].error, str(killed.value)
+    assert flattened == "6"  # SGLang's flattened_bucket format is read too
     assert survivor.ok and served == "5" and pool.up == [True, False]
     assert survivor.metrics()["engines_down"] == 1.0
     assert (pool.version, pool.weights_path) == ("5", None)  # no file to reload old weights from

@@ -17,11 +17,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import trio
 
 from rollouts.inference.server.state import ServerState
 from rollouts.inference.weight_group import (
-    DTYPES,
     BucketBuffer,
     TensorSpec,
     broadcast_bucket,
@@ -60,18 +60,20 @@ class GroupRequest:
 def receive_bucket(
     group: Any, specs: Sequence[TensorSpec], buffer: BucketBuffer, flattened: bool
 ) -> list[tuple[str, torch.Tensor]]:
-    """Receive one bucket broadcast from rank 0: one flat uint8 broadcast into the reused
-    buffer (the tensors returned are views of it), or one broadcast per tensor."""
+    """Receive one bucket broadcast from rank 0 into the reused buffer (the tensors returned are
+    views of it): one flat uint8 broadcast ("flattened_bucket"), or one per tensor, issued
+    together and waited for together (SGLang's default format)."""
+    flat = buffer.take(bucket_bytes(specs))
+    tensors = unflatten(flat, specs)
     if flattened:
-        flat = buffer.take(bucket_bytes(specs))
         broadcast_bucket(group, flat)
-        return unflatten(flat, specs)
-    out = []
-    for s in specs:
-        tensor = torch.empty(s.shape, dtype=DTYPES[s.dtype], device=buffer.device)
-        broadcast_bucket(group, tensor)
-        out.append((s.name, tensor))
-    return out
+        return tensors
+    works = [dist.broadcast(t, src=0, group=group, async_op=True) for _, t in tensors]
+    for work in works:
+        work.wait()
+    if flat.is_cuda:
+        torch.cuda.current_stream(flat.device).synchronize()
+    return tensors
 
 
 @torch.no_grad()
