@@ -1,25 +1,37 @@
-"""Benchmark: RL steps in synchronous vs asynchronous mode on the demo config.
+"""Benchmark: an RL step of `rollouts` (sync and async) against the floor, in one process.
 
-Runs the same RL phase twice in one process (same tiny model, same data, same seed), once with
-rollout.mode = "sync" and once with "async", and prints samples/s, the ratio async/sync, the
-mean time of each phase per step, and the fraction of step time that is not model compute
-(model compute = the generate, logprobs and train phases; the rest is reward scoring, weight
-sync, checkpoints, batching and waiting).
+The workload of issue 11: 16 prompts x 8 samples (128 completions), up to 64 new tokens,
+temperature 1, GRPO, no reference model, one optimizer step per batch, on the demo's tiny model
+(or `--model DIR`, an HF model directory). Per round it runs, in this process:
+  floor  the same batch generated with in-process padded `model.generate` plus one plain torch
+         forward/backward/AdamW step (`bench_rl_floor.py`);
+  sync   the project's RL phase with rollout.mode = "sync" (engine processes, weight sync, ...);
+  async  the same with rollout.mode = "async".
+and prints seconds per step (mean over the timed steps), samples/s, the phases, and the ratios
+floor / sync step (target >= 0.9 on the tiny model) and async / sync samples/s (target >= 1.6).
+Torch threads are the driver's default share (cores // (engines + 1)), also for the floor.
 
-    python scripts/bench_rl_step.py [--steps 8] [--skip 2]
+    python scripts/bench_rl_step.py [--model DIR] [--steps 8] [--skip 2] [--rounds 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
+import torch
 import trio
+from bench_rl_floor import FloorSpec, run_floor  # scripts/ is on sys.path when run
 
-from rollouts.config import load_config
+from rollouts.config import Config, load_config
+from rollouts.data.loaders import load_prompts
+from rollouts.data.sft import tokenize_prompt
+from rollouts.training.backends.factories import load_tokenizer
+from rollouts.training.engines import cpu_share
 from rollouts.training.run import rl_phase
 from rollouts.training.run_setup import (
     StopFlag,
@@ -28,13 +40,24 @@ from rollouts.training.run_setup import (
     prepare_run_dir,
 )
 
-PHASES = ("generate", "logprobs", "train", "sync", "eval", "checkpoint", "idle")
-COMPUTE = ("generate", "logprobs", "train")
+PHASES = ("generate", "logprobs", "train", "sync", "idle")
+WORKLOAD = [
+    "rollout.batch_size=16",
+    "rollout.n_samples_per_prompt=8",
+    "rollout.over_sampling_factor=1.0",
+    "rollout.max_concurrency=128",
+    "engines.max_batch=128",
+    "rollout.sampling.max_new_tokens=64",
+    "rollout.sampling.temperature=1.0",
+    "algorithm.advantage='grpo'",
+    "algorithm.kl_coef=0.0",
+]
 
 
-def run_mode(mode: str, steps: int, work: Path, overrides: list[str]) -> list[dict]:
-    """Run `steps` RL steps in `mode`; the metrics rows (one per step)."""
-    config = load_config(
+def bench_config(work: Path, mode: str, steps: int, model: str, overrides: list[str]) -> Config:
+    """The demo config with the issue's workload, no evaluation and no periodic checkpoints."""
+    model_keys = [f"model.path='{model}'", "model.tiny.enabled=false"] if model else []
+    return load_config(
         Path(__file__).resolve().parents[1] / "configs" / "demo-cpu.toml",
         [
             f"run.output_dir='{work / mode}'",
@@ -45,54 +68,118 @@ def run_mode(mode: str, steps: int, work: Path, overrides: list[str]) -> list[di
             "checkpoint.every=0",
             "logging.console=false",
             "data.eval_size=8",
+            *WORKLOAD,
+            *model_keys,
             *overrides,
         ],
     )
+
+
+def run_mode(config: Config) -> list[dict]:
+    """The project's RL phase; its metrics rows (one per step, step 0 = eval left out)."""
     run_dir = prepare_run_dir(config, "bench", resume=False)
-    prepare_data(config)
     model = prepare_base_model(config)
     started = time.monotonic()
     trio.run(rl_phase, config, run_dir, model, False, StopFlag())
-    print(f"[{mode}] {steps} steps in {time.monotonic() - started:.1f}s", flush=True)
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if json.loads(line)["step"] >= 1]
+    print(f"[{config.rollout.mode}] done in {time.monotonic() - started:.1f}s", flush=True)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["step"] >= 1]
 
 
 def summarise(rows: list[dict], skip: int) -> dict[str, float]:
-    """samples/s over the measured steps and the mean seconds of each phase."""
-    rows = rows[skip:]
-    total_s = sum(r["perf/step_time_s"] for r in rows)
-    samples = sum(r["perf/samples_per_s"] * r["perf/step_time_s"] for r in rows)
-    out = {"samples_per_s": samples / total_s, "step_s": total_s / len(rows)}
+    """Mean s/step, samples/s and phases over steps skip+1 .. last-1 (the last one evaluates
+    and checkpoints)."""
+    rows = rows[skip:-1]
+    assert rows, "no timed step: raise --steps above --skip + 1"
+    step_s = statistics.fmean(r["perf/step_time_s"] for r in rows)
+    samples = statistics.fmean(r["perf/samples_per_s"] * r["perf/step_time_s"] for r in rows)
+    out = {"step_s": step_s, "samples_per_s": samples / step_s}
+    out["len"] = statistics.fmean(r["rollout/response_length_mean"] for r in rows)
     for phase in PHASES:
-        out[phase] = sum(r.get(f"time/{phase}_s", 0.0) for r in rows) / len(rows)
-    compute = sum(out[p] for p in COMPUTE)
-    out["not_compute_frac"] = max(out["step_s"] - compute, 0.0) / out["step_s"]
+        out[phase] = statistics.fmean(r.get(f"time/{phase}_s", 0.0) for r in rows)
+    out["generate_overlapped"] = statistics.fmean(
+        r.get("time/generate_overlapped_s", 0.0) for r in rows
+    )
     return out
+
+
+def floor(config: Config, steps: int, skip: int) -> dict[str, float]:
+    """The floor on the same model, prompts and settings, summarised like `summarise`."""
+    model_dir = prepare_base_model(config)
+    tokenizer = load_tokenizer(model_dir)
+    items = load_prompts(config.data.train_path)[: config.rollout.batch_size]
+    spec = FloorSpec(
+        prompts=tuple(tuple(tokenize_prompt(tokenizer, it.prompt)) for it in items),
+        n_samples=config.rollout.n_samples_per_prompt,
+        max_new_tokens=config.rollout.sampling.max_new_tokens,
+        temperature=config.rollout.sampling.temperature,
+        lr=config.optim.lr,
+        max_grad_norm=config.optim.max_grad_norm,
+        micro_batch_tokens=config.training.micro_batch_tokens,
+    )
+    timed = run_floor(model_dir, spec, steps)[skip:-1]
+    assert timed, "no timed floor step: raise --steps above --skip + 1"
+    step_s = statistics.fmean(s.step_s for s in timed)
+    return {
+        "step_s": step_s,
+        "samples_per_s": statistics.fmean(s.samples for s in timed) / step_s,
+        "len": statistics.fmean(s.generated_tokens / s.samples for s in timed),
+        "generate": statistics.fmean(s.generate_s for s in timed),
+        "train": statistics.fmean(s.train_s for s in timed),
+    }
+
+
+def one_round(work: Path, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    out = {}
+    for mode in ("floor", "sync", "async"):
+        config = bench_config(
+            work, "sync" if mode == "floor" else mode, args.steps, args.model, args.overrides
+        )
+        if mode == "floor":
+            prepare_data(config)
+            out[mode] = floor(config, args.steps, args.skip)
+        else:
+            out[mode] = summarise(run_mode(config), args.skip)
+        print(f"[{mode}] {out[mode]['step_s']:.3f} s/step", flush=True)
+    return out
+
+
+def report(results: dict[str, dict[str, float]]) -> tuple[float, float]:
+    """Print one round's table and ratios; (floor / sync step, async / sync samples/s)."""
+    keys = ("step_s", "samples_per_s", "len", *PHASES, "generate_overlapped")
+    print(f"\n{'s/step':<20}" + "".join(f"{m:>10}" for m in results))
+    for key in keys:
+        cells = "".join(f"{results[m].get(key, float('nan')):>10.3f}" for m in results)
+        print(f"{key:<20}{cells}")
+    floor_ratio = results["floor"]["step_s"] / results["sync"]["step_s"]
+    async_ratio = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
+    print(f"floor / sync step: {floor_ratio:.2f} (target >= 0.9)")
+    print(f"async / sync samples/s: {async_ratio:.2f}x (target >= 1.6)")
+    return floor_ratio, async_ratio
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="", help="an HF model directory (default: tiny)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--skip", type=int, default=2, help="warm-up steps left out")
+    parser.add_argument("--rounds", type=int, default=1, help="floor/sync/async repetitions")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
+    threads = cpu_share(0, "cpu", 1)
+    torch.set_num_threads(threads)
+    print(f"torch threads {threads} (trainer and floor); model {args.model or 'tiny (demo)'}")
+    ratios = []
     with tempfile.TemporaryDirectory(prefix="bench-rl-") as tmp:
-        work = Path(tmp)
-        results = {
-            m: summarise(run_mode(m, args.steps, work, args.overrides), args.skip)
-            for m in ("sync", "async")
-        }
-    print(f"\n{'phase (s/step)':<18}" + "".join(f"{m:>10}" for m in results))
-    for key in ("step_s", *PHASES):
-        print(f"{key:<18}" + "".join(f"{results[m][key]:>10.3f}" for m in results))
-    for m, r in results.items():
+        for r in range(args.rounds):
+            print(f"\n== round {r + 1}/{args.rounds}", flush=True)
+            ratios.append(report(one_round(Path(tmp), args)))
+    if args.rounds > 1:
         print(
-            f"{m}: {r['samples_per_s']:.2f} samples/s, "
-            f"not model compute {100 * r['not_compute_frac']:.1f}% of step time"
+            f"\nmedian over {args.rounds} rounds: floor / sync "
+            f"{statistics.median(f for f, _ in ratios):.2f}, async / sync "
+            f"{statistics.median(a for _, a in ratios):.2f}x"
         )
-    ratio = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
-    print(f"async / sync samples/s ratio: {ratio:.2f}x")
 
 
 if __name__ == "__main__":
