@@ -1,8 +1,12 @@
 """The HTTP layer of the engine clients: bounded calls, bounded retries, errors that say why.
 
-httpx.AsyncClient under trio with a small connection pool. Every call is inside
-`trio.fail_after`. Connection failures (and 503, the server saying "not now") are retried with
-bounded exponential backoff; a 4xx is never retried and is raised with the server's message.
+httpx.AsyncClient under trio, two pools per engine: generation requests (`GENERATION_PATHS`) in
+one sized for a whole rollout batch, every other call (pause, resume, weight reload, abort,
+health, loads) in its own small one, so a control call never queues behind generations it is
+meant to pause (a keep-mode pause of a full pool would otherwise wait for them forever: a
+deadlock until the timeout). Every call is inside `trio.fail_after`. Connection failures (and
+503, the server saying "not now") are retried with bounded exponential backoff; a 4xx is never
+retried and is raised with the server's message.
 """
 
 from __future__ import annotations
@@ -40,12 +44,17 @@ class HttpOptions:
     max_retries: int = 3
     backoff_s: float = 0.1  # first retry delay; doubles each retry
     max_backoff_s: float = 2.0
-    max_connections: int = 16
+    max_connections: int = 256  # generation requests in flight (rollout.max_concurrency bounds)
+    max_control_connections: int = 4  # pause / resume / reload / abort / health / loads
 
     def __post_init__(self) -> None:
         assert self.timeout_s > 0, f"{self.timeout_s=}"
         assert self.max_retries >= 0, f"{self.max_retries=}"
-        assert 1 <= self.max_connections <= 256, f"{self.max_connections=}"
+        assert 1 <= self.max_connections <= 1024, f"{self.max_connections=}"
+        assert 1 <= self.max_control_connections <= 64, f"{self.max_control_connections=}"
+
+
+GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
 
 
 def backoff_delays(options: HttpOptions) -> list[float]:
@@ -86,15 +95,23 @@ class EngineHttp:
         self.options = options or HttpOptions()
         o = self.options
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(
-            base_url=self.url,
-            headers=headers,
-            timeout=httpx.Timeout(o.timeout_s, connect=o.connect_timeout_s),
-            limits=httpx.Limits(
-                max_connections=o.max_connections, max_keepalive_connections=o.max_connections
-            ),
-            transport=transport,
-        )
+
+        def client(connections: int) -> httpx.AsyncClient:
+            return httpx.AsyncClient(
+                base_url=self.url,
+                headers=headers,
+                timeout=httpx.Timeout(o.timeout_s, connect=o.connect_timeout_s),
+                limits=httpx.Limits(
+                    max_connections=connections, max_keepalive_connections=connections
+                ),
+                transport=transport,
+            )
+
+        self._client = client(o.max_connections)  # generation
+        self._control = client(o.max_control_connections)  # everything else
+
+    def _pool(self, path: str) -> httpx.AsyncClient:
+        return self._client if path in GENERATION_PATHS else self._control
 
     async def call(
         self,
@@ -112,7 +129,7 @@ class EngineHttp:
         for delay in delays:
             try:
                 with trio.fail_after(timeout_s):
-                    response = await self._client.request(
+                    response = await self._pool(path).request(
                         method, path, json=json_body, params=params
                     )
             except httpx.TransportError as exc:
@@ -149,11 +166,12 @@ class EngineHttp:
         """True when GET `path` answers 200 within `timeout_s` (no retries)."""
         try:
             with trio.fail_after(timeout_s):
-                response = await self._client.get(path)
+                response = await self._pool(path).get(path)
         except (httpx.TransportError, trio.TooSlowError):
             return False
         return response.status_code == 200
 
     async def aclose(self) -> None:
-        """Close the connection pool."""
+        """Close both connection pools."""
         await self._client.aclose()
+        await self._control.aclose()
