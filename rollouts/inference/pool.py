@@ -122,8 +122,9 @@ class EnginePool:
 
     async def update_weights_from_disk(self, path: str, version: str) -> None:
         """Reload on every engine that is up; engines brought back later load it too."""
-        self.set_weights(path, version)
-        await self._each_up(lambda e: e.update_weights_from_disk(path, version))
+        async with self.weights_lock:
+            self.set_weights(path, version)
+            await self._each_up(lambda e: e.update_weights_from_disk(path, version))
 
     async def pause(self, mode: str = "abort") -> None:
         """Pause every engine that is up."""
@@ -177,7 +178,8 @@ class EnginePool:
         self.failed_checks[i] = 0 if alive else self.failed_checks[i] + 1
         if alive:
             if not self.up[i]:
-                print(f"[engines] {self.engines[i].url} is up again (weights {self.version})")
+                url = self.engines[i].url
+                print(f"[engines] {url} is back on weights {self.version}", flush=True)
             self.up[i] = True
         elif self.failed_checks[i] >= self.down_after_failed_checks:
             self.up[i] = False
