@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -270,13 +270,16 @@ async def serve_engines(
     count: int,
     *,
     max_restarts: int = 0,
+    restart_from: Callable[[], tuple[str, str] | None] | None = None,
     task_status: Any = trio.TASK_STATUS_IGNORED,
     **kwargs: Any,
 ) -> None:
     """Start `count` engines at once (each on its own free port); `started(urls)`; restart one
     that exits (at most `max_restarts` times each, same port, not waited for: the pool's health
-    check finds it); runs until cancelled, then stops them all. Use with `functools.partial`
-    and `nursery.start`."""
+    check finds it) on `restart_from()` = (model dir, weight version) when it gives one that
+    exists (the weights served now: the starting model may have been rotated away), else on
+    the starting model; runs until cancelled, then stops them all. Use with
+    `functools.partial` and `nursery.start`."""
     assert count >= 1, f"{count=}"
     assert max_restarts >= 0, f"{max_restarts=}"
     spec = _spec(model_dir, kwargs)
@@ -288,14 +291,19 @@ async def serve_engines(
             for proc in procs:
                 nursery.start_soon(wait_healthy, proc, spec.startup_timeout_s)
         task_status.started([p.url for p in procs])
-        await _restart_exited(procs, spec, max_restarts)
+        await _restart_exited(procs, spec, max_restarts, restart_from)
     finally:
         with trio.CancelScope(shield=True):
             for proc in procs:
                 await trio.to_thread.run_sync(proc.stop)
 
 
-async def _restart_exited(procs: list[EngineProcess], spec: EngineSpec, max_restarts: int) -> None:
+async def _restart_exited(
+    procs: list[EngineProcess],
+    spec: EngineSpec,
+    max_restarts: int,
+    restart_from: Callable[[], tuple[str, str] | None] | None,
+) -> None:
     """Until cancelled: replace an exited server in `procs` by a new one on its port."""
     restarts = [0] * len(procs)
     while True:
@@ -313,4 +321,8 @@ async def _restart_exited(procs: list[EngineProcess], spec: EngineSpec, max_rest
                 f"[engines] {proc.url} exited ({code}); restart {restarts[i]}/{max_restarts}",
                 flush=True,
             )
-            procs[i] = spawn(dataclasses.replace(spec, port=port))  # trio thread: see module doc
+            again = dataclasses.replace(spec, port=port)
+            now = restart_from() if restart_from is not None else None
+            if now is not None and Path(now[0], "config.json").is_file():
+                again = dataclasses.replace(again, model_dir=now[0], weight_version=now[1])
+            procs[i] = spawn(again)  # from the trio thread: see the module doc

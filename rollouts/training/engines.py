@@ -40,6 +40,13 @@ def cpu_share(threads: int, device: str, num_engines: int) -> int:
     return max(1, (os.cpu_count() or 1) // (num_engines + 1))
 
 
+def current_weights(pool: EnginePool | None) -> tuple[str, str] | None:
+    """(model dir, version) the pool's engines serve now, for restarting a built-in engine."""
+    if pool is None or pool.weights_path is None or pool.version is None:
+        return None
+    return pool.weights_path, pool.version
+
+
 @contextlib.asynccontextmanager
 async def open_engines(
     config: Config, model_dir: Path, version: str, weights_roots: Sequence[Path] = ()
@@ -50,6 +57,7 @@ async def open_engines(
     run's starting model and its weight-copy directory), so no other local process can make
     them serve weights of its choosing."""
     e = config.engines
+    pool: EnginePool | None = None  # built below; a restart asks it for the current weights
     async with trio.open_nursery() as nursery:
         if e.kind == "builtin":
             urls = await nursery.start(
@@ -66,6 +74,7 @@ async def open_engines(
                     weight_version=version,
                     startup_timeout_s=e.startup_timeout_s,
                     max_restarts=e.max_restarts,
+                    restart_from=lambda: current_weights(pool),
                     weights_roots=tuple(str(Path(r).resolve()) for r in weights_roots),
                 )
             )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.server
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import pytest
 import trio
 
 from rollouts.config import config_from_dict
-from rollouts.inference.http import EngineUnavailable, HttpOptions
+from rollouts.inference.http import EngineUnavailable
 from rollouts.inference.protocol import SamplingParams
 from rollouts.training.engines import open_engines
 from rollouts.training.weight_sync import sync_pool
@@ -65,27 +66,34 @@ def _config(model_dir: Path, **engines: object):
 
 
 async def test_a_dead_engine_is_skipped_then_restarted_on_the_current_weights(
-    tiny_model_dir: Path,
+    tiny_model_dir: Path, tmp_path: Path
 ) -> None:
+    start, v1, v2 = (tmp_path / name for name in ("start", "v1", "v2"))
+    for copy in (start, v1, v2):  # the starting checkpoint and two weight copies
+        shutil.copytree(tiny_model_dir, copy)
     config = _config(tiny_model_dir, max_restarts=1, max_retries=1, request_timeout_s=30.0)
     sampling = SamplingParams(max_new_tokens=4, temperature=0.0)
-    async with open_engines(config, tiny_model_dir, "0") as pool:
-        assert pool.engines[0].http.options == HttpOptions(timeout_s=30.0, max_retries=1)
+    async with open_engines(config, start, "0") as pool:
+        assert pool.engines[0].http.options.timeout_s == 30.0
+        assert pool.engines[0].http.options.max_retries == 1
+        assert (await sync_pool(pool, str(v1), "1")).ok
+        shutil.rmtree(start)  # rotated away: a restart cannot use the starting model
         port = pool.engines[1].url.rsplit(":", 1)[1]
         (victim,) = server_pids(f"--port {port}")
         os.kill(victim, signal.SIGKILL)
-        report = await sync_pool(pool, str(tiny_model_dir), "1", attempts=1, retry_delay_s=0.0)
+        report = await sync_pool(pool, str(v2), "2", attempts=1, retry_delay_s=0.0)
         assert report.results[0].ok, report
-        assert await pool.engines[0].weight_version() == "1"
-        assert pool.version == "1"
-        with trio.fail_after(120):  # restarted (on version "0"), reloaded, proved, routed again
+        assert await pool.engines[0].weight_version() == "2"
+        with trio.fail_after(120):  # restarted (on v1), reloaded v2, proved it, routed again
             while not all(pool.up):
                 await trio.sleep(0.2)
-        assert await pool.engines[1].weight_version() == "1"
-        assert server_pids(f"--port {port}") != [victim]
+        assert await pool.engines[1].weight_version() == "2"
+        (restarted,) = server_pids(f"--port {port}")
+        assert restarted != victim
+        assert str(start) not in Path(f"/proc/{restarted}/cmdline").read_text()
         pool.in_flight[0] = 100  # route to the restarted engine
         completion = await pool.generate([1, 2, 3], sampling)
-        assert completion.weight_version == "1"
+        assert completion.weight_version == "2"
 
 
 async def test_the_sync_stops_the_run_only_when_no_engine_is_left(tiny_model_dir: Path) -> None:
