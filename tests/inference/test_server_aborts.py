@@ -21,7 +21,7 @@ from rollouts.inference.server.rows import SlotTable
 from rollouts.inference.server.sampling import SamplingSpec
 from rollouts.inference.sglang import SGLangEngine
 
-LONG = {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+LONG = {"max_new_tokens": 500, "temperature": 0.0, "ignore_eos": True}  # most of the context
 
 
 async def _until(predicate, timeout_s: float = 30.0) -> None:
