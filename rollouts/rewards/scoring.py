@@ -6,7 +6,10 @@ names the function: it is counted and never trained on, never a silent 0 (verl P
 Training (the rollout manager) and evaluation score through `score_sample`, so a bad reward is
 treated the same in both. Sync functions run in a worker thread under
 `trio.fail_after` (abandoned on timeout: a hung verifier cannot hang the loop); async ones are
-awaited under the same bound. Records are never mutated: `dataclasses.replace` only.
+awaited under the same bound. Sync reward functions get their own pool of worker threads (per
+trio run, `REWARD_THREADS` at most), so abandoned hung verifiers can never use up trio's default
+threads, which checkpoints and the backend need. Records are never mutated:
+`dataclasses.replace` only.
 """
 
 from __future__ import annotations
@@ -23,6 +26,18 @@ from rollouts.plugins import is_async_callable
 from rollouts.types import Reward, Sample, Status
 
 SCORABLE = (Status.COMPLETED, Status.TRUNCATED)
+REWARD_THREADS = 64  # sync reward calls in flight per trio run (hung ones included)
+_REWARD_LIMITER: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("rewards")
+
+
+def reward_limiter() -> trio.CapacityLimiter:
+    """This trio run's limiter of sync reward threads (made on first use)."""
+    try:
+        return _REWARD_LIMITER.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(REWARD_THREADS)
+        _REWARD_LIMITER.set(limiter)
+        return limiter
 
 
 def as_reward(value: Any) -> Reward:
@@ -68,7 +83,7 @@ async def _call(reward_fn: Callable[[Sample], Any], sample: Sample) -> Any:
     if is_async_callable(reward_fn):
         return await reward_fn(sample)
     return await trio.to_thread.run_sync(
-        functools.partial(reward_fn, sample), abandon_on_cancel=True
+        functools.partial(reward_fn, sample), abandon_on_cancel=True, limiter=reward_limiter()
     )
 
 
