@@ -12,6 +12,7 @@ retried and is raised with the server's message.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from typing import Any
 
@@ -55,6 +56,15 @@ class HttpOptions:
 
 
 GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+SHARD_CONNECTIONS = 16
+
+
+def shard_sizes(connections: int, per_shard: int) -> list[int]:
+    """Connection limits of the generation shards: `connections` in all, each <= per_shard."""
+    assert connections >= 1, f"{connections=}"
+    assert per_shard >= 1, f"{per_shard=}"
+    full, rest = divmod(connections, per_shard)
+    return [per_shard] * full + ([rest] if rest else [])
 
 
 def backoff_delays(options: HttpOptions) -> list[float]:
@@ -107,11 +117,18 @@ class EngineHttp:
                 transport=transport,
             )
 
-        self._client = client(o.max_connections)  # generation
+        # generation: shards of <= SHARD_CONNECTIONS, taken in turn (httpcore scans every
+        # connection of a pool for every queued request: one big pool costs the driver whole
+        # seconds of CPU per 128-request batch, contending with the trainer in async mode)
+        sizes = shard_sizes(o.max_connections, SHARD_CONNECTIONS)
+        self._shards = [client(n) for n in sizes]
+        self._turn = itertools.count()
         self._control = client(o.max_control_connections)  # everything else
 
     def _pool(self, path: str) -> httpx.AsyncClient:
-        return self._client if path in GENERATION_PATHS else self._control
+        if path not in GENERATION_PATHS:
+            return self._control
+        return self._shards[next(self._turn) % len(self._shards)]
 
     async def call(
         self,
@@ -173,5 +190,6 @@ class EngineHttp:
 
     async def aclose(self) -> None:
         """Close both connection pools."""
-        await self._client.aclose()
+        for shard in self._shards:
+            await shard.aclose()
         await self._control.aclose()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import trio
 
-from rollouts.inference.http import HttpOptions
+from rollouts.inference.http import HttpOptions, shard_sizes
 from rollouts.inference.protocol import FinishReason, SamplingParams
 from rollouts.inference.sglang import SGLangEngine
 
@@ -41,3 +41,9 @@ async def test_weight_sync_is_not_stuck_behind_a_full_generation_pool(
     finally:
         await engine.aclose()
     assert [c.finish_reason for c in done] == [FinishReason.LENGTH] * 3
+
+
+def test_generation_pool_is_split_into_small_shards() -> None:
+    assert shard_sizes(256, 16) == [16] * 16
+    assert shard_sizes(40, 16) == [16, 16, 8]
+    assert shard_sizes(2, 16) == [2]
