@@ -63,6 +63,8 @@ from rollouts.training.weight_sync import (
     sync_pool,
 )
 
+JSON_SCALAR = (int, float, str, bool)  # what a checkpoint stores of a step's metrics
+
 
 def checkpoint_root(config: Config, run_dir: Path, phase: str) -> Path:
     return Path(config.checkpoint.dir or run_dir / "checkpoints") / phase
@@ -306,7 +308,7 @@ async def _rl_with_engines(
             "phase": "rl",
             "data_buffer": buffer_state,
             "rl_loop": loop_state or {},
-            "metrics": dict(metrics or {}),
+            "metrics": {k: v for k, v in (metrics or {}).items() if isinstance(v, JSON_SCALAR)},
         }
         c = config.checkpoint
         best = BestSpec(metric=c.best_metric, mode=c.best_mode) if c.best_metric else None
