@@ -1,0 +1,145 @@
+"""Drive the project's engine clients through a whole sync cycle against a real server's app.
+
+    python scripts/protocols/drive.py sglang|vllm MODEL_DIR
+
+Starts the server's own ASGI app (SGLang's or vLLM's, a stub model behind it; see
+sglang_app.py / vllm_app.py) with uvicorn on 127.0.0.1 in a thread, then runs the client:
+readiness wait, generate, an async-mode sync (pause keep -> reload -> resume) with a request
+running through it, abort- and wait-mode syncs, the served version, abort_all, load. Any body the
+server refuses raises (EngineRequestError with its message); any field the client needs and does
+not find fails an assert or the client's own parsing. Prints one line per step and exits 0 when
+all pass. Run inside `.venv-protocols` (scripts/test_protocols.sh).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+import trio
+
+from rollouts.inference.protocol import FinishReason, SamplingParams
+from rollouts.inference.readiness import wait_until_ready
+
+SHORT = SamplingParams(max_new_tokens=4, temperature=0.0)
+LONG = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
+
+
+def serve_in_thread(app: Any) -> str:
+    """uvicorn on a free loopback port in a daemon thread (no lifespan: the stub is set up)."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning")
+    server = uvicorn.Server(config)
+    threading.Thread(target=server.run, daemon=True).start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start in 60 s"
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}"
+
+
+def step(name: str) -> None:
+    print(f"  ok  {name}", flush=True)
+
+
+async def until_running(probe: Any) -> None:
+    """Until a request runs (SGLang: /v1/loads; vLLM: the client's own count), plus a few steps."""
+    with trio.fail_after(30):
+        while (await probe.load()).running == 0:
+            await trio.sleep(0.01)
+    await trio.sleep(0.3)
+
+
+async def sync_with_a_running_request(
+    engine: Any, probe: Any, mode: str, model_dir: str, version: str
+) -> Any:
+    """pause(mode) -> reload -> resume while a long request runs; its Completion."""
+    box: list[Any] = []
+
+    async def run() -> None:
+        box.append(await engine.generate([5, 6, 7], LONG, rid=f"long-{mode}"))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run)
+        await until_running(probe)
+        await engine.pause(mode)
+        assert await engine.health(), "not alive while paused"
+        await engine.update_weights_from_disk(model_dir, version)
+        await engine.resume()
+    return box[0]
+
+
+async def cycle(client: Any, url: str, model_dir: str) -> None:
+    """The whole cycle through one client; raises at the first refusal or missing field."""
+    engine = client(url)
+    # SGLang's load comes from /v1/loads (any client sees it); vLLM's is the client's own count
+    probe = engine if client.__name__ == "VLLMEngine" else client(url)
+    await wait_until_ready([engine], 60, report=print, poll_s=0.2)
+    step("readiness: /health, then the server named")
+    done = await engine.generate([5, 6], SHORT, rid="first")
+    assert done.completion_tokens == 4 and len(done.logprobs) == 4, done
+    assert done.weight_version == "default", done.weight_version
+    step(f"generate: 4 tokens, logprobs, version {done.weight_version!r}")
+    kept = await sync_with_a_running_request(engine, probe, "keep", model_dir, "1")
+    assert kept.finish_reason is FinishReason.LENGTH, kept
+    assert kept.completion_tokens == 60, kept.completion_tokens
+    assert kept.weight_version == "default", kept.weight_version
+    assert await engine.weight_version() == "1"
+    step("keep-mode sync with a request running: it finishes; its version is the older one")
+    aborted = await sync_with_a_running_request(engine, probe, "abort", model_dir, "2")
+    assert aborted.finish_reason is FinishReason.ABORT, aborted
+    assert await engine.weight_version() == "2"
+    step(f"abort-mode sync: the running request aborted after {aborted.completion_tokens} tokens")
+    await engine.pause("wait")
+    await engine.update_weights_from_disk(model_dir, "3")
+    await engine.resume()
+    assert await engine.weight_version() == "3"
+    step("wait-mode sync")
+    box: list[Any] = []
+
+    async def run() -> None:
+        box.append(await engine.generate([9], LONG))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run)
+        await until_running(probe)
+        await engine.abort_all()
+    assert box[0].finish_reason is FinishReason.ABORT, box[0]
+    step("abort_all: the running request returns ABORT")
+    done = await engine.generate([5, 6], SHORT)
+    assert done.weight_version == "3", done.weight_version
+    load = await engine.load()
+    assert load.total == 0, load
+    step("generate after the cycle serves version '3'; load is 0")
+    await engine.aclose()
+    if probe is not engine:
+        await probe.aclose()
+
+
+def main() -> int:
+    kind, model_dir = sys.argv[1], sys.argv[2]
+    if kind == "sglang":
+        from protocols import sglang_app as server
+
+        from rollouts.inference.sglang import SGLangEngine as client
+    else:
+        from protocols import vllm_app as server
+
+        from rollouts.inference.vllm import VLLMEngine as client
+    app, _stub = server.build_app(model_dir)
+    url = serve_in_thread(app)
+    print(f"{kind} {server.version()}: its own app on {url}, {client.__name__}", flush=True)
+    trio.run(cycle, client, url, model_dir)
+    print(f"PASS {kind} {server.version()}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
