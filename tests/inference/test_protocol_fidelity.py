@@ -13,7 +13,7 @@ from rollouts.inference.http import HttpOptions
 from rollouts.inference.protocol import FinishReason, SamplingParams
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.versions import SyncBracket, completion_version
-from rollouts.inference.vllm import VLLMEngine
+from rollouts.inference.vllm import VLLMEngine, reports_weight_versions
 
 LONG = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
 
@@ -160,6 +160,8 @@ async def test_vllm_without_weight_versions_says_so_once_and_uses_the_bracket(ca
 
     def old_vllm(request: httpx.Request) -> httpx.Response:
         path = request.url.path
+        if path == "/version":
+            return httpx.Response(200, json={"version": "0.32.0"})
         if path == "/weight_info":
             return httpx.Response(200, json={"weight_version": state["version"]})
         if path == "/update_weight_version":
@@ -175,6 +177,8 @@ async def test_vllm_without_weight_versions_says_so_once_and_uses_the_bracket(ca
 
     engine = VLLMEngine("http://old", transport=httpx.MockTransport(old_vllm))
     with caplog.at_level(logging.WARNING, logger="rollouts.inference.vllm"):
+        assert await engine.server_version() == "vllm 0.32.0"  # said at start, before any sample
+        assert engine.reports_versions is False
         first = await engine.generate([1], SamplingParams(max_new_tokens=2))
         await engine.update_weights_from_disk("/ckpt", "1")
         second = await engine.generate([1], SamplingParams(max_new_tokens=2))
@@ -202,3 +206,11 @@ async def test_a_whole_sync_cycle_through_each_client(servers, tiny_model_dir, c
         async with httpx.AsyncClient(base_url=servers["main"].url, timeout=60) as http:
             await http.post("/update_weight_version", json={"new_version": "default"})
         await engine.aclose()
+
+
+def test_which_vllm_versions_report_weight_versions() -> None:
+    assert reports_weight_versions("0.32.0") is False
+    assert reports_weight_versions("0.27.1") is False
+    assert reports_weight_versions("0.33.0") is True
+    assert reports_weight_versions("0.33.1rc1.dev3+g1234") is True
+    assert reports_weight_versions("rollouts-builtin") is None
