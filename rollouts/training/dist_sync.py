@@ -209,7 +209,8 @@ class DistributedWeightSync:
                 times["load_s"] = time.perf_counter() - clock
             finally:
                 with trio.CancelScope(shield=True), trio.fail_after(RESUME_TIMEOUT_S):
-                    await self._each(engines, errors, lambda e: e.resume())
+                    # every engine, also when another one failed
+                    await self._each(engines, errors, lambda e: e.resume(), every=True)
             await self._each(engines, errors, functools.partial(_verify, version=version))
             times["verified"] = 1.0
         times["buckets"] = float(len(buckets))
@@ -222,9 +223,10 @@ class DistributedWeightSync:
         call: Callable[[SyncTarget], Awaitable[object]],
         *,
         beside: Callable[[], None] | None = None,
+        every: bool = False,
     ) -> None:
-        """`call` on every engine at once (and `beside` in a thread); any failure cancels the
-        rest, is recorded under the engine's URL and raised as a RuntimeError."""
+        """`call` on every engine at once (and `beside` in a thread); a failure is recorded
+        under the engine's URL, cancels the rest (unless `every`), and raises `_Failed`."""
         async with trio.open_nursery() as nursery:
 
             async def one(engine: SyncTarget) -> None:
@@ -232,7 +234,8 @@ class DistributedWeightSync:
                     await call(engine)
                 except Exception as exc:
                     errors.setdefault(engine.url, f"{type(exc).__name__}: {exc}")
-                    nursery.cancel_scope.cancel()
+                    if not every:
+                        nursery.cancel_scope.cancel()
 
             async def local() -> None:
                 assert beside is not None

@@ -79,6 +79,8 @@ async def test_distributed_sync_into_one_then_two_engines_and_its_failures(
         with pytest.raises(WeightSyncError, match="at step 4") as killed:
             await sync.sync(engines, backend.get_weights, "4", step=4)
         assert not sync.connected  # dropped after a failure; formed anew next time
+        with trio.fail_after(30):  # the survivor was resumed although the dead one's resume failed
+            await _greedy_outputs(engines[:1], prompt, 2)
         pool = EnginePool(engines, wait_for_up_s=5.0)  # both "up": the sync finds the dead one
         survivor = await sync_pool_distributed(pool, sync, backend.get_weights, "5", step=5)
         served = await engines[0].weight_version()
