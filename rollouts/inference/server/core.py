@@ -89,9 +89,11 @@ class EngineCore:
                 queued=len(self._waiting) + len(seqs) - 1, max_queue=self.options.max_queue
             ):
                 return False
+            was_empty = not self._waiting
             self._waiting.extend(seqs)
             self._last_submit_s = time.monotonic()
-            self._cv.notify()
+            if was_empty or len(self._waiting) >= self.options.max_batch:
+                self._cv.notify()  # else the worker is busy, or gathering and wakes by itself
         return True
 
     def post(self, command: Callable[[], None]) -> None:
