@@ -115,7 +115,6 @@ class StubCompletions:
             CompletionResponseChoice,
         )
         from vllm.entrypoints.serve.engine.protocol import UsageInfo
-        from vllm.outputs import WeightVersionSpan
 
         params = request.to_sampling_params(request.max_tokens or 16)  # vLLM's own checks
         prompt = list(request.prompt)
@@ -130,11 +129,6 @@ class StubCompletions:
                 tokens=[name(t) for t in run.output],
                 top_logprobs=[{name(t): -0.5} for t in run.output],
             )
-        spans, start = [], 0
-        for version, end in [*run.events, (self.llm.version, n)]:
-            if end > start:
-                spans.append(WeightVersionSpan(version=version, start=start, end=end))
-                start = end
         choice = CompletionResponseChoice(
             index=0,
             text="x" * n,
@@ -142,12 +136,24 @@ class StubCompletions:
             finish_reason="abort" if run.aborted else "length",
             token_ids=run.output if request.return_token_ids else None,
             prompt_token_ids=prompt if request.return_token_ids else None,
-            weight_versions=(spans or None) if request.return_weight_versions else None,
         )
+        # vLLM 0.33+ reports the versions that sampled the tokens; older ones ignore the field
+        if getattr(request, "return_weight_versions", False):
+            choice.weight_versions = self._spans(run, n)
         usage = UsageInfo(
             prompt_tokens=len(prompt), completion_tokens=n, total_tokens=len(prompt) + n
         )
         return CompletionResponse(model=self.model, choices=[choice], usage=usage)
+
+    def _spans(self, run: Run, n: int) -> list[Any] | None:
+        from vllm.outputs import WeightVersionSpan
+
+        spans, start = [], 0
+        for version, end in [*run.events, (self.llm.version, n)]:
+            if end > start:
+                spans.append(WeightVersionSpan(version=version, start=start, end=end))
+                start = end
+        return spans or None
 
 
 def build_app(model_dir: str) -> tuple[Any, Any]:
