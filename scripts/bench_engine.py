@@ -6,10 +6,19 @@ Two cases: every sequence 64 new tokens ("equal"), and each sequence its own len
 4..64 ("varying"). The baseline is what TRL does: one left-padded `generate` call over the 128
 rows (each prompt repeated 8 times), run to the longest length, with the logprobs gathered from
 its logits; only the requested tokens count. The server gets the 128 sequences as 128 concurrent
-requests (as the rollout manager sends them) through the SGLang and the vLLM client.
-Both sides use the same number of torch threads (`--threads`, default 1, as issue 11 measured).
+requests (as the rollout manager sends them) through the SGLang and the vLLM client, and as 16
+SGLang batch requests, one per group ("groups"), which shows the engine without most of the
+per-request HTTP cost. Both sides use the same number of torch threads (`--threads`, default 1,
+as issue 11 measured). Each rep runs the baseline and then the server runs, and each ratio is
+taken against the baseline of its own rep (the machine's load drifts). Below the table: the
+server's own account from its DEBUG log (decode steps, ms per step, prefills), the time from the
+client's start to the first admission and from the drained batch to the last answer (HTTP), and
+the CPU seconds of the server process and of the client.
 
     .venv/bin/python scripts/bench_engine.py [--reps 2] [--hidden 128] [--layers 3]
+
+To see where a decode step's time goes, profile the server process under this load with py-spy
+(`pip install -e .[profile]`; `py-spy record -p SERVER_PID -f raw -o out.txt --threads -n`).
 """
 
 from __future__ import annotations
