@@ -10,6 +10,9 @@ temperature 1, GRPO, no reference model, one optimizer step per batch, on the de
 and prints seconds per step (mean over the timed steps), samples/s, the phases, and the ratios
 floor / sync step (target >= 0.9 on the tiny model) and async / sync samples/s (target >= 1.6).
 Torch threads are the driver's default share (cores // (engines + 1)), also for the floor.
+Async overlaps generation with training, so it cannot beat sync by more than
+sync step / max(generate, the rest): the "async ceiling" line. Every ratio needs a quiet machine
+(two free cores for async); on a loaded one the processes wait for CPU and the GIL.
 
     python scripts/bench_rl_step.py [--model DIR] [--steps 8] [--skip 2] [--rounds 1]
 """
@@ -155,6 +158,9 @@ def report(results: dict[str, dict[str, float]]) -> tuple[float, float]:
     async_ratio = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
     print(f"floor / sync step: {floor_ratio:.2f} (target >= 0.9)")
     print(f"async / sync samples/s: {async_ratio:.2f}x (target >= 1.6)")
+    sync = results["sync"]
+    ceiling = sync["step_s"] / max(sync["generate"], sync["step_s"] - sync["generate"], 1e-9)
+    print(f"async ceiling from the sync phases (step / slower stage): {ceiling:.2f}x")
     return floor_ratio, async_ratio
 
 
