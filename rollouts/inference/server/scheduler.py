@@ -12,8 +12,8 @@ import time
 
 from rollouts.inference.protocol import FinishReason
 
-GATHER_GAP_S = 0.005  # a burst of requests has ended after this long without a new one
-GATHER_MAX_S = 0.1  # a fresh batch waits at most this long for the rest of a burst
+GATHER_GAP_S = 0.02  # a burst of requests has ended after this long without a new one
+GATHER_MAX_S = 0.5  # a fresh batch waits at most this long for the rest of a burst
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
