@@ -50,17 +50,24 @@ def _rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def summarize_phase(name: str, rows: list[dict[str, Any]], key: str) -> PhaseSummary | None:
-    """The phase's step count and `key` (e.g. "eval/accuracy") at its start, end and best."""
+def summarize_phase(
+    name: str, rows: list[dict[str, Any]], key: str, *, higher_is_better: bool = True
+) -> PhaseSummary | None:
+    """The phase's step count and `key` (e.g. "eval/accuracy") at its start, end and best.
+
+    "Before" is the step-0 value (RL evaluates before its first step); a lower-is-better key
+    (a loss, first evaluated after some steps) takes its first evaluation instead.
+    """
     if not rows:
         return None
     steps = max(int(r.get("step", 0)) for r in rows)
     points = [(int(r["step"]), float(r[key])) for r in rows if isinstance(r.get(key), int | float)]
     if not points:
         return PhaseSummary(name=name, steps=steps)
-    first = points[0][1] if points[0][0] == 0 else None
+    first = points[0][1] if points[0][0] == 0 or not higher_is_better else None
     after = points[-1][1] if points[-1][0] > 0 else None
-    best = max(points, key=lambda p: (p[1], -p[0])) if len(points) > 1 else None
+    sign = 1.0 if higher_is_better else -1.0
+    best = max(points, key=lambda p: (sign * p[1], -p[0])) if len(points) > 1 else None
     return PhaseSummary(name=name, steps=steps, before=first, after=after, best=best)
 
 
@@ -137,7 +144,8 @@ def finish_run(run_dir: Path, wall_s: float, checkpoint: Path | None) -> list[st
     """Write the plots and print the summary of the run in `run_dir`; return the lines."""
     plots, why = write_plots(run_dir)
     phases = []
-    sft = summarize_phase("SFT", _rows(run_dir / "sft_metrics.jsonl"), "sft/eval_loss")
+    sft_rows = _rows(run_dir / "sft_metrics.jsonl")
+    sft = summarize_phase("SFT", sft_rows, "sft/eval_loss", higher_is_better=False)
     if sft is not None:
         phases.append((sft, "held-out loss"))
     rl = summarize_phase("RL", _rows(run_dir / "metrics.jsonl"), "eval/accuracy")

@@ -35,6 +35,21 @@ def test_summarize_phase_reads_before_after_and_best() -> None:
     assert bare is not None and phase_line(bare, "acc", None) == "RL: 3 steps"
 
 
+def test_a_loss_is_best_when_lowest_and_starts_at_its_first_evaluation() -> None:
+    # the SFT line once read "held-out loss n/a -> 0.039 (best 1.347 at step 20)"
+    rows = [
+        {"step": 1, "sft/loss": 5.0},
+        {"step": 20, "sft/eval_loss": 1.347},
+        {"step": 40, "sft/eval_loss": 0.03},
+        {"step": 60, "sft/eval_loss": 0.039},
+    ]
+    p = summarize_phase("SFT", rows, "sft/eval_loss", higher_is_better=False)
+    assert p is not None
+    assert (p.before, p.after, p.best) == (1.347, 0.039, (40, 0.03))
+    line = phase_line(p, "held-out loss", None)
+    assert line == "SFT: 60 steps; held-out loss 1.347 -> 0.039 (best 0.030 at step 40)"
+
+
 def test_format_duration() -> None:
     assert [format_duration(s) for s in (8.4, 61, 3720)] == ["8s", "1m01s", "1h02m"]
 
