@@ -53,6 +53,9 @@ class RolloutConfig(_Section):
     mask_off_policy_partial: bool = False
     filters: list[str] = dataclasses.field(default_factory=list)  # dotted paths or built-in names
     generate_fn: str = ""  # dotted path; "" = the engine pool
+    # the default generate fn sends a group's samples as one request to engines that batch
+    # (SGLang's API, the built-in server); false: one request per sample
+    batch_groups: bool = True
     reward_fn: str = ""  # dotted path
     env: str = ""  # dotted path or built-in env name; "" = single-turn
     max_turns: int = 1

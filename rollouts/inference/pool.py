@@ -19,7 +19,14 @@ from typing import Any
 import trio
 
 from rollouts.inference.http import EngineError, EngineUnavailable
-from rollouts.inference.protocol import Completion, EngineLoad, InferenceEngine, SamplingParams
+from rollouts.inference.protocol import (
+    Completion,
+    EngineLoad,
+    GenerateRequest,
+    InferenceEngine,
+    SamplingParams,
+    batches_requests,
+)
 
 
 def pick_engine(in_flight: Sequence[int], up: Sequence[bool], tried: set[int]) -> int | None:
@@ -86,6 +93,30 @@ class EnginePool:
                 errors.append(str(exc))
             finally:
                 self.in_flight[index] -= 1
+        raise EngineUnavailable(f"no healthy engine could generate: {errors or 'all are down'}")
+
+    @property
+    def batch_generate(self) -> bool:
+        """True when every engine takes a batch of prompts in one request."""
+        return all(batches_requests(e) for e in self.engines)
+
+    async def generate_many(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        """The whole batch on the least-loaded healthy engine (a group's prompts stay on one
+        engine, whose prefix cache they share); on EngineUnavailable the next one gets it all."""
+        assert self.batch_generate, "generate_many needs engines that batch (SGLang's API)"
+        tried: set[int] = set()
+        errors: list[str] = []
+        await self._wait_for_up()
+        while (index := pick_engine(self.in_flight, self.up, tried)) is not None:
+            tried.add(index)
+            self.in_flight[index] += len(requests)
+            try:
+                return await self.engines[index].generate_many(requests)  # type: ignore[attr-defined]
+            except EngineUnavailable as exc:
+                self.mark_down(index)
+                errors.append(str(exc))
+            finally:
+                self.in_flight[index] -= len(requests)
         raise EngineUnavailable(f"no healthy engine could generate: {errors or 'all are down'}")
 
     async def _wait_for_up(self) -> None:

@@ -76,6 +76,18 @@ class Completion:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class GenerateRequest:
+    """One prompt of a batch request (`BatchGenerator.generate_many`)."""
+
+    input_ids: tuple[int, ...]
+    sampling: SamplingParams
+    rid: str | None = None
+
+    def __post_init__(self) -> None:
+        assert self.input_ids, "input_ids must not be empty"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class EngineLoad:
     """How busy an engine is (running + waiting requests)."""
 
@@ -138,6 +150,27 @@ class InferenceEngine(Protocol):
     async def aclose(self) -> None:
         """Close the HTTP client."""
         ...
+
+
+@runtime_checkable
+class BatchGenerator(Protocol):
+    """An engine that takes several prompts in one request (SGLang's batch /generate).
+
+    The rollout manager sends a GRPO group's samples as one `generate_many` call where
+    `batch_generate` is true (one HTTP round trip instead of n; the server prefills the shared
+    prompt once). Each request keeps its own rid, so aborting by rid prefix still reaches each.
+    """
+
+    batch_generate: bool
+
+    async def generate_many(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        """One completion per request, in order; an abort returns each one's partial output."""
+        ...
+
+
+def batches_requests(engine: object) -> bool:
+    """Whether `engine` takes a group's prompts as one request (`BatchGenerator`)."""
+    return isinstance(engine, BatchGenerator) and bool(engine.batch_generate)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -18,6 +18,7 @@ from rollouts.inference.protocol import (
     Completion,
     EngineLoad,
     FinishReason,
+    GenerateRequest,
     SamplingParams,
     TensorSpecLike,
     WeightGroupSpec,
@@ -67,6 +68,23 @@ def generate_body(
     }
     if rid is not None:
         body["rid"] = rid
+    return body
+
+
+def batch_generate_body(requests: Sequence[GenerateRequest]) -> dict[str, Any]:
+    """The POST /generate body of a batch: one entry per prompt in input_ids, sampling_params
+    and rid (every request has a rid, or none has: SGLang takes a list of strings or nothing)."""
+    assert requests, "an empty batch"
+    rids = [r.rid for r in requests]
+    assert all(rids) or not any(rids), f"some requests have a rid, some not: {rids}"
+    body: dict[str, Any] = {
+        "input_ids": [list(r.input_ids) for r in requests],
+        "sampling_params": [sampling_body(r.sampling) for r in requests],
+        "return_logprob": True,
+        "logprob_start_len": -1,
+    }
+    if all(rids):
+        body["rid"] = rids
     return body
 
 
@@ -168,11 +186,26 @@ class SGLangEngine:
     ) -> Completion:
         """POST /generate with input_ids; an abort answers 200 with the partial output."""
         submitted = self.bracket.at_submit()
-        answer = one_answer(
-            await self.http.json(
-                "POST", "/generate", json_body=generate_body(input_ids, sampling, rid)
-            )
+        body = generate_body(input_ids, sampling, rid)
+        return self._completion(
+            await self.http.json("POST", "/generate", json_body=body), submitted
         )
+
+    batch_generate = True  # SGLang (and the built-in server) take a list of prompts
+
+    async def generate_many(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        """One batch POST /generate (a list of prompts, each with its own sampling params and
+        rid); the answer is a list in the same order."""
+        submitted = self.bracket.at_submit()
+        answers = await self.http.json("POST", "/generate", json_body=batch_generate_body(requests))
+        if not isinstance(answers, list) or len(answers) != len(requests):
+            got = len(answers) if isinstance(answers, list) else type(answers).__name__
+            raise EngineError(f"batch /generate of {len(requests)} prompts answered {got}")
+        return [self._completion(answer, submitted) for answer in answers]
+
+    def _completion(self, answer: Any, submitted: tuple[str | None, int]) -> Completion:
+        """One prompt's answer -> Completion, its version from the server or the bracket."""
+        answer = one_answer(answer)
         meta = answer["meta_info"]
         reported = meta.get("weight_version")
         version = completion_version(

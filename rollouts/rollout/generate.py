@@ -3,17 +3,22 @@
 `prepare_request` decides what to send (the prompt, or prompt + partial response for a resumed
 ABORTED sample, with `max_new_tokens` reduced by what is already generated); `apply_completion`
 folds the engine's answer into the sample. Both are pure; `generate_single_turn` wires them to
-the engine.
+the engine for one sample, `generate_group_single_turn` for a whole group in one batch request
+(engines that take one: `BatchGenerator`), with the same result per sample.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
+
+import trio
 
 from rollouts.config import RolloutConfig
 from rollouts.data.sft import tokenize_prompt
-from rollouts.inference.protocol import Completion, SamplingParams
+from rollouts.inference.http import EngineRequestError
+from rollouts.inference.protocol import Completion, GenerateRequest, SamplingParams
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.types import Sample, Status
 
@@ -101,19 +106,74 @@ def fail_sample(sample: Sample, error: str) -> Sample:
     )
 
 
+def _nothing_left(sample: Sample, input_ids: tuple[int, ...], ctx: GenerateContext) -> Sample:
+    """A sample with no room for new tokens: FAILED if it has none yet, else TRUNCATED."""
+    if not sample.tokens:
+        return fail_sample(
+            sample,
+            f"prompt of {len(input_ids)} tokens leaves no room "
+            f"under max_total_tokens={ctx.max_total_tokens}",
+        )
+    return dataclasses.replace(sample, status=Status.TRUNCATED)
+
+
 async def generate_single_turn(sample: Sample, ctx: GenerateContext) -> Sample:
     """The default generate function: one engine call (continuing a partial sample if any)."""
     if sample.status in DONE_STATUSES:
         return sample  # finished in an earlier batch (its group was aborted around it)
     input_ids, max_new = prepare_request(sample, ctx.tokenizer, ctx.sampling, ctx.max_total_tokens)
     if max_new == 0:
-        if not sample.tokens:
-            return fail_sample(
-                sample,
-                f"prompt of {len(input_ids)} tokens leaves no room "
-                f"under max_total_tokens={ctx.max_total_tokens}",
-            )
-        return dataclasses.replace(sample, status=Status.TRUNCATED)
+        return _nothing_left(sample, input_ids, ctx)
     params = dataclasses.replace(ctx.sampling, max_new_tokens=max_new)
     completion = await ctx.engine.generate(input_ids, params, rid=ctx.rid)
     return apply_completion(sample, input_ids, completion, ctx.mask_off_policy_partial)
+
+
+async def _one_of_refused(out: list[Sample], i: int, ctx: GenerateContext) -> None:
+    """Sample `out[i]` alone (its batch was refused): its own error fails only itself."""
+    try:
+        out[i] = await generate_single_turn(out[i], ctx)
+    except Exception as e:
+        out[i] = fail_sample(out[i], f"generate_fn raised {type(e).__name__}: {e}")
+
+
+async def generate_group_single_turn(
+    samples: Sequence[Sample], ctx: GenerateContext, rids: Sequence[str]
+) -> list[Sample]:
+    """`generate_single_turn` for several samples (a group) as ONE batch engine request.
+
+    `ctx.engine` must take batches (`batches_requests`); sample i is sent with request id
+    `rids[i]`, so aborting by prefix reaches each. A refused batch (HTTP 4xx: a bad prompt)
+    is sent again sample by sample, so that only the bad sample fails. Any other error of the
+    batch call is raised (the caller fails the samples it sent).
+    """
+    assert len(samples) == len(rids), f"{len(samples)=} != {len(rids)=}"
+    out = list(samples)
+    todo: list[tuple[int, GenerateRequest]] = []
+    for i, (sample, rid) in enumerate(zip(samples, rids, strict=True)):
+        if sample.status in DONE_STATUSES:
+            continue
+        input_ids, left = prepare_request(sample, ctx.tokenizer, ctx.sampling, ctx.max_total_tokens)
+        if left == 0:
+            out[i] = _nothing_left(sample, input_ids, ctx)
+            continue
+        params = dataclasses.replace(ctx.sampling, max_new_tokens=left)
+        todo.append((i, GenerateRequest(input_ids=input_ids, sampling=params, rid=rid)))
+    if not todo:
+        return out
+    try:
+        completions = await ctx.engine.generate_many([r for _, r in todo])  # type: ignore[attr-defined]
+    except EngineRequestError:
+        if len(todo) == 1:
+            raise
+        async with trio.open_nursery() as nursery:
+            for i, request in todo:
+                nursery.start_soon(
+                    _one_of_refused, out, i, dataclasses.replace(ctx, rid=request.rid or ctx.rid)
+                )
+        return out
+    for (i, request), completion in zip(todo, completions, strict=True):
+        out[i] = apply_completion(
+            samples[i], request.input_ids, completion, ctx.mask_off_policy_partial
+        )
+    return out

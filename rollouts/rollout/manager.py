@@ -15,16 +15,21 @@ short, is decided by `planning` (pure).
 
 Generate functions run through a `ThreadRunner`: an async one is awaited, a sync one runs in a
 worker thread, both under `rollout.generate_timeout_s`, so a blocking one fails only its sample.
+With the default single-turn generate function and engines that take batches (SGLang's API, the
+built-in server), a group's samples go to the engine as ONE request (`rollout.batch_groups`):
+one HTTP round trip instead of n, the shared prompt prefilled once; each sample keeps its own
+request id, so aborts, partial resumes and weight versions stay per sample.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import trio
@@ -34,7 +39,7 @@ from rollouts.data.buffer import DataBuffer
 from rollouts.envs import resolve_env_factory
 from rollouts.envs.protocol import EnvFactory
 from rollouts.envs.threads import CallTimeout, ThreadRunner
-from rollouts.inference.protocol import InferenceEngine
+from rollouts.inference.protocol import InferenceEngine, batches_requests
 from rollouts.plugins import load_function
 from rollouts.rewards.protocol import RewardFn
 from rollouts.rewards.scoring import score_group
@@ -49,6 +54,7 @@ from rollouts.rollout.filters import resolve_filters, run_filters
 from rollouts.rollout.generate import (
     DONE_STATUSES,
     fail_sample,
+    generate_group_single_turn,
     generate_single_turn,
     sampling_params_from_config,
 )
@@ -90,6 +96,7 @@ class _BatchRun:
     reward: Callable[..., Any]
     limiter: trio.CapacityLimiter
     send: trio.MemorySendChannel[GroupResult]
+    borrowing: trio.Lock = dataclasses.field(default_factory=trio.Lock)  # see _borrow
     aborting: bool = False
     kept: list[Group] = dataclasses.field(default_factory=list)
     partial: list[Group] = dataclasses.field(default_factory=list)
@@ -146,6 +153,12 @@ class AsyncRolloutManager:
         self.reward_fn = load_function(reward, RewardFn) if reward else None
         self.filters = resolve_filters(config.filters if filters is None else filters)
         self.sampling = sampling_params_from_config(config)
+        # a group as one engine request: the default generate function, on engines that batch
+        self.batch_groups = (
+            config.batch_groups
+            and self.generate_fn is generate_single_turn
+            and batches_requests(engines)
+        )
         self.threads = ThreadRunner(max(config.max_concurrency, 1))
         self.batches_made = 0
 
@@ -217,9 +230,12 @@ class AsyncRolloutManager:
     ) -> None:
         samples = list(group)
         times = [0.0] * len(samples)
-        async with trio.open_nursery() as nursery:
-            for i in range(len(samples)):
-                nursery.start_soon(self._run_sample, run, samples, times, i)
+        if self.batch_groups:
+            await self._run_group_batched(run, samples, times)
+        else:
+            async with trio.open_nursery() as nursery:
+                for i in range(len(samples)):
+                    nursery.start_soon(self._run_sample, run, samples, times, i)
         gen_tokens = sum(
             max(new.response_length - old.response_length, 0)
             for old, new in zip(group, samples, strict=True)
@@ -230,6 +246,25 @@ class AsyncRolloutManager:
         async with send:
             await send.send(GroupResult(group=scored, gen_time_s=sum(times), gen_tokens=gen_tokens))
 
+    def _context(self, run: _BatchRun, sample: Sample, i: int) -> GenerateContext:
+        return GenerateContext(
+            engine=self.engines,
+            tokenizer=self.tokenizer,
+            sampling=self.sampling,
+            rid=self._rid(run, sample, i),
+            max_total_tokens=self.config.max_total_tokens,
+            max_turns=self.config.max_turns,
+            env_factory=self.env_factory,
+            mask_off_policy_partial=self.config.mask_off_policy_partial,
+            threads=self.threads,
+            env_timeout_s=self.config.env_timeout_s,
+        )
+
+    @staticmethod
+    def _rid(run: _BatchRun, sample: Sample, i: int) -> str:
+        """Sample i's request id: the batch's prefix (what the surplus abort matches) first."""
+        return f"{run.batch_id}-g{sample.group_index}-s{i}"
+
     async def _run_sample(
         self, run: _BatchRun, samples: list[Sample], times: list[float], i: int
     ) -> None:
@@ -237,18 +272,6 @@ class AsyncRolloutManager:
         async with run.limiter:
             if run.aborting or sample.status in DONE_STATUSES:
                 return  # not started (stays PENDING / ABORTED) or finished in an earlier batch
-            ctx = GenerateContext(
-                engine=self.engines,
-                tokenizer=self.tokenizer,
-                sampling=self.sampling,
-                rid=f"{run.batch_id}-g{sample.group_index}-s{i}",
-                max_total_tokens=self.config.max_total_tokens,
-                max_turns=self.config.max_turns,
-                env_factory=self.env_factory,
-                mask_off_policy_partial=self.config.mask_off_policy_partial,
-                threads=self.threads,
-                env_timeout_s=self.config.env_timeout_s,
-            )
             t0 = time.perf_counter()
             try:
                 out = await self.threads.call(
@@ -256,7 +279,7 @@ class AsyncRolloutManager:
                     self.config.generate_timeout_s,
                     self.generate_fn,
                     sample,
-                    ctx,
+                    self._context(run, sample, i),
                 )
                 if not isinstance(out, Sample) or out.status is Status.PENDING:
                     raise TypeError(
@@ -269,11 +292,66 @@ class AsyncRolloutManager:
                 out = fail_sample(sample, f"generate_fn raised {type(e).__name__}: {e}")
             times[i] = time.perf_counter() - t0
             samples[i] = out
-            if sample.status is Status.ABORTED and out.status is not Status.FAILED:
-                resumed = len(out.metadata.get("resumed_at", ())) > len(
-                    sample.metadata.get("resumed_at", ())
-                )  # a generate fn that cannot resume (multi-turn) starts over: not a resume
-                run.counts["resumed_samples" if resumed else "restarted_samples"] += 1
+            self._count_resume(run, sample, out)
+
+    async def _run_group_batched(
+        self, run: _BatchRun, samples: list[Sample], times: list[float]
+    ) -> None:
+        """The group's unfinished samples as one batch request (in chunks of at most
+        `max_concurrency`, the samples in flight the limiter allows)."""
+        todo = [i for i, s in enumerate(samples) if s.status not in DONE_STATUSES]
+        size = self.config.max_concurrency
+        for chunk in (todo[k : k + size] for k in range(0, len(todo), size)):
+            async with self._borrow(run, len(chunk)):
+                if run.aborting:
+                    return  # not started: stays PENDING / ABORTED
+                before = [samples[i] for i in chunk]
+                rids = [self._rid(run, samples[i], i) for i in chunk]
+                t0 = time.perf_counter()
+                try:
+                    after = await self.threads.call(
+                        "generate_fn (rollout.generate_timeout_s)",
+                        self.config.generate_timeout_s,
+                        generate_group_single_turn,
+                        before,
+                        self._context(run, before[0], chunk[0]),
+                        rids,
+                    )
+                except CallTimeout as e:
+                    after = [fail_sample(s, str(e)) for s in before]
+                except Exception as e:
+                    error = f"generate_fn raised {type(e).__name__}: {e}"
+                    after = [fail_sample(s, error) for s in before]
+                elapsed = time.perf_counter() - t0
+                for i, old, new in zip(chunk, before, after, strict=True):
+                    times[i], samples[i] = elapsed, new
+                    self._count_resume(run, old, new)
+
+    @contextlib.asynccontextmanager
+    async def _borrow(self, run: _BatchRun, k: int) -> AsyncIterator[None]:
+        """Hold `k` of the limiter's tokens (one per sample in flight). Groups take theirs one
+        group at a time, so two half-served groups never wait on each other."""
+        borrowers = [object() for _ in range(k)]
+        held: list[object] = []
+        try:
+            async with run.borrowing:
+                for b in borrowers:
+                    await run.limiter.acquire_on_behalf_of(b)
+                    held.append(b)
+            yield
+        finally:
+            for b in held:
+                run.limiter.release_on_behalf_of(b)
+
+    @staticmethod
+    def _count_resume(run: _BatchRun, before: Sample, after: Sample) -> None:
+        """Count an ABORTED sample that was continued (resumed) or started over (restarted)."""
+        if before.status is not Status.ABORTED or after.status is Status.FAILED:
+            return
+        resumed = len(after.metadata.get("resumed_at", ())) > len(
+            before.metadata.get("resumed_at", ())
+        )  # a generate fn that cannot resume (multi-turn) starts over: not a resume
+        run.counts["resumed_samples" if resumed else "restarted_samples"] += 1
 
     async def _score(self, samples: list[Sample], reward: Callable[..., Any]) -> Group:
         """A group's samples scored concurrently, each bounded by `reward_timeout_s`."""

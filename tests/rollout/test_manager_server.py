@@ -16,9 +16,11 @@ from rollouts.types import Status
 from tests.rollout import manager_cases as cases
 
 
-@pytest.fixture
-async def engine(server: EngineProcess) -> AsyncIterator[SGLangEngine]:
+@pytest.fixture(params=["batched", "per-sample"])
+async def engine(server: EngineProcess, request) -> AsyncIterator[SGLangEngine]:
+    """The SGLang client: a group as one batch request (the default), or one per sample."""
     client = SGLangEngine(server.url)
+    client.batch_generate = request.param == "batched"
     try:
         yield client
     finally:
