@@ -6,14 +6,15 @@ Two cases: every sequence 64 new tokens ("equal"), and each sequence its own len
 4..64 ("varying"). The baseline is what TRL does: one left-padded `generate` call over the 128
 rows (each prompt repeated 8 times), run to the longest length, with the logprobs gathered from
 its logits; only the requested tokens count. The server gets the 128 sequences as 128 concurrent
-requests (as the rollout manager sends them) through the SGLang and the vLLM client, and as 16
-SGLang batch requests, one per group ("groups"), which shows the engine without most of the
-per-request HTTP cost. Both sides use the same number of torch threads (`--threads`, default 1,
-as issue 11 measured). Each rep runs the baseline and then the server runs, and each ratio is
-taken against the baseline of its own rep (the machine's load drifts). Below the table: the
-server's own account from its DEBUG log (decode steps, ms per step, prefills), the time from the
-client's start to the first admission and from the drained batch to the last answer (HTTP), and
-the CPU seconds of the server process and of the client.
+requests through the SGLang and the vLLM client (one request per sample, as the rollout manager
+sends them with `rollout.batch_groups = false` or to vLLM), and as 16 batch requests, one per
+group, through `SGLangEngine.generate_many` ("groups": what the rollout manager sends by default
+to SGLang's API and the built-in server). Both sides use the same number of torch threads
+(`--threads`, default 1, as issue 11 measured). Each rep runs the baseline and then the server
+runs, and each ratio is taken against the baseline of its own rep (the machine's load drifts).
+Below the table: the server's own account from its DEBUG log (decode steps, ms per step,
+prefills), the time from the client's start to the first admission and from the drained batch to
+the last answer (HTTP), and the CPU seconds of the server process and of the client.
 
     .venv/bin/python scripts/bench_engine.py [--reps 2] [--hidden 128] [--layers 3]
 
@@ -33,14 +34,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 import trio
 from transformers import AutoModelForCausalLM
 
 from rollouts.inference.http import HttpOptions
 from rollouts.inference.launch import engine_process
-from rollouts.inference.protocol import SamplingParams
+from rollouts.inference.protocol import GenerateRequest, SamplingParams
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.vllm import VLLMEngine
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
@@ -115,13 +115,11 @@ async def through(client, prompts: list[list[int]], lengths: list[int]) -> tuple
 
 
 class GroupClient:
-    """One SGLang /generate per group of identical prompts (a batch request of the group's
-    prompts, each with its own sampling_params), as a trainer could send a GRPO group."""
+    """One batch /generate per group of identical prompts through the project's SGLang client
+    (`SGLangEngine.generate_many`), as the rollout manager sends a GRPO group."""
 
-    def __init__(self, url: str, group: int, connections: int) -> None:
-        self.group = group
-        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-        self.http = httpx.AsyncClient(base_url=url, timeout=600, limits=limits)
+    def __init__(self, engine: SGLangEngine, group: int) -> None:
+        self.engine, self.group = engine, group
 
     async def run(self, prompts: list[list[int]], lengths: list[int]) -> int:
         """All groups at once; the number of tokens that came back (logprobs checked)."""
@@ -129,19 +127,19 @@ class GroupClient:
 
         async def one(first: int) -> None:
             rows = range(first, first + self.group)
-            params = [
-                {"max_new_tokens": lengths[i], "temperature": 1.0, "ignore_eos": True} for i in rows
+            requests = [
+                GenerateRequest(
+                    input_ids=tuple(prompts[i]),
+                    sampling=SamplingParams(
+                        max_new_tokens=lengths[i], temperature=1.0, ignore_eos=True
+                    ),
+                    rid=f"g{first}-s{i}",
+                )
+                for i in rows
             ]
-            body = {
-                "input_ids": [prompts[i] for i in rows],
-                "sampling_params": params,
-                "return_logprob": True,
-            }
-            response = await self.http.post("/generate", json=body)
-            response.raise_for_status()
-            for answer, i in zip(response.json(), rows, strict=True):
-                assert len(answer["meta_info"]["output_token_logprobs"]) == lengths[i]
-                got.append(len(answer["output_ids"]))
+            for c, i in zip(await self.engine.generate_many(requests), rows, strict=True):
+                assert len(c.logprobs) == lengths[i], f"{len(c.logprobs)=} != {lengths[i]=}"
+                got.append(c.completion_tokens)
 
         async with trio.open_nursery() as nursery:
             for first in range(0, len(prompts), self.group):
@@ -149,7 +147,7 @@ class GroupClient:
         return sum(got)
 
     async def aclose(self) -> None:
-        await self.http.aclose()
+        await self.engine.aclose()
 
 
 def cpu_s(pid: int) -> float:
@@ -220,7 +218,7 @@ async def run_all(model, model_dir: str, cases: dict, args: argparse.Namespace) 
     ) as proc:
         clients = {"SGLang": SGLangEngine(proc.url, options=options)}
         clients["vLLM"] = VLLMEngine(proc.url, options=options)
-        clients["groups"] = GroupClient(proc.url, args.group, args.connections)
+        clients["groups"] = GroupClient(SGLangEngine(proc.url, options=options), args.group)
         for client in clients.values():  # warm-up (and the connections opened)
             await through(client, *cases["varying"])
         baseline(model, *cases["equal"], 0)
@@ -280,8 +278,9 @@ def report(timed: dict, cases: dict, args: argparse.Namespace) -> None:
     """The table: tokens/s and ratios per case and client, then the server's own account."""
     med = statistics.median
     print(
-        "SGLang, vLLM: one request per sequence through the project's clients (what the rollout "
-        "manager sends); groups: one SGLang /generate per group of 8 (raw HTTP, a batch request)"
+        "SGLang, vLLM: one request per sequence through the project's clients (the rollout "
+        "manager with batch_groups off, or on vLLM); groups: one batch /generate per group of "
+        f"{args.group} (SGLangEngine.generate_many: what the manager sends by default)"
     )
     print(
         f"{args.prompts * args.group} sequences ({args.prompts} prompts x {args.group}), "
