@@ -46,18 +46,23 @@ def is_resumable(sample: Sample) -> bool:
 
 
 def prepare_request(
-    sample: Sample, tokenizer: Any, sampling: SamplingParams, max_total_tokens: int
+    sample: Sample,
+    tokenizer: Any,
+    sampling: SamplingParams,
+    max_total_tokens: int,
+    prompt_ids: tuple[int, ...] | None = None,
 ) -> tuple[tuple[int, ...], int]:
     """(input_ids, max_new_tokens) for the next engine call of a single-turn sample.
 
-    A fresh sample sends its tokenised prompt; a resumed one sends prompt + partial response and
-    asks only for the tokens it has left. max_new_tokens may be 0: nothing left to generate.
+    A fresh sample sends its tokenised prompt (`prompt_ids` when the caller already has it); a
+    resumed one sends prompt + partial response and asks only for the tokens it has left.
+    max_new_tokens may be 0: nothing left to generate.
     """
     if is_resumable(sample):
         input_ids = sample.tokens
         left = sampling.max_new_tokens - sample.response_length
     else:
-        input_ids = tuple(tokenize_prompt(tokenizer, sample.prompt))
+        input_ids = prompt_ids or tuple(tokenize_prompt(tokenizer, sample.prompt))
         left = sampling.max_new_tokens
     left = min(left, max_total_tokens - len(input_ids))
     assert input_ids, f"sample {sample.index}: the prompt tokenises to nothing"
@@ -150,10 +155,19 @@ async def generate_group_single_turn(
     assert len(samples) == len(rids), f"{len(samples)=} != {len(rids)=}"
     out = list(samples)
     todo: list[tuple[int, GenerateRequest]] = []
+    encoded: dict[int, tuple[int, ...]] = {}  # id(prompt) -> ids: a group's prompt encoded once
     for i, (sample, rid) in enumerate(zip(samples, rids, strict=True)):
         if sample.status in DONE_STATUSES:
             continue
-        input_ids, left = prepare_request(sample, ctx.tokenizer, ctx.sampling, ctx.max_total_tokens)
+        if not is_resumable(sample) and id(sample.prompt) not in encoded:
+            encoded[id(sample.prompt)] = tuple(tokenize_prompt(ctx.tokenizer, sample.prompt))
+        input_ids, left = prepare_request(
+            sample,
+            ctx.tokenizer,
+            ctx.sampling,
+            ctx.max_total_tokens,
+            prompt_ids=encoded.get(id(sample.prompt)),
+        )
         if left == 0:
             out[i] = _nothing_left(sample, input_ids, ctx)
             continue
