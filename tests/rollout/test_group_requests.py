@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import socket
 
 import httpx
 import trio
 
+from rollouts.inference.http import HttpOptions
 from rollouts.inference.launch import EngineProcess
-from rollouts.inference.protocol import FinishReason, GenerateRequest, SamplingParams
+from rollouts.inference.pool import EnginePool
+from rollouts.inference.protocol import (
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+    batches_requests,
+)
 from rollouts.inference.sglang import SGLangEngine, batch_generate_body
 from rollouts.rollout.generate import generate_group_single_turn
 from rollouts.rollout.manager import AsyncRolloutManager
@@ -165,3 +173,32 @@ async def test_a_refused_batch_fails_only_the_bad_sample(server: EngineProcess, 
     assert "HTTP 400" in out[1].metadata["error"] and "context" in out[1].metadata["error"]
     for s in (out[0], out[2]):
         assert s.response_length > 0 and len(s.rollout_logprobs) == s.response_length
+
+
+async def test_pool_moves_a_refused_connection_batch_to_the_next_engine(
+    server: EngineProcess,
+) -> None:
+    """An EnginePool whose first engine is gone (nothing listens on its port) sends the whole
+    batch to the next one; the dead one is marked down. A pool batches only if every engine does."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]  # closed again: connections are refused
+    options = HttpOptions(max_retries=1, backoff_s=0.01, timeout_s=30)
+    engines = [
+        SGLangEngine(f"http://127.0.0.1:{dead_port}", options=options),
+        SGLangEngine(server.url, options=options),
+    ]
+    pool = EnginePool(engines)
+    assert batches_requests(pool)
+    greedy = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    requests = [
+        GenerateRequest(input_ids=(5, 6, 7), sampling=greedy, rid=f"p-{i}") for i in range(3)
+    ]
+    try:
+        got = await pool.generate_many(requests)
+        assert [len(c.output_ids) for c in got] == [5, 5, 5]
+        assert pool.up == [False, True]
+        engines[1].batch_generate = False  # an engine that cannot batch: the pool cannot either
+        assert not batches_requests(pool)
+    finally:
+        await pool.aclose()
