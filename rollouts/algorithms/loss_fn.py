@@ -172,8 +172,11 @@ def _rollout_corrected(config, pg_per_token, old, mask, batch, counts, metrics) 
 
 def _extra_terms(config, outputs, batch, logp, mask, counts, total, metrics):
     """Entropy, KL-in-loss and value terms added to the policy term; the total and metrics."""
-    if config.entropy_coef != 0.0 or outputs.entropy:
+    if config.entropy_coef != 0.0:
         total = total + _entropy_term(config, outputs, mask, counts, metrics)
+    elif outputs.entropy:  # a metric only: never in the graph (no backward through [N, V])
+        entropy = pad([e.detach() for e in outputs.entropy], mask.device)
+        metrics["entropy"] = token_mean(entropy, mask, counts)
     if config.kl_in == "loss" and config.kl_coef > 0.0:
         total = total + _kl_term(config, logp, batch, mask, counts, metrics)
     if config.advantage == "gae" and config.value_coef > 0.0:

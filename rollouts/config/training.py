@@ -51,7 +51,9 @@ class TrainingConfig(_Section):
     sync_every: int = 1
     eval_every: int = 0  # 0 = only at the start and the end
     max_consecutive_nonfinite: int = 3
-    logprob_chunk_size: int = 1024
+    # tokens per LM-head chunk (recomputed in backward when several); 0 = auto: 512 MiB of
+    # float32 logits per chunk (one chunk for small vocabularies)
+    logprob_chunk_size: int = 0
     micro_batch_layout: str = "pad"  # "pad" (length-bucketed, right-padded) | "pack" (one row)
     weight_sync_dir: str = ""  # weights-only copies for engines; "" = /dev/shm (else a temp dir)
     weight_sync_attempts: int = 3  # tries per engine before a sync fails
@@ -70,7 +72,11 @@ class TrainingConfig(_Section):
         _check(p, self.sync_every >= 1, "training.sync_every: must be >= 1")
         _check(p, self.eval_every >= 0, "training.eval_every: must be >= 0")
         _check(p, self.max_consecutive_nonfinite >= 1, "training.max_consecutive_nonfinite: >= 1")
-        _check(p, self.logprob_chunk_size >= 1, "training.logprob_chunk_size: must be >= 1")
+        _check(
+            p,
+            self.logprob_chunk_size >= 0,
+            "training.logprob_chunk_size: must be >= 1 (tokens per chunk), or 0 (auto)",
+        )
         _one_of(p, "training.micro_batch_layout", self.micro_batch_layout, ("pad", "pack"))
         _check(p, self.weight_sync_attempts >= 1, "training.weight_sync_attempts: must be >= 1")
         return p

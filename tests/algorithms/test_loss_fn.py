@@ -170,6 +170,22 @@ def test_entropy_and_kl_terms():
         make_loss_fn(config)(outputs_for([[0.0] * 3, [0.0] * 2]), batch)
 
 
+def test_an_untrained_entropy_is_a_metric_outside_the_graph():
+    """entropy_coef = 0: the entropy is reported but never enters the loss's graph (its
+    backward through [N, V] would be wasted); the loss equals the one without entropy."""
+    batch = small_batch()
+    entropy = (torch.tensor([9.0, 1.0, 2.0], requires_grad=True), torch.tensor([9.0, 3.0]))
+    logps = [torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True)]
+    loss_fn = make_loss_fn(AlgorithmConfig(entropy_coef=0.0))
+    assert not loss_fn.needs_entropy
+    loss, metrics = loss_fn(ModelOutputs(logprobs=tuple(logps), entropy=entropy), batch)
+    plain, _ = loss_fn(ModelOutputs(logprobs=tuple(logps)), batch)
+    assert metrics["entropy"] == pytest.approx(2.0)
+    assert loss.item() == plain.item()
+    loss.backward()
+    assert entropy[0].grad is None and logps[0].grad is not None
+
+
 def random_batch(seed: int) -> tuple[TrainBatch, list[torch.Tensor]]:
     """8 sequences of different lengths (one all masked) with random advantages and logprobs."""
     gen = torch.Generator().manual_seed(seed)

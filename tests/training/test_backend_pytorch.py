@@ -13,6 +13,7 @@ import torch
 from rollouts.config import Config
 from rollouts.training.backends.batching import padding_fraction, plan_micro_batches
 from rollouts.training.backends.factories import create_pytorch_backend, warmup_cosine_factor
+from rollouts.training.backends.model import LOGITS_CHUNK_BYTES, auto_chunk_size
 from rollouts.training.backends.protocol import NonFiniteError, TrainingBackend
 from rollouts.types import ModelOutputs, TrainBatch
 from tests.training.backend_helpers import (
@@ -108,6 +109,37 @@ def test_entropy_is_computed_when_asked(tiny_model_dir: Path) -> None:
     for lp, ent in zip(out.logprobs, out.entropy, strict=True):
         assert ent.shape == lp.shape and ent[0] == 0.0
         assert (ent[1:] > 0).all() and (ent[1:] <= math.log(vocab) + 1e-4).all()
+
+
+def test_auto_chunk_size_keeps_a_chunk_of_logits_under_512_mib() -> None:
+    assert auto_chunk_size(49152) == 2730  # SmolLM2
+    assert auto_chunk_size(151936) == 883  # Qwen2
+    n = auto_chunk_size(260)  # a tiny model: one chunk for any micro-batch it trains
+    assert n * 260 * 4 <= LOGITS_CHUNK_BYTES < (n + 1) * 260 * 4 and n > 500_000
+
+
+def test_an_entropy_metric_has_no_graph_and_the_same_value(tiny_model_dir: Path) -> None:
+    """A loss that does not train on the entropy (PolicyLoss.needs_entropy false) gets it
+    detached, with the value a trained one has; the logprobs keep their graph either way."""
+    seen: dict[bool, ModelOutputs] = {}
+
+    class Loss:
+        def __init__(self, needs: bool) -> None:
+            self.needs_entropy = needs
+
+        def __call__(self, outputs: ModelOutputs, batch: TrainBatch):
+            seen[self.needs_entropy] = outputs
+            return nll_loss(outputs, batch)
+
+    for needs in (False, True):
+        backend = create_pytorch_backend(tiny_config(tiny_model_dir, logprob_chunk_size=4))
+        backend.forward_backward(make_batch([6, 4]), Loss(needs), entropy=True).result()
+        backend.close()
+    assert all(not e.requires_grad for e in seen[False].entropy)
+    assert all(e.requires_grad for e in seen[True].entropy)
+    assert all(lp.requires_grad for out in seen.values() for lp in out.logprobs)
+    for a, b in zip(seen[False].entropy, seen[True].entropy, strict=True):
+        torch.testing.assert_close(a, b.detach())
 
 
 def test_nonfinite_steps_are_skipped_then_stop_the_run(tiny_model_dir: Path) -> None:

@@ -35,7 +35,7 @@ class BackendSettings:
 
     micro_batch_tokens: int = 4096
     layout: str = "pad"  # "pad" | "pack"
-    logprob_chunk_size: int = 1024
+    logprob_chunk_size: int = 0  # 0 = auto (by vocabulary, model.auto_chunk_size)
     max_grad_norm: float = 1.0
     max_consecutive_nonfinite: int = 3
     autocast_dtype: torch.dtype | None = None  # bf16 autocast on GPU; None = off
@@ -128,10 +128,16 @@ class TrainerCore:
         return local, plan_micro_batches(local_lengths, s.micro_batch_tokens, s.layout)
 
     def _run(
-        self, mb: MicroBatchTensors, want_entropy: bool, want_values: bool = False
+        self,
+        mb: MicroBatchTensors,
+        want_entropy: bool,
+        want_values: bool = False,
+        entropy_grad: bool = True,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         with self._autocast():
-            lp_N, ent_N, val_N = self.model(move_to(mb, self.device), want_entropy, want_values)
+            lp_N, ent_N, val_N = self.model(
+                move_to(mb, self.device), want_entropy, want_values, entropy_grad
+            )
         lps = split_per_sequence(lp_N, mb.split_sizes)
         ents = split_per_sequence(ent_N, mb.split_sizes) if want_entropy else []
         vals = split_per_sequence(val_N, mb.split_sizes) if want_values else []
@@ -151,6 +157,8 @@ class TrainerCore:
         Values (the critic head) are computed when `want_values` or `loss_fn.needs_values`.
         """
         want_values = want_values or bool(getattr(loss_fn, "needs_values", False))
+        # an entropy the loss does not train on is a metric: no graph through [N, V] for it
+        entropy_grad = bool(getattr(loss_fn, "needs_entropy", True))
         t0 = time.perf_counter()
         self.model.train()
         local, plans = self._plans(batch)
@@ -167,7 +175,7 @@ class TrainerCore:
                 continue
             plan = plans[k]
             mb = build_tensors(plan, local.input_ids, self.settings.pad_id)
-            lps, ents, vals = self._run(mb, want_entropy, want_values)
+            lps, ents, vals = self._run(mb, want_entropy, want_values, entropy_grad)
             outputs = ModelOutputs(logprobs=tuple(lps), entropy=tuple(ents), values=tuple(vals))
             loss, metrics = loss_fn(outputs, local.select(plan.indices))
             assert loss.dim() == 0, f"loss_fn must return a scalar, got {tuple(loss.shape)=}"

@@ -3,8 +3,10 @@
 `TokenLogprobModel.forward` runs the decoder once, gathers the hidden states that predict each
 target token, and applies the LM head in chunks of `chunk_size` tokens (recomputed in the backward
 pass when there are several chunks), so a large vocabulary never holds [tokens, vocab] logits for
-the whole micro-batch at once. It is also the FSDP2 root module, so one forward call all-gathers
-everything it needs.
+the whole micro-batch at once. Chunk size 0 (the default) sizes chunks by the vocabulary (512 MiB
+of float32 logits each), so a small vocabulary pays no recompute. An entropy the loss does not
+train on (entropy_coef = 0) is computed without a graph: a metric costs no backward pass.
+It is also the FSDP2 root module, so one forward call all-gathers everything it needs.
 
 With a value head (a critic sharing the policy's trunk, PPO with GAE) the same forward also gives
 per-token values, ALIGNED LIKE THE LOGPROBS: `values[t]` = V(tokens < t), the head applied to the
@@ -14,6 +16,8 @@ The head is `value_head` on the wrapper, outside `lm`, so HF exports of `lm` nev
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,18 +25,34 @@ from torch.utils.checkpoint import checkpoint
 
 from rollouts.training.backends.batching import MicroBatchTensors
 
+# logprob_chunk_size = 0 (auto): chunks whose float32 [tokens, vocab] logits stay under this
+LOGITS_CHUNK_BYTES = 512 * 2**20
+
+
+def auto_chunk_size(vocab_size: int) -> int:
+    """Tokens per LM-head chunk for `logprob_chunk_size = 0`: 512 MiB of float32 logits
+    (tiny vocabularies: one chunk; 49k (SmolLM2): 2730 tokens; 152k (Qwen2): 883)."""
+    assert vocab_size >= 1, f"{vocab_size=}"
+    return max(1, LOGITS_CHUNK_BYTES // (4 * vocab_size))
+
 
 def _chunk_stats(
-    head: nn.Module, hidden_N_H: torch.Tensor, targets_N: torch.Tensor, want_entropy: bool
+    head: nn.Module,
+    hidden_N_H: torch.Tensor,
+    targets_N: torch.Tensor,
+    want_entropy: bool,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprob of each target and (optionally) the entropy of its predicting distribution."""
+    """Logprob of each target and (optionally) the entropy of its predicting distribution;
+    without `entropy_grad` the entropy is a detached metric (no [N, V] graph kept for it)."""
     logits_N_V = head(hidden_N_H).float()
     lse_N = torch.logsumexp(logits_N_V, dim=-1)
     logprobs_N = logits_N_V.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1) - lse_N
     if not want_entropy:
         return logprobs_N, torch.zeros_like(logprobs_N)
-    probs_N_V = F.softmax(logits_N_V, dim=-1)
-    entropy_N = lse_N - (probs_N_V * logits_N_V).sum(-1)
+    with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+        probs_N_V = F.softmax(logits_N_V, dim=-1)
+        entropy_N = lse_N - (probs_N_V * logits_N_V).sum(-1)
     return logprobs_N, entropy_N
 
 
@@ -42,20 +62,23 @@ def token_stats(
     targets_N: torch.Tensor,
     chunk_size: int,
     want_entropy: bool,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_chunk_stats` over chunks of `chunk_size` rows; chunks are recomputed in backward."""
+    """`_chunk_stats` over chunks of `chunk_size` rows; chunks are recomputed in backward, so
+    one chunk (the auto size, on a small vocabulary) costs no recompute."""
     assert hidden_N_H.shape[0] == targets_N.shape[0], f"{hidden_N_H.shape=} {targets_N.shape=}"
     assert chunk_size >= 1, f"{chunk_size=}"
     n = hidden_N_H.shape[0]
     if n <= chunk_size:
-        return _chunk_stats(head, hidden_N_H, targets_N, want_entropy)
+        return _chunk_stats(head, hidden_N_H, targets_N, want_entropy, entropy_grad)
     outs = []
     for s in range(0, n, chunk_size):
         h, t = hidden_N_H[s : s + chunk_size], targets_N[s : s + chunk_size]
+        args = (head, h, t, want_entropy, entropy_grad)
         if torch.is_grad_enabled():
-            outs.append(checkpoint(_chunk_stats, head, h, t, want_entropy, use_reentrant=False))
+            outs.append(checkpoint(_chunk_stats, *args, use_reentrant=False))
         else:
-            outs.append(_chunk_stats(head, h, t, want_entropy))
+            outs.append(_chunk_stats(*args))
     return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
 
@@ -77,17 +100,22 @@ class TokenLogprobModel(nn.Module):
 
     def __init__(self, lm: nn.Module, chunk_size: int, value_head: nn.Module | None = None) -> None:
         super().__init__()
-        assert chunk_size >= 1, f"{chunk_size=}"
+        assert chunk_size >= 0, f"{chunk_size=}: tokens per LM-head chunk, or 0 (auto)"
         self.lm = lm
-        self.chunk_size = chunk_size
+        self.chunk_size = chunk_size or auto_chunk_size(int(lm.config.vocab_size))
         self.value_head = value_head
 
     def forward(
-        self, mb: MicroBatchTensors, want_entropy: bool = False, want_values: bool = False
+        self,
+        mb: MicroBatchTensors,
+        want_entropy: bool = False,
+        want_values: bool = False,
+        entropy_grad: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Flat [N] logprobs, entropies and values of every next-token prediction in `mb`.
 
-        Entropies are zeros unless `want_entropy`; values are empty unless `want_values`.
+        Entropies are zeros unless `want_entropy` (detached unless `entropy_grad`: a metric
+        only); values are empty unless `want_values`.
         """
         decoder = self.lm.get_decoder()
         out = decoder(
@@ -100,7 +128,9 @@ class TokenLogprobModel(nn.Module):
         hidden_N_H = hidden_R_L_H[mb.pred_rows, mb.pred_cols]
         targets_N = mb.input_ids_R_L[mb.pred_rows, mb.pred_cols + 1]
         head = self.lm.get_output_embeddings()
-        lp_N, ent_N = token_stats(head, hidden_N_H, targets_N, self.chunk_size, want_entropy)
+        lp_N, ent_N = token_stats(
+            head, hidden_N_H, targets_N, self.chunk_size, want_entropy, entropy_grad
+        )
         if not want_values:
             return lp_N, ent_N, lp_N.new_zeros(0)
         if self.value_head is None:
