@@ -4,10 +4,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rollouts.config import Config, load_config
 from rollouts.models.tiny import TinyModelSpec, build_tiny_model, train_tokenizer
+from rollouts.training.run_setup import prepare_base_model
 
 
 def test_round_trip_same_logits_and_generation(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -76,3 +79,25 @@ def test_cli_make_tiny_model(tmp_path: Path) -> None:
     )
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.hidden_size == 16
+
+
+def test_a_built_tiny_model_is_reused_only_for_the_spec_it_was_built_from(tmp_path: Path) -> None:
+    """Every run seed reuses one built model (its init seed is model.tiny.seed); other
+    [model.tiny] values are an error naming the keys, never a silent stand-in."""
+    path = tmp_path / "base"
+    tiny = ["model.tiny.enabled=true", "model.tiny.hidden_size=32", "model.tiny.num_layers=1"]
+
+    toml = tmp_path / "c.toml"
+    toml.write_text("")
+
+    def config(*extra: str) -> Config:
+        return load_config(toml, [f"model.path='{path}'", *tiny, *extra])
+
+    assert prepare_base_model(config()) == path
+    weights = (path / "model.safetensors").read_bytes()
+    assert prepare_base_model(config("run.seed=7")) == path
+    assert (path / "model.safetensors").read_bytes() == weights
+    with pytest.raises(ValueError, match=r"model.tiny.hidden_size = 64 \(built: 32\)"):
+        prepare_base_model(config("model.tiny.hidden_size=64"))
+    with pytest.raises(ValueError, match=r"model.tiny.seed = 3 \(built: 0\)"):
+        prepare_base_model(config("model.tiny.seed=3"))

@@ -31,6 +31,8 @@ class TinyModelConfig(_Section):
     intermediate_size: int = 256
     max_position_embeddings: int = 512
     corpus_path: str = ""  # text the tokenizer is trained on ("" = the data files)
+    # the random init; not run.seed, so one built model serves every run seed (reproducible)
+    seed: int = 0
 
     def problems(self) -> list[str]:
         p: list[str] = []

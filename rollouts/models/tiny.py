@@ -10,8 +10,10 @@ a `LlamaConfig` causal LM saved with `save_pretrained`, so everything loads back
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -115,7 +117,8 @@ def build_tiny_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) ->
 def make_tiny_model(
     out_dir: str | Path, spec: TinyModelSpec | None = None, corpus: Iterable[str] = ()
 ) -> Path:
-    """Train a tokenizer, build a tiny model, and save both to `out_dir` (HF format)."""
+    """Train a tokenizer, build a tiny model, and save both to `out_dir` (HF format), with the
+    spec it was built from in `SPEC_FILE` (so a later run can tell whether it still matches)."""
     spec = spec or TinyModelSpec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -123,5 +126,20 @@ def make_tiny_model(
     model = build_tiny_model(spec, tokenizer)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    (out / SPEC_FILE).write_text(json.dumps(dataclasses.asdict(spec), indent=1) + "\n")
     assert (out / "config.json").is_file(), f"no config.json written in {out}"
     return out
+
+
+SPEC_FILE = "tiny_model_spec.json"
+
+
+def spec_differences(model_dir: str | Path, spec: TinyModelSpec) -> dict[str, tuple[Any, Any]]:
+    """{field: (built, asked)} where the tiny model in `model_dir` was built from another spec
+    (empty when it matches, or when the directory has no spec file: not built by the kit)."""
+    path = Path(model_dir) / SPEC_FILE
+    if not path.is_file():
+        return {}
+    built = json.loads(path.read_text())
+    asked = dataclasses.asdict(spec)
+    return {k: (built.get(k), v) for k, v in asked.items() if built.get(k) != v}

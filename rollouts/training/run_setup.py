@@ -17,7 +17,7 @@ import trio
 
 from rollouts.config import Config, config_to_dict
 from rollouts.models.sources import download_hub_model, fetch_source, looks_like_hub_id
-from rollouts.models.tiny import TinyModelSpec, make_tiny_model
+from rollouts.models.tiny import TinyModelSpec, make_tiny_model, spec_differences
 from rollouts.plugins import import_object, is_async_callable
 from rollouts.training.metrics import ConsoleSink, JsonlSink, MetricsLogger, truncate_jsonl
 
@@ -98,9 +98,11 @@ def prepare_base_model(config: Config) -> Path:
         raise ValueError(
             "model.path is empty: point it at an HF model directory, or set model.source"
         )
-    if (path / "config.json").is_file():
-        return path
     tiny = config.model.tiny
+    if (path / "config.json").is_file():
+        if tiny.enabled:
+            _check_tiny_model(path, tiny_spec(config))
+        return path
     if not tiny.enabled and looks_like_hub_id(config.model.path):
         return download_hub_model(config.model.path)
     if not tiny.enabled:
@@ -108,7 +110,15 @@ def prepare_base_model(config: Config) -> Path:
             f"model.path = {str(path)!r} is not an HF model directory (no config.json); "
             "set model.tiny.enabled = true to build a tiny model there"
         )
-    spec = TinyModelSpec(
+    corpus = _corpus(config) if tiny.tokenizer == "bpe" else []
+    print(f"[train] building a tiny model in {path}", flush=True)
+    return make_tiny_model(path, tiny_spec(config), corpus)
+
+
+def tiny_spec(config: Config) -> TinyModelSpec:
+    """The TinyModelSpec `[model.tiny]` asks for."""
+    tiny = config.model.tiny
+    return TinyModelSpec(
         tokenizer=tiny.tokenizer,
         vocab_size=tiny.vocab_size,
         hidden_size=tiny.hidden_size,
@@ -116,11 +126,22 @@ def prepare_base_model(config: Config) -> Path:
         num_heads=tiny.num_heads,
         intermediate_size=tiny.intermediate_size,
         max_position_embeddings=tiny.max_position_embeddings,
-        seed=config.run.seed,
+        seed=tiny.seed,
     )
-    corpus = _corpus(config) if tiny.tokenizer == "bpe" else []
-    print(f"[train] building a tiny model in {path}", flush=True)
-    return make_tiny_model(path, spec, corpus)
+
+
+def _check_tiny_model(path: Path, spec: TinyModelSpec) -> None:
+    """A tiny model built earlier at `path` from other `[model.tiny]` values is an error (it
+    would be trained silently in place of the one the config asks for)."""
+    diff = spec_differences(path, spec)
+    if diff:
+        keys = ", ".join(
+            f"model.tiny.{k} = {asked!r} (built: {built!r})" for k, (built, asked) in diff.items()
+        )
+        raise ValueError(
+            f"model.path = {str(path)!r} holds a tiny model built from other [model.tiny] "
+            f"values: {keys}. Delete the directory to rebuild it, or point model.path elsewhere"
+        )
 
 
 def with_response_text(reward_fn: Any, tokenizer: Any) -> Any:
