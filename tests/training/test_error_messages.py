@@ -37,6 +37,7 @@ def test_a_bad_dataset_line_is_one_message(
     config = _rl_config(
         tmp_path,
         model={"path": str(tiny_model_dir)},
+        model__tiny={"enabled": False},  # a model already there, not one to build
         data={"prepare": "", "train_path": bad, "sft_path": "", "eval_path": ""},
     )
     assert main(["--mode", "rl", "--config", str(config)]) == 1
@@ -52,6 +53,7 @@ def test_a_reward_fn_that_cannot_be_imported_is_one_message(
     config = _config(
         tmp_path,
         model={"path": str(tiny_model_dir)},
+        model__tiny={"enabled": False},  # a model already there, not one to build
         rollout={"reward_fn": "no_such_module.reward"},
     )
     assert main(["--mode", "rl", "--config", str(config)]) == 1
@@ -65,6 +67,7 @@ def test_a_reward_fn_that_always_raises_is_one_message(
     config = _config(
         tmp_path,
         model={"path": str(tiny_model_dir)},
+        model__tiny={"enabled": False},  # a model already there, not one to build
         data={"eval_size": 2},  # the held-out eval before RL scores with it first
         rollout={"reward_fn": "tests.training.test_quick_start.always_raises"},
         training={"rl_steps": 4},
