@@ -4,7 +4,8 @@
 
 Starts the server's own ASGI app (SGLang's or vLLM's, a stub model behind it; see
 sglang_app.py / vllm_app.py) with uvicorn on 127.0.0.1 in a thread, then runs the client:
-readiness wait, generate, an async-mode sync (pause keep -> reload -> resume) with a request
+readiness wait, generate, a batch generate (a group in one request; SGLang) with an abort by rid
+prefix inside it, an async-mode sync (pause keep -> reload -> resume) with a request
 running through it, abort- and wait-mode syncs, the served version, abort_all, load. Any body the
 server refuses raises (EngineRequestError with its message); any field the client needs and does
 not find fails an assert or the client's own parsing. Prints one line per step and exits 0 when
@@ -21,7 +22,7 @@ from typing import Any
 
 import trio
 
-from rollouts.inference.protocol import FinishReason, SamplingParams
+from rollouts.inference.protocol import FinishReason, GenerateRequest, SamplingParams
 from rollouts.inference.readiness import wait_until_ready
 
 SHORT = SamplingParams(max_new_tokens=4, temperature=0.0)
@@ -49,10 +50,11 @@ def step(name: str) -> None:
     print(f"  ok  {name}", flush=True)
 
 
-async def until_running(probe: Any) -> None:
-    """Until a request runs (SGLang: /v1/loads; vLLM: the client's own count), plus a few steps."""
+async def until_running(probe: Any, count: int = 1) -> None:
+    """Until `count` requests run (SGLang: /v1/loads; vLLM: the client's own count), plus a few
+    steps."""
     with trio.fail_after(30):
-        while (await probe.load()).running == 0:
+        while (await probe.load()).running < count:
             await trio.sleep(0.01)
     await trio.sleep(0.3)
 
@@ -76,6 +78,39 @@ async def sync_with_a_running_request(
     return box[0]
 
 
+async def batch_requests(engine: Any, probe: Any) -> None:
+    """A group as one batch /generate (what the rollout manager sends): one answer per prompt,
+    each with its own length; an abort by rid prefix cuts only the prompts it names."""
+    short = [
+        GenerateRequest(input_ids=(5, 6), sampling=SHORT, rid="grp-s0"),
+        GenerateRequest(input_ids=(5, 6, 7), sampling=LONG, rid="grp-s1"),
+    ]
+    got = await engine.generate_many(short)
+    assert [c.completion_tokens for c in got] == [4, 60], got
+    assert all(len(c.logprobs) == c.completion_tokens for c in got), got
+    step("batch generate: one answer per prompt, in order, each with its logprobs")
+    batch = [
+        GenerateRequest(input_ids=(5,), sampling=LONG, rid="cut-s0"),
+        GenerateRequest(input_ids=(6,), sampling=LONG, rid="cut-s1"),
+        GenerateRequest(input_ids=(7,), sampling=LONG, rid="keep-s0"),
+    ]
+    box: list[Any] = []
+
+    async def run() -> None:
+        box.extend(await engine.generate_many(batch))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run)
+        await until_running(probe, count=3)
+        await engine.abort("cut-")
+    assert [c.finish_reason for c in box] == [
+        FinishReason.ABORT,
+        FinishReason.ABORT,
+        FinishReason.LENGTH,
+    ], box
+    step("abort by rid prefix inside a batch: the two named prompts ABORT, the third finishes")
+
+
 async def cycle(client: Any, url: str, model_dir: str) -> None:
     """The whole cycle through one client; raises at the first refusal or missing field."""
     engine = client(url)
@@ -87,6 +122,8 @@ async def cycle(client: Any, url: str, model_dir: str) -> None:
     assert done.completion_tokens == 4 and len(done.logprobs) == 4, done
     assert done.weight_version == "default", done.weight_version
     step(f"generate: 4 tokens, logprobs, version {done.weight_version!r}")
+    if getattr(engine, "batch_generate", False):
+        await batch_requests(engine, probe)
     kept = await sync_with_a_running_request(engine, probe, "keep", model_dir, "1")
     assert kept.finish_reason is FinishReason.LENGTH, kept
     assert kept.completion_tokens == 60, kept.completion_tokens

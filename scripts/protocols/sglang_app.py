@@ -77,8 +77,15 @@ class StubTokenizerManager:
         sp.verify(self.vocab_size)
 
     async def generate_request(self, obj: Any, request: Any = None):
-        """One prompt (the clients send one): yields the finished answer once."""
+        """One prompt, or a batch (a GRPO group: SGLang's own normalisation splits it into one
+        request per prompt, each with its rid); yields the finished answer (a list) once."""
         obj.normalize_batch_and_arguments()
+        if obj.is_single:
+            yield await self._one(obj)
+            return
+        yield list(await asyncio.gather(*(self._one(obj[i]) for i in range(obj.batch_size))))
+
+    async def _one(self, obj: Any) -> dict[str, Any]:
         self._check_sampling(dict(obj.sampling_params or {}))
         while self.paused is not None:
             await asyncio.sleep(STEP_S)
@@ -95,7 +102,7 @@ class StubTokenizerManager:
                     self.last_receive_tstamp = time.time()
         finally:
             self.runs.pop(rid, None)
-        yield self._answer(obj, run, time.monotonic() - start)
+        return self._answer(obj, run, time.monotonic() - start)
 
     def _answer(self, obj: Any, run: Run, latency_s: float) -> dict[str, Any]:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH
