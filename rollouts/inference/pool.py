@@ -80,19 +80,24 @@ class EnginePool:
 
         When no engine is up, wait up to `wait_for_up_s` for a health check to bring one back.
         """
+        return await self._on_an_engine(1, lambda e: e.generate(input_ids, sampling, rid))
+
+    async def _on_an_engine(self, cost: int, call: Callable[[Any], Awaitable[Any]]) -> Any:
+        """`call` on the least-loaded engine that is up (counting `cost` requests in flight
+        there); an unreachable one is marked down and the next one tried, once each."""
         tried: set[int] = set()
         errors: list[str] = []
         await self._wait_for_up()
         while (index := pick_engine(self.in_flight, self.up, tried)) is not None:
             tried.add(index)
-            self.in_flight[index] += 1
+            self.in_flight[index] += cost
             try:
-                return await self.engines[index].generate(input_ids, sampling, rid)
+                return await call(self.engines[index])
             except EngineUnavailable as exc:
                 self.mark_down(index)
                 errors.append(str(exc))
             finally:
-                self.in_flight[index] -= 1
+                self.in_flight[index] -= cost
         raise EngineUnavailable(f"no healthy engine could generate: {errors or 'all are down'}")
 
     @property
@@ -104,20 +109,7 @@ class EnginePool:
         """The whole batch on the least-loaded healthy engine (a group's prompts stay on one
         engine, whose prefix cache they share); on EngineUnavailable the next one gets it all."""
         assert self.batch_generate, "generate_many needs engines that batch (SGLang's API)"
-        tried: set[int] = set()
-        errors: list[str] = []
-        await self._wait_for_up()
-        while (index := pick_engine(self.in_flight, self.up, tried)) is not None:
-            tried.add(index)
-            self.in_flight[index] += len(requests)
-            try:
-                return await self.engines[index].generate_many(requests)  # type: ignore[attr-defined]
-            except EngineUnavailable as exc:
-                self.mark_down(index)
-                errors.append(str(exc))
-            finally:
-                self.in_flight[index] -= len(requests)
-        raise EngineUnavailable(f"no healthy engine could generate: {errors or 'all are down'}")
+        return await self._on_an_engine(len(requests), lambda e: e.generate_many(requests))
 
     async def _wait_for_up(self) -> None:
         await self.wait_for_up()
