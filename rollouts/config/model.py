@@ -57,6 +57,9 @@ class ModelConfig(_Section):
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
     gradient_checkpointing: bool = False
+    # torch.compile each decoder layer of the trained model (dynamic shapes; the first step
+    # compiles: tens of seconds on CPU, cached on disk for the next run)
+    compile: bool = False
     tiny: TinyModelConfig = dataclasses.field(default_factory=TinyModelConfig)
 
     def problems(self) -> list[str]:

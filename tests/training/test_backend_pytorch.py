@@ -191,3 +191,25 @@ def test_layouts_chunking_and_activation_checkpointing_give_the_same_gradient(
         got = _gradients(config)
         for key, value in expected.items():
             torch.testing.assert_close(got[key], value, atol=1e-6, rtol=1e-4)
+
+
+def test_compiled_decoder_layers_give_the_same_gradients_and_weight_names(
+    tiny_model_dir: Path,
+) -> None:
+    """model.compile = true: the same gradients over micro-batches of several shapes, the same
+    parameter names (checkpoints, weight sync), and each layer's forward is the compiled one."""
+    base = tiny_config(tiny_model_dir, micro_batch_tokens=20)
+    expected = _gradients(base)
+    compiled = dataclasses.replace(base, model=dataclasses.replace(base.model, compile=True))
+    backend = create_pytorch_backend(compiled)
+    layers = backend.lm.get_decoder().layers
+    assert all(getattr(layer.forward, "_torchdynamo_orig_callable", None) for layer in layers)
+    for seed in (2, 2):  # the second pass runs the cached graphs
+        backend.lm.zero_grad(set_to_none=True)
+        backend.forward_backward(make_batch(LENGTHS, seed=seed), nll_loss).result()
+        got = {n: p.grad.clone() for n, p in backend.lm.named_parameters()}
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(got[key], value, atol=1e-5, rtol=1e-4)
+    assert set(backend.get_weights()) == set(expected)
+    backend.close()

@@ -65,6 +65,7 @@ def create_pytorch_backend(
         dtype=m.dtype,
         attn_implementation=m.attn_implementation,
         gradient_checkpointing=m.gradient_checkpointing,
+        compile=m.compile,
         device=device,
     )
     tokenizer = load_tokenizer(m.tokenizer_path or path)

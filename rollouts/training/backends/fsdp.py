@@ -272,6 +272,7 @@ def create_fsdp_backend(
         dtype=m.dtype,
         attn_implementation=m.attn_implementation,
         gradient_checkpointing=m.gradient_checkpointing,
+        compile=m.compile,
         device=device,
     )
     head = make_value_head(lm) if f.wants_value_head(config, value_head) else None
