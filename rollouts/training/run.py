@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -329,15 +330,24 @@ async def _rl_with_engines(
                 step=int(version),
             )
             return report.metrics()
+        return await (await publish(version))()
+
+    async def publish(version: str) -> Callable[[], Awaitable[dict[str, float]]]:
+        """Write the version's weights-only files now; the engines load them in `deliver`."""
         path = await trio.to_thread.run_sync(publish_weights, backend, sync_root, version)
-        report = await sync_pool(
-            pool,
-            path,
-            version,
-            attempts=config.training.weight_sync_attempts,
-            pause_mode=pause_mode,
-        )
-        return report.metrics()
+        pause_mode = "keep" if config.rollout.mode == "async" else "abort"
+
+        async def deliver() -> dict[str, float]:
+            report = await sync_pool(
+                pool,
+                path,
+                version,
+                attempts=config.training.weight_sync_attempts,
+                pause_mode=pause_mode,
+            )
+            return report.metrics()
+
+        return deliver
 
     def log_samples(step: int, batch: Any) -> None:
         n = config.logging.rollouts_per_step
@@ -347,6 +357,7 @@ async def _rl_with_engines(
     hooks = RLHooks(
         checkpoint=checkpoint,
         sync_weights=sync,
+        publish_weights=publish if distributed is None else None,
         evaluate=evaluate_fn,
         should_stop=stop,
         log_samples=log_samples,

@@ -43,6 +43,7 @@ from rollouts.training.loops.rl_batch import (
 from rollouts.training.metrics import MetricsLogger
 from rollouts.types import RolloutBatch, TrainBatch
 
+Delivery = Callable[[], Awaitable[dict[str, float]]]  # engines load published weights
 MAX_EMPTY_STEPS = 3  # steps in a row without a trainable sample before the run stops
 
 
@@ -55,6 +56,10 @@ class RLHooks:
     # loop's own JSON-safe state (e.g. the adaptive KL coefficient), given back on resume
     checkpoint: Callable[..., Awaitable[None]]
     sync_weights: Callable[[str], Awaitable[dict[str, float]]]  # version -> phase times
+    # async mode: write the version's weights where the engines load them (awaited, so the
+    # next optimizer step cannot change them first) and return the delivery (pause, load,
+    # resume, verify), which runs while the next step trains; None = always `sync_weights`
+    publish_weights: Callable[[str], Awaitable[Delivery]] | None = None
     evaluate: Callable[[], Awaitable[dict[str, float]]] | None = None
     should_stop: Callable[[], bool] = lambda: False
     log_samples: Callable[[int, RolloutBatch], None] | None = None
@@ -223,6 +228,48 @@ def _renormalised(batch: TrainBatch, indices: list[int]) -> TrainBatch:
     )
 
 
+class _EngineSync:
+    """The weight delivery that runs while the next step trains (async mode, disk sync).
+
+    At most one is in flight. The producer waits for it before it starts a batch, so a batch
+    is generated with weights at least as new as without overlap (the staleness bound holds);
+    the loop collects its result (`finish`) before the next sync, an evaluation or the end,
+    and a failed delivery raises there, in the loop, before that step's checkpoint.
+    """
+
+    def __init__(self) -> None:
+        self._done = trio.Event()
+        self._done.set()
+        self._result: dict[str, float] | Exception | None = None
+
+    def start(self, nursery: trio.Nursery, deliver: Delivery) -> None:
+        assert self._done.is_set() and self._result is None, "a delivery is still pending"
+        done = self._done = trio.Event()
+
+        async def run() -> None:
+            try:
+                self._result = await deliver()
+            except Exception as error:  # re-raised by `finish`, in the loop
+                self._result = error
+            finally:
+                done.set()
+
+        nursery.start_soon(run)
+
+    async def wait(self) -> None:
+        """Until no delivery is in flight (the engines serve the last published version, or
+        the delivery failed and `finish` will say so)."""
+        await self._done.wait()
+
+    async def finish(self) -> dict[str, float]:
+        """The last delivery's `sync/*` metrics ({} when there was none); its error, raised."""
+        await self._done.wait()
+        result, self._result = self._result, None
+        if isinstance(result, Exception):
+            raise result
+        return prefixed(result, "sync") if result else {}
+
+
 class _Batches:
     """Where the next rollout batch comes from: made now (sync) or by a producer task (async).
 
@@ -231,19 +278,28 @@ class _Batches:
     """
 
     def __init__(
-        self, manager: Any, reward_fn: Any, buffer: Any, staleness: Callable[[], tuple[str, int]]
+        self,
+        manager: Any,
+        reward_fn: Any,
+        buffer: Any,
+        staleness: Callable[[int], tuple[str, int]],
+        engines_ready: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.manager = manager
         self.reward_fn = reward_fn
         self.buffer = buffer
-        self.staleness = staleness  # () -> (policy version now, staleness bound)
+        # batch number -> (the policy version it will be trained at, the staleness bound)
+        self.staleness = staleness
+        self.engines_ready = engines_ready  # awaited before a batch starts (a weight delivery)
         self.states: dict[int, dict[str, Any]] = {}
         self._recv: trio.MemoryReceiveChannel[tuple[RolloutBatch, float]] | None = None
 
     async def _make(self, number: int) -> tuple[RolloutBatch, float]:
+        if self.engines_ready is not None:
+            await self.engines_ready()
         self.states[number] = self.buffer.state_dict()
         started = time.monotonic()
-        version, bound = self.staleness()
+        version, bound = self.staleness(number)
         batch = await self.manager.generate_batch(
             self.reward_fn, policy_version=version, max_staleness=bound
         )
@@ -298,17 +354,29 @@ async def run_rl_training(
     kl_ctl = AdaptiveKL.from_config(config.algorithm)
     if loop_state and "kl_ctl" in loop_state:
         kl_ctl = kl_ctl.load_state_dict(loop_state["kl_ctl"])
-    state = {"version": start_version, "synced": start_version, "metrics": {}, "kl_ctl": kl_ctl}
+    state = {
+        "version": start_version,
+        "synced": start_version,
+        "trained_through": start_step,  # the last step whose optimizer steps are done
+        "metrics": {},
+        "kl_ctl": kl_ctl,
+    }
     bound = staleness_bound(
         config.rollout.max_staleness, config.rollout.mode, config.training.sync_every
     )
+    engine_sync = _EngineSync()
     batches = _Batches(
-        rollout_manager, reward_fn, data_buffer, lambda: (str(state["version"]), bound)
+        rollout_manager,
+        reward_fn,
+        data_buffer,
+        lambda number: (str(_train_version(state, number)), bound),
+        engine_sync.wait,
     )
     step = start_step
     async with trio.open_nursery() as nursery:
         if is_async:
             batches.start_producer(nursery, start_step + 1, total)
+        overlap = (nursery, engine_sync) if is_async and hooks.publish_weights else None
         for step in range(start_step + 1, total + 1):
             metrics = await _one_step(
                 step,
@@ -321,6 +389,7 @@ async def run_rl_training(
                 schedule,
                 state,
                 is_async,
+                overlap,
             )
             with trio.move_on_after(5.0):  # the engines' load after the batch (0 = no leftovers)
                 with contextlib.suppress(EngineError):
@@ -329,6 +398,7 @@ async def run_rl_training(
             state["metrics"] = metrics
             if hooks.should_stop():
                 break
+        await engine_sync.finish()  # a delivery still in flight: its error is the run's
         nursery.cancel_scope.cancel()
     return RLResult(steps=step, weight_version=str(state["version"]), last_metrics=state["metrics"])
 
@@ -344,6 +414,7 @@ async def _one_step(
     schedule: Any,
     state: dict[str, Any],
     is_async: bool,
+    overlap: tuple[trio.Nursery, _EngineSync] | None = None,
 ) -> dict[str, float]:
     started = time.monotonic()
     rollout, gen_s = await batches.next(step)
@@ -384,6 +455,7 @@ async def _one_step(
         state["version"] += 1
         if ref is not None:
             await ref.update(backend, algo, step)
+    state["trained_through"] = step
     if hooks.log_samples is not None:
         hooks.log_samples(step, rollout)
     stopping = hooks.should_stop()
@@ -393,11 +465,24 @@ async def _one_step(
     sync_due = step % config.training.sync_every == 0 or step == total or eval_due or stopping
     if sync_due and state["synced"] != state["version"]:
         t = time.monotonic()
-        metrics |= prefixed(await hooks.sync_weights(str(state["version"])), "sync")
+        version = str(state["version"])
+        if overlap is None:
+            metrics |= prefixed(await hooks.sync_weights(version), "sync")
+        else:  # the last delivery's figures, then this one's (in the background unless the
+            nursery, engine_sync = overlap  # engines must serve it now: eval, stop, the end)
+            metrics |= await engine_sync.finish()
+            assert hooks.publish_weights is not None
+            deliver = await hooks.publish_weights(version)
+            if eval_due or stopping or step == total:
+                metrics |= prefixed(await deliver(), "sync")
+            else:
+                engine_sync.start(nursery, deliver)
         state["synced"] = state["version"]
         times["sync"] = time.monotonic() - t
     if eval_due:
         t = time.monotonic()
+        if overlap is not None:  # the engines serve the newest weights (no delivery in flight)
+            metrics |= await overlap[1].finish()
         metrics |= await hooks.evaluate()
         times["eval"] = time.monotonic() - t
     every = config.checkpoint.every
@@ -410,6 +495,15 @@ async def _one_step(
         )
         times["checkpoint"] = time.monotonic() - t
     return metrics | _timing(times, time.monotonic() - started, rollout, state["version"])
+
+
+def _train_version(state: dict[str, Any], number: int) -> int:
+    """The policy version batch `number` will be trained at: the version now plus one for each
+    earlier step still training (async: the producer makes batch k while step k-1 trains). The
+    manager drops partial work staler than the bound at THAT version, so a surplus or aborted
+    group kept from the batch before is not resumed (or served) only to be dropped as stale by
+    the trainer, leaving the step short of groups."""
+    return int(state["version"]) + max(0, number - 1 - int(state["trained_through"]))
 
 
 def _with_kl_controller(algo: AlgorithmConfig, kl_ctl: AdaptiveKL) -> AlgorithmConfig:
