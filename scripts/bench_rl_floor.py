@@ -116,7 +116,8 @@ def train_step(model, optimizer, spec, completions, advantages, pad_id: int) -> 
             ids[j, : len(rows[i])] = torch.tensor(rows[i])
             attn[j, : len(rows[i])] = 1
             mask[j, starts[i] - 1 : len(rows[i]) - 1] = 1.0  # positions predicting completions
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]
+        logits = logits.float()
         logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         adv = advantages[idx][:, None]
         ratio = torch.exp(logp - logp.detach())  # = 1; the gradient of PPO's on-policy ratio
@@ -127,12 +128,31 @@ def train_step(model, optimizer, spec, completions, advantages, pad_id: int) -> 
     optimizer.zero_grad(set_to_none=True)
 
 
-def run_floor(model_dir: Path, spec: FloorSpec, steps: int, seed: int = 0) -> list[FloorStep]:
-    """`steps` floor steps (generate, then train) on the model in `model_dir`."""
+def _layer_forwards(model, compile_train: bool) -> tuple[list, list]:
+    """(eager, training) forwards of the decoder layers: the training ones torch.compile'd like
+    the project's `model.compile` (generation always runs eager, as HF's `generate` does)."""
+    layers = model.get_decoder().layers
+    eager = [layer.forward for layer in layers]
+    if not compile_train:
+        return eager, eager
+    return eager, [torch.compile(f, dynamic=True) for f in eager]
+
+
+def _use(model, forwards: list) -> None:
+    for layer, forward in zip(model.get_decoder().layers, forwards, strict=True):
+        layer.forward = forward
+
+
+def run_floor(
+    model_dir: Path, spec: FloorSpec, steps: int, seed: int = 0, compile_train: bool = False
+) -> list[FloorStep]:
+    """`steps` floor steps (generate, then train) on the model in `model_dir`; with
+    `compile_train` the training forward/backward runs compiled decoder layers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    eager, train_forwards = _layer_forwards(model, compile_train)
     eos_id = int(tokenizer.eos_token_id)
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr)
@@ -141,9 +161,11 @@ def run_floor(model_dir: Path, spec: FloorSpec, steps: int, seed: int = 0) -> li
     for step in range(steps):
         t0 = time.perf_counter()
         model.eval()
+        _use(model, eager)
         completions = generate(model, spec, pad_id, eos_id)
         t1 = time.perf_counter()
         adv = grpo_advantages(len(spec.prompts), spec.n_samples, seed + step)
+        _use(model, train_forwards)
         train_step(model, optimizer, spec, completions, adv, pad_id)
         t2 = time.perf_counter()
         tokens = sum(len(c) for c in completions)

@@ -9,12 +9,14 @@ temperature 1, GRPO, no reference model, one optimizer step per batch, on the de
   async  the same with rollout.mode = "async".
 and prints seconds per step (mean over the timed steps), samples/s, the phases, and the ratios
 floor / sync step (target >= 0.9 on the tiny model) and async / sync samples/s (target >= 1.6).
+With --compile the project trains with `model.compile = true` and the floor's training step runs
+the same torch.compile'd decoder layers (the first, compiling, steps are among the skipped ones).
 Torch threads are the driver's default share (cores // (engines + 1)), also for the floor.
 Async overlaps generation with training, so it cannot beat sync by more than
 sync step / max(generate, the rest): the "async ceiling" line. Every ratio needs a quiet machine
 (two free cores for async); on a loaded one the processes wait for CPU and the GIL.
 
-    python scripts/bench_rl_step.py [--model DIR] [--steps 8] [--skip 2] [--rounds 1]
+    python scripts/bench_rl_step.py [--model DIR] [--steps 8] [--skip 2] [--rounds 1] [--compile]
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def floor(config: Config, steps: int, skip: int) -> dict[str, float]:
         max_grad_norm=config.optim.max_grad_norm,
         micro_batch_tokens=config.training.micro_batch_tokens,
     )
-    timed = run_floor(model_dir, spec, steps)[skip:-1]
+    timed = run_floor(model_dir, spec, steps, compile_train=config.model.compile)[skip:-1]
     assert timed, "no timed floor step: raise --steps above --skip + 1"
     step_s = statistics.fmean(s.step_s for s in timed)
     return {
@@ -170,11 +172,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--skip", type=int, default=2, help="warm-up steps left out")
     parser.add_argument("--rounds", type=int, default=1, help="floor/sync/async repetitions")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="model.compile = true for sync and async, and compiled layers in the floor's train",
+    )
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
+    if args.compile:
+        args.overrides = ["model.compile=true", *args.overrides]
     threads = cpu_share(0, "cpu", 1)
     torch.set_num_threads(threads)
-    print(f"torch threads {threads} (trainer and floor); model {args.model or 'tiny (demo)'}")
+    print(
+        f"torch threads {threads} (trainer and floor); model {args.model or 'tiny (demo)'}; "
+        f"decoder layers {'compiled' if args.compile else 'eager'} in training"
+    )
     ratios = []
     with tempfile.TemporaryDirectory(prefix="bench-rl-") as tmp:
         for r in range(args.rounds):
