@@ -3,10 +3,12 @@
 Two modes (`rollout.mode`):
 - "sync": each step generates its batch with the current weights, then trains on it.
 - "async": a producer task generates the next batch while the trainer trains on the current
-  one (a channel of size 0 keeps it exactly one batch ahead).
+  one (a channel of size 0 keeps it exactly one batch ahead); with disk sync the engines load a
+  step's weights while the next step trains (`rl_sources.EngineSync`).
 In both modes samples made by a policy more than the staleness bound (`rollout.max_staleness`;
 automatic: what a fresh sample can lag, so sync stays on-policy) behind are dropped and counted,
-and partial groups already that stale are dropped before they are resumed.
+and partial groups that would be that stale when their batch trains are dropped before they are
+resumed (`rl_sources.train_version`).
 
 The loop never knows which backend or which engine it drives: checkpoints, weight sync and
 evaluation come in as `RLHooks` built by the driver (`rollouts/training/run.py`).
@@ -40,10 +42,10 @@ from rollouts.training.loops.rl_batch import (
     train_batch_of,
     value_input_batch,
 )
+from rollouts.training.loops.rl_sources import BatchSource, Delivery, EngineSync, train_version
 from rollouts.training.metrics import MetricsLogger
 from rollouts.types import RolloutBatch, TrainBatch
 
-Delivery = Callable[[], Awaitable[dict[str, float]]]  # engines load published weights
 MAX_EMPTY_STEPS = 3  # steps in a row without a trainable sample before the run stops
 
 
@@ -228,107 +230,6 @@ def _renormalised(batch: TrainBatch, indices: list[int]) -> TrainBatch:
     )
 
 
-class _EngineSync:
-    """The weight delivery that runs while the next step trains (async mode, disk sync).
-
-    At most one is in flight. The producer waits for it before it starts a batch, so a batch
-    is generated with weights at least as new as without overlap (the staleness bound holds);
-    the loop collects its result (`finish`) before the next sync, an evaluation or the end,
-    and a failed delivery raises there, in the loop, before that step's checkpoint.
-    """
-
-    def __init__(self) -> None:
-        self._done = trio.Event()
-        self._done.set()
-        self._result: dict[str, float] | Exception | None = None
-
-    def start(self, nursery: trio.Nursery, deliver: Delivery) -> None:
-        assert self._done.is_set() and self._result is None, "a delivery is still pending"
-        done = self._done = trio.Event()
-
-        async def run() -> None:
-            try:
-                self._result = await deliver()
-            except Exception as error:  # re-raised by `finish`, in the loop
-                self._result = error
-            finally:
-                done.set()
-
-        nursery.start_soon(run)
-
-    async def wait(self) -> None:
-        """Until no delivery is in flight (the engines serve the last published version, or
-        the delivery failed and `finish` will say so)."""
-        await self._done.wait()
-
-    async def finish(self) -> dict[str, float]:
-        """The last delivery's `sync/*` metrics ({} when there was none); its error, raised."""
-        await self._done.wait()
-        result, self._result = self._result, None
-        if isinstance(result, Exception):
-            raise result
-        return prefixed(result, "sync") if result else {}
-
-
-class _Batches:
-    """Where the next rollout batch comes from: made now (sync) or by a producer task (async).
-
-    Remembers the DataBuffer state from just before each batch began, so a checkpoint after step
-    k stores the state from which batch k+1 is generated, even when the producer is ahead.
-    """
-
-    def __init__(
-        self,
-        manager: Any,
-        reward_fn: Any,
-        buffer: Any,
-        staleness: Callable[[int], tuple[str, int]],
-        engines_ready: Callable[[], Awaitable[None]] | None = None,
-    ) -> None:
-        self.manager = manager
-        self.reward_fn = reward_fn
-        self.buffer = buffer
-        # batch number -> (the policy version it will be trained at, the staleness bound)
-        self.staleness = staleness
-        self.engines_ready = engines_ready  # awaited before a batch starts (a weight delivery)
-        self.states: dict[int, dict[str, Any]] = {}
-        self._recv: trio.MemoryReceiveChannel[tuple[RolloutBatch, float]] | None = None
-
-    async def _make(self, number: int) -> tuple[RolloutBatch, float]:
-        if self.engines_ready is not None:
-            await self.engines_ready()
-        self.states[number] = self.buffer.state_dict()
-        started = time.monotonic()
-        version, bound = self.staleness(number)
-        batch = await self.manager.generate_batch(
-            self.reward_fn, policy_version=version, max_staleness=bound
-        )
-        return batch, time.monotonic() - started
-
-    def start_producer(self, nursery: trio.Nursery, first: int, last: int) -> None:
-        send, self._recv = trio.open_memory_channel[tuple[RolloutBatch, float]](0)
-
-        async def produce() -> None:
-            async with send:
-                for number in range(first, last + 1):
-                    await send.send(await self._make(number))
-
-        nursery.start_soon(produce)
-
-    async def next(self, number: int) -> tuple[RolloutBatch, float]:
-        """Batch `number` and the seconds spent generating it."""
-        if self._recv is None:
-            return await self._make(number)
-        return await self._recv.receive()
-
-    def state_for_resume(self, next_number: int) -> dict[str, Any]:
-        """The buffer state from which batch `next_number` is (or will be) generated."""
-        state = self.states.get(next_number) or self.buffer.state_dict()
-        for old in [n for n in self.states if n < next_number]:
-            del self.states[old]
-        return state
-
-
 async def run_rl_training(
     backend: Any,
     data_buffer: Any,
@@ -364,12 +265,12 @@ async def run_rl_training(
     bound = staleness_bound(
         config.rollout.max_staleness, config.rollout.mode, config.training.sync_every
     )
-    engine_sync = _EngineSync()
-    batches = _Batches(
+    engine_sync = EngineSync()
+    batches = BatchSource(
         rollout_manager,
         reward_fn,
         data_buffer,
-        lambda number: (str(_train_version(state, number)), bound),
+        lambda number: (str(train_version(state, number)), bound),
         engine_sync.wait,
     )
     step = start_step
@@ -407,14 +308,14 @@ async def _one_step(
     step: int,
     total: int,
     backend: Any,
-    batches: _Batches,
+    batches: BatchSource,
     config: Config,
     hooks: RLHooks,
     ref: ReferencePolicy | None,
     schedule: Any,
     state: dict[str, Any],
     is_async: bool,
-    overlap: tuple[trio.Nursery, _EngineSync] | None = None,
+    overlap: tuple[trio.Nursery, EngineSync] | None = None,
 ) -> dict[str, float]:
     started = time.monotonic()
     rollout, gen_s = await batches.next(step)
@@ -495,15 +396,6 @@ async def _one_step(
         )
         times["checkpoint"] = time.monotonic() - t
     return metrics | _timing(times, time.monotonic() - started, rollout, state["version"])
-
-
-def _train_version(state: dict[str, Any], number: int) -> int:
-    """The policy version batch `number` will be trained at: the version now plus one for each
-    earlier step still training (async: the producer makes batch k while step k-1 trains). The
-    manager drops partial work staler than the bound at THAT version, so a surplus or aborted
-    group kept from the batch before is not resumed (or served) only to be dropped as stale by
-    the trainer, leaving the step short of groups."""
-    return int(state["version"]) + max(0, number - 1 - int(state["trained_through"]))
 
 
 def _with_kl_controller(algo: AlgorithmConfig, kl_ctl: AdaptiveKL) -> AlgorithmConfig:
