@@ -6,6 +6,9 @@ engines serve after a weight sync, not a copy of the weights held by the trainer
 scored exactly as in training (`rollouts.rewards.scoring.score_sample`): a reward function that
 raises, times out or returns a non-reward (None, a string, NaN, an infinity) marks that sample
 FAILED with an error that names the function; it is counted in `eval/failed`, never correct.
+With the default single-turn generate function and an engine that takes batches (SGLang's API,
+the built-in server), prompts go out EVAL_BATCH at a time as one request each (each prompt with
+its own request id, so an abort still reaches only what it names); greedy answers are the same.
 """
 
 from __future__ import annotations
@@ -17,11 +20,15 @@ from typing import Any
 import trio
 
 from rollouts.inference.http import EngineError
-from rollouts.inference.protocol import InferenceEngine, SamplingParams
+from rollouts.inference.protocol import InferenceEngine, SamplingParams, batches_requests
 from rollouts.plugins import call_maybe_async
-from rollouts.rewards.scoring import score_sample
+from rollouts.rewards.scoring import score_group
 from rollouts.rollout.agent import generate_multi_turn
-from rollouts.rollout.generate import fail_sample, generate_single_turn
+from rollouts.rollout.generate import (
+    fail_sample,
+    generate_group_single_turn,
+    generate_single_turn,
+)
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.types import PromptItem, Sample, Status
 
@@ -69,6 +76,7 @@ def _pending(item: PromptItem) -> Sample:
 
 
 MAX_EVAL_ATTEMPTS = 3  # an aborted eval rollout is resumed (greedy: same result) this often
+EVAL_BATCH = 16  # prompts per batch request (engines that take batches, single-turn)
 
 
 async def _rollout(engine: InferenceEngine, tokenizer: Any, item: PromptItem, spec: EvalSpec):
@@ -82,22 +90,55 @@ async def _rollout(engine: InferenceEngine, tokenizer: Any, item: PromptItem, sp
     return fail_sample(sample, f"eval rollout aborted {MAX_EVAL_ATTEMPTS} times in a row")
 
 
-async def _attempt(
-    engine: InferenceEngine, tokenizer: Any, sample: Sample, spec: EvalSpec, attempt: int
-) -> Sample:
+async def _rollout_batch(
+    engine: InferenceEngine, tokenizer: Any, items: Sequence[PromptItem], spec: EvalSpec
+) -> list[Sample]:
+    """`_rollout` for several items as one batch request per attempt: the aborted ones are
+    resumed together, and FAILED if still aborted after the last attempt."""
+    samples = [_pending(item) for item in items]
+    for attempt in range(MAX_EVAL_ATTEMPTS):
+        todo = [i for i, s in enumerate(samples) if s.status in (Status.PENDING, Status.ABORTED)]
+        if not todo:
+            break
+        ctx = _context(engine, tokenizer, spec, f"eval-b{samples[todo[0]].index}-a{attempt}")
+        rids = [f"eval-{samples[i].index}-a{attempt}" for i in todo]
+        done = await generate_group_single_turn([samples[i] for i in todo], ctx, rids)
+        for i, sample in zip(todo, done, strict=True):
+            samples[i] = sample
+    return [
+        fail_sample(s, f"eval rollout aborted {MAX_EVAL_ATTEMPTS} times in a row")
+        if s.status is Status.ABORTED
+        else s
+        for s in samples
+    ]
+
+
+def _batched(engine: InferenceEngine, spec: EvalSpec) -> bool:
+    """Whether eval prompts go out EVAL_BATCH at a time (default single-turn generation)."""
     multi = spec.env_factory is not None or spec.max_turns > 1
-    generate = spec.generate_fn or (generate_multi_turn if multi else generate_single_turn)
-    ctx = GenerateContext(
+    return spec.generate_fn is None and not multi and batches_requests(engine)
+
+
+def _context(engine: InferenceEngine, tokenizer: Any, spec: EvalSpec, rid: str) -> Any:
+    return GenerateContext(
         engine=engine,
         tokenizer=tokenizer,
         sampling=SamplingParams(
             max_new_tokens=spec.max_new_tokens, temperature=0.0, stop=spec.stop
         ),
-        rid=f"eval-{sample.index}-a{attempt}",
+        rid=rid,
         max_total_tokens=spec.max_total_tokens,
         max_turns=spec.max_turns,
         env_factory=spec.env_factory,
     )
+
+
+async def _attempt(
+    engine: InferenceEngine, tokenizer: Any, sample: Sample, spec: EvalSpec, attempt: int
+) -> Sample:
+    multi = spec.env_factory is not None or spec.max_turns > 1
+    generate = spec.generate_fn or (generate_multi_turn if multi else generate_single_turn)
+    ctx = _context(engine, tokenizer, spec, f"eval-{sample.index}-a{attempt}")
     return await call_maybe_async(generate, sample, ctx)
 
 
@@ -119,20 +160,26 @@ async def evaluate(
     """
     assert items, "evaluation needs at least one item"
     results: list[Sample | None] = [None] * len(items)
-    limiter = trio.CapacityLimiter(max_concurrency)
+    size = EVAL_BATCH if _batched(engine, spec) else 1
+    limiter = trio.CapacityLimiter(max(1, max_concurrency // size))
 
-    async def one(i: int, item: PromptItem) -> None:
+    async def chunk(start: int) -> None:
+        part = items[start : start + size]
         async with limiter:
             try:
-                sample = await _rollout(engine, tokenizer, item, spec)
+                if size > 1:
+                    samples = await _rollout_batch(engine, tokenizer, part, spec)
+                else:
+                    samples = [await _rollout(engine, tokenizer, part[0], spec)]
             except EngineError as e:  # counted in `failed`; all failing is an error below
-                sample = fail_sample(_pending(item), f"{type(e).__name__}: {e}")
-        results[i] = await score_sample(sample, reward_fn, spec.reward_timeout_s)
+                samples = [fail_sample(_pending(it), f"{type(e).__name__}: {e}") for it in part]
+        scored = await score_group(samples, reward_fn, spec.reward_timeout_s)
+        results[start : start + len(scored)] = scored
 
     with trio.fail_after(timeout_s):
         async with trio.open_nursery() as nursery:
-            for i, item in enumerate(items):
-                nursery.start_soon(one, i, item)
+            for start in range(0, len(items), size):
+                nursery.start_soon(chunk, start)
     samples = tuple(s for s in results if s is not None)
     assert len(samples) == len(items), f"{len(samples)=} != {len(items)=}"
     failed = [s for s in samples if s.status is Status.FAILED]

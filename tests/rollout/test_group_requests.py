@@ -24,10 +24,11 @@ from rollouts.inference.protocol import (
     batches_requests,
 )
 from rollouts.inference.sglang import SGLangEngine, batch_generate_body
-from rollouts.rollout.generate import generate_group_single_turn
+from rollouts.rollout.generate import generate_group_single_turn, generate_single_turn
 from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.rollout.protocol import GenerateContext
-from rollouts.types import Sample, Status
+from rollouts.training.evaluation import EvalSpec, evaluate
+from rollouts.types import PromptItem, Sample, Status
 from tests.rollout import manager_cases as cases
 
 
@@ -202,3 +203,23 @@ async def test_pool_moves_a_refused_connection_batch_to_the_next_engine(
         assert not batches_requests(pool)
     finally:
         await pool.aclose()
+
+
+async def test_eval_sends_prompts_in_batches_with_the_same_greedy_answers(
+    server: EngineProcess, tok
+) -> None:
+    """20 eval prompts: 2 batch /generate calls (16 + 4), the same tokens as one by one."""
+    items = [PromptItem(index=i, prompt=f"q{i}:") for i in range(20)]
+    transport = CountingTransport()
+    engine = SGLangEngine(server.url, transport=transport)
+    try:
+        batched = await evaluate(engine, tok, items, lambda s: 1.0, EvalSpec(max_new_tokens=12))
+        assert transport.paths["/generate"] == 2
+        one_by_one = EvalSpec(max_new_tokens=12, generate_fn=generate_single_turn)
+        single = await evaluate(engine, tok, items, lambda s: 1.0, one_by_one)
+        assert transport.paths["/generate"] == 2 + 20
+    finally:
+        await engine.aclose()
+    assert batched.failed == single.failed == 0
+    assert [s.tokens for s in batched.samples] == [s.tokens for s in single.samples]
+    assert [s.index for s in batched.samples] == list(range(20))
