@@ -213,3 +213,13 @@ def test_compiled_decoder_layers_give_the_same_gradients_and_weight_names(
             torch.testing.assert_close(got[key], value, atol=1e-5, rtol=1e-4)
     assert set(backend.get_weights()) == set(expected)
     backend.close()
+
+
+def test_compile_without_a_cxx_compiler_is_a_clear_error(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = tiny_config(tiny_model_dir)
+    compiled = dataclasses.replace(base, model=dataclasses.replace(base.model, compile=True))
+    monkeypatch.setattr("rollouts.training.backends.building.shutil.which", lambda name: None)
+    with pytest.raises(RuntimeError, match=r"model.compile = true: .* set model.compile = false"):
+        create_pytorch_backend(compiled)

@@ -10,6 +10,7 @@ value head on the policy's last hidden state (`model.make_value_head`), in the s
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,12 @@ def compile_decoder_layers(lm: torch.nn.Module) -> int:
     same, and module hooks (FSDP2's all-gathers, activation checkpointing) stay eager around it.
     Shapes are dynamic, so micro-batches of every size reuse the compiled code.
     """
+    if not any(shutil.which(cc) for cc in ("g++", "c++", "clang++", "cc", "gcc")):
+        raise RuntimeError(
+            "model.compile = true: torch.compile (inductor) builds its kernels with a C/C++ "
+            "compiler and none is on PATH (g++, c++, clang++, gcc, cc); install one (e.g. "
+            "apt install g++) or set model.compile = false"
+        )
     layers = decoder_layers(lm)
     for layer in layers:
         layer.forward = torch.compile(layer.forward, dynamic=True)
