@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from rollouts.algorithms.aggregation import masked_whiten
+from rollouts.algorithms.tensors import float_tensor
 from rollouts.config import AlgorithmConfig
 from rollouts.types import Sample, Status
 
@@ -36,7 +37,7 @@ def scalar_reward(sample: Sample) -> float:
 
 def mask_of(sample: Sample) -> torch.Tensor:
     """The sample's loss mask as a float tensor [len(tokens)]."""
-    return torch.tensor(sample.loss_mask, dtype=torch.float32)
+    return float_tensor(sample.loss_mask)
 
 
 def outcome_token_rewards(

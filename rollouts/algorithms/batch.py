@@ -16,6 +16,7 @@ import torch
 
 from rollouts.algorithms.advantages import PerToken, compute_advantages, compute_gae
 from rollouts.algorithms.aggregation import global_counts
+from rollouts.algorithms.tensors import float_tensor, long_tensor
 from rollouts.config import AlgorithmConfig
 from rollouts.types import Sample, Status, TrainBatch
 
@@ -29,7 +30,7 @@ def rollout_logprobs_tensor(sample: Sample) -> torch.Tensor:
     )
     out = torch.zeros(len(sample.tokens), dtype=torch.float32)
     if sample.response_length:
-        out[sample.prompt_length :] = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
+        out[sample.prompt_length :] = float_tensor(sample.rollout_logprobs)
     return out
 
 
@@ -59,8 +60,8 @@ def make_train_batch(
             "samples are trained on (drop FAILED / ABORTED ones first)"
         )
         assert adv.shape == (len(sample.tokens),), f"{adv.shape=} != ({len(sample.tokens)},)"
-        input_ids.append(torch.tensor(sample.tokens, dtype=torch.long))
-        mask = torch.tensor(sample.loss_mask, dtype=torch.float32)
+        input_ids.append(long_tensor(sample.tokens))
+        mask = float_tensor(sample.loss_mask)
         masks.append(mask)
         advs.append(adv.float() * mask)
     with_rollout = bool(samples) and all(

@@ -317,9 +317,9 @@ async def _rl_with_engines(
         await _save(backend, root, step, version, extra, c.keep_last, metrics, best, reference)
 
     distributed = distributed_sync_for(config)  # None for weight_sync.method = "disk"
+    pause_mode = "keep" if config.rollout.mode == "async" else "abort"
 
     async def sync(version: str) -> dict[str, float]:
-        pause_mode = "keep" if config.rollout.mode == "async" else "abort"
         if distributed is not None:
             report = await sync_pool_distributed(
                 pool,
@@ -330,22 +330,34 @@ async def _rl_with_engines(
                 step=int(version),
             )
             return report.metrics()
-        return await (await publish(version))()
+        path = await trio.to_thread.run_sync(publish_weights, backend, sync_root, version)
+        return await deliver_to_engines(path, version)
+
+    async def deliver_to_engines(path: Path, version: str) -> dict[str, float]:
+        report = await sync_pool(
+            pool,
+            path,
+            version,
+            attempts=config.training.weight_sync_attempts,
+            pause_mode=pause_mode,
+        )
+        return report.metrics()
 
     async def publish(version: str) -> Callable[[], Awaitable[dict[str, float]]]:
-        """Write the version's weights-only files now; the engines load them in `deliver`."""
-        path = await trio.to_thread.run_sync(publish_weights, backend, sync_root, version)
-        pause_mode = "keep" if config.rollout.mode == "async" else "abort"
+        """Fix the version's weights now (the next optimizer step must not change them); write
+        and load them in `deliver`, beside the next step. A one-process backend hands over a
+        copy (`get_weights`, in order after this step's update) that another thread writes;
+        others write their files now."""
+        if not hasattr(backend, "write_weights"):
+            path = await trio.to_thread.run_sync(publish_weights, backend, sync_root, version)
+            return functools.partial(deliver_to_engines, path, version)
+        weights = await trio.to_thread.run_sync(backend.get_weights)
 
         async def deliver() -> dict[str, float]:
-            report = await sync_pool(
-                pool,
-                path,
-                version,
-                attempts=config.training.weight_sync_attempts,
-                pause_mode=pause_mode,
+            path = await trio.to_thread.run_sync(
+                functools.partial(publish_weights, backend, sync_root, version, weights=weights)
             )
-            return report.metrics()
+            return await deliver_to_engines(path, version)
 
         return deliver
 

@@ -18,9 +18,10 @@ import hashlib
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import torch
 import trio
 
 from rollouts.inference.http import EngineUnavailable
@@ -272,11 +273,19 @@ def clean_sync_root(root: Path, configured: bool) -> None:
 
 
 def publish_weights(
-    backend: TrainingBackend, root: str | Path, version: str, *, keep_last: int = 2
+    backend: TrainingBackend,
+    root: str | Path,
+    version: str,
+    *,
+    keep_last: int = 2,
+    weights: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write weights-only HF files to `root/v_<version>` (atomically), prune older versions.
 
     Every rank calls it (FSDP gathers on rank 0). Blocking: run it with trio.to_thread.run_sync.
+    `weights`, a `get_weights` copy, are written on this thread by the one-process backend's
+    `write_weights` (the training thread is free to go on); without them the backend saves its
+    current weights on its own thread.
     """
     assert keep_last >= 1, f"{keep_last=}"
     root = Path(root)
@@ -287,7 +296,10 @@ def publish_weights(
         shutil.rmtree(tmp, ignore_errors=True)
     backend.barrier()
     try:
-        backend.save_weights(tmp).result()
+        if weights is None:
+            backend.save_weights(tmp).result()
+        else:
+            backend.write_weights(weights, tmp)  # type: ignore[attr-defined]
     except Exception as e:  # a full /dev/shm: name it (training.weight_sync_dir moves it)
         error = write_error("the weight-sync copy (training.weight_sync_dir)", tmp, e)
         shutil.rmtree(tmp, ignore_errors=True)

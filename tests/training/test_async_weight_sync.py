@@ -6,12 +6,16 @@ checkpoint."""
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import rollouts.training.run as run_module
+from rollouts.training.backends.pytorch import PyTorchBackend, load_hf_weights
 from rollouts.training.quick_start import quick_start_training
 from rollouts.training.weight_sync import EngineSyncResult, SyncReport, WeightSyncError
 from rollouts.types import Sample
@@ -21,6 +25,10 @@ PROMPTS = [f"{a}+{a}=" for a in range(10, 30)]
 
 def reward_len_mod_2(sample: Sample) -> float:
     return float(sample.response_length % 2)
+
+
+def reward_last_token_parity(sample: Sample) -> float:
+    return float(sample.tokens[-1] % 2)  # varies within a group: nonzero advantages
 
 
 def _overrides(**extra: Any) -> dict[str, Any]:
@@ -95,6 +103,44 @@ def test_a_failed_background_delivery_stops_the_run_before_the_next_checkpoint(
     steps = sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "rl").glob("step_*"))
     assert steps[-1] == "step_000002"  # published before the delivery failed; step 3 never is
     assert [r["step"] for r in _rows(tmp_path / "run")] == [1, 2]
+
+
+def test_the_background_write_holds_the_published_steps_weights(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The files of version k are written beside step k+1, whose optimizer step changes the
+    model meanwhile: they must still be step k's weights (its checkpoint's), not a mix."""
+    written: dict[str, dict[str, torch.Tensor]] = {}
+    real_write = PyTorchBackend.write_weights
+
+    def slow_write(self: Any, weights: Mapping[str, torch.Tensor], path: Path) -> None:
+        time.sleep(1.0)  # step k+1 trains (and steps the optimizer) meanwhile
+        real_write(self, weights, path)
+        written[Path(path).name] = load_hf_weights(Path(path))
+
+    monkeypatch.setattr(PyTorchBackend, "write_weights", slow_write)
+    result = quick_start_training(
+        tiny_model_dir,
+        PROMPTS,
+        reward_last_token_parity,
+        num_iterations=4,
+        output_dir=tmp_path / "run",
+        overrides=_overrides(checkpoint={"every": 1, "keep_last": 4}, optim={"lr": 1e-2}),
+    )
+    rows = _rows(result.run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert sorted(written) == [f".tmp-v_{k}" for k in (1, 2, 3, 4)]
+    checkpoints = tmp_path / "run" / "checkpoints" / "rl"
+    for k in (1, 2, 3, 4):
+        saved = load_hf_weights(checkpoints / f"step_{k:06d}" / "model")
+        files = written[f".tmp-v_{k}"]
+        assert saved.keys() <= files.keys() or files.keys() <= saved.keys()
+        for name in saved.keys() & files.keys():
+            assert torch.equal(files[name], saved[name]), (k, name)
+    # and the updates did move the weights between versions (the comparison can fail)
+    assert any(
+        not torch.equal(written[".tmp-v_1"][n], written[".tmp-v_4"][n]) for n in written[".tmp-v_1"]
+    )
 
 
 def _leaves(error: BaseException) -> list[BaseException]:

@@ -166,6 +166,12 @@ class PyTorchBackend:
         """HF safetensors + config + tokenizer in `path`, for engines to reload."""
         return self._submit(save_hf, self.lm, self.tokenizer, Path(path), None)
 
+    def write_weights(self, weights: Mapping[str, torch.Tensor], path: Path) -> None:
+        """`save_weights` of a `get_weights` copy, on the calling thread: the training thread
+        goes on with the next step while the files are written (only the config and the
+        tokenizer are read from the live model)."""
+        save_hf(self.lm, self.tokenizer, Path(path), dict(weights))
+
     def save_checkpoint(self, path: Path) -> TrainFuture[None]:
         """Model, tokenizer, optimizer, scheduler and counters into directory `path`."""
         return self._submit(self._save_checkpoint, Path(path))

@@ -15,6 +15,7 @@ import torch
 
 from rollouts.algorithms.advantages import outcome_token_rewards
 from rollouts.algorithms.batch import build_train_batch, nest
+from rollouts.algorithms.tensors import float_tensor, long_tensor
 from rollouts.config import AlgorithmConfig
 from rollouts.rewards.shaping import shape_rewards
 from rollouts.rollout.planning import split_stale_groups
@@ -106,8 +107,8 @@ def value_input_batch(groups: Sequence[Group]) -> TrainBatch:
     samples = [s for g in groups for s in g]
     assert samples, "no sample to compute values for"
     return TrainBatch(
-        input_ids=tuple(torch.tensor(s.tokens, dtype=torch.long) for s in samples),
-        loss_mask=tuple(torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples),
+        input_ids=tuple(long_tensor(s.tokens) for s in samples),
+        loss_mask=tuple(float_tensor(s.loss_mask) for s in samples),
     )
 
 

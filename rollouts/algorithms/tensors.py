@@ -1,0 +1,29 @@
+"""1-D tensors from Python sequences of numbers, without torch.tensor's per-item dispatch.
+
+`torch.tensor(tuple_of_ints)` inspects every item (~8 us for a 70-token sample); packing into
+an `array.array` first and wrapping its buffer is 3x faster. Building a 128-sample train batch
+makes five such tensors per sample on the driver's thread, which in async mode runs beside the
+training thread (and holds the GIL it needs). A non-integer in `long_tensor` is a TypeError, not
+silently truncated.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Sequence
+
+import torch
+
+
+def long_tensor(values: Sequence[int]) -> torch.Tensor:
+    """int64 [len(values)]; owns its memory (the array), like torch.tensor."""
+    if not values:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
+
+
+def float_tensor(values: Sequence[float]) -> torch.Tensor:
+    """float32 [len(values)] (ints and bools are converted)."""
+    if not values:
+        return torch.zeros(0, dtype=torch.float32)
+    return torch.frombuffer(array.array("f", values), dtype=torch.float32)
