@@ -78,7 +78,7 @@ class Sample:
         assert not self.rollout_logprobs or len(self.rollout_logprobs) == self.response_length, (
             f"{len(self.rollout_logprobs)=} != {self.response_length=}"
         )
-        assert all(m in (0, 1) for m in self.loss_mask), "loss_mask values must be 0 or 1"
+        assert set(self.loss_mask) <= {0, 1}, "loss_mask values must be 0 or 1"
 
     @property
     def prompt_length(self) -> int:

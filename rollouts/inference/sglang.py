@@ -7,6 +7,7 @@ the same routes. Request bodies are built by pure functions so a test pins their
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import Any
 
 import httpx
@@ -116,16 +117,17 @@ def parse_generate(answer: Any, version: str | None = None) -> Completion:
     given, replaces meta_info.weight_version (the client's bracket, `versions.py`)."""
     answer = one_answer(answer)
     meta = answer["meta_info"]
-    output_ids = tuple(int(t) for t in answer.get("output_ids", ()))
+    output_ids = tuple(map(int, answer.get("output_ids", ())))
     entries = meta.get("output_token_logprobs") or []
     if len(entries) != len(output_ids):
         raise EngineError(f"{len(entries)} logprobs for {len(output_ids)} output tokens")
-    if any(int(e[1]) != t for e, t in zip(entries, output_ids, strict=True)):
+    # map/itemgetter, not generators: this runs for every sample on the driver's thread
+    if tuple(map(int, map(itemgetter(1), entries))) != output_ids:
         raise EngineError("output_token_logprobs token ids differ from output_ids")
     reason, matched = finish_reason(meta.get("finish_reason"))
     return Completion(
         output_ids=output_ids,
-        logprobs=tuple(float(e[0]) for e in entries),
+        logprobs=tuple(map(float, map(itemgetter(0), entries))),
         finish_reason=reason,
         weight_version=version or str(meta.get("weight_version", "default")),
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
