@@ -57,6 +57,9 @@ class TrainingConfig(_Section):
     micro_batch_layout: str = "pad"  # "pad" (length-bucketed, right-padded) | "pack" (one row)
     weight_sync_dir: str = ""  # weights-only copies for engines; "" = /dev/shm (else a temp dir)
     weight_sync_attempts: int = 3  # tries per engine before a sync fails
+    # "auto": on CPU with built-in engines, pin the training thread, each engine and (async)
+    # the driver to their own cores (training/placement.py); "off": leave it to the OS
+    cpu_placement: str = "auto"
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -78,6 +81,7 @@ class TrainingConfig(_Section):
             "training.logprob_chunk_size: must be >= 1 (tokens per chunk), or 0 (auto)",
         )
         _one_of(p, "training.micro_batch_layout", self.micro_batch_layout, ("pad", "pack"))
+        _one_of(p, "training.cpu_placement", self.cpu_placement, ("auto", "off"))
         _check(p, self.weight_sync_attempts >= 1, "training.weight_sync_attempts: must be >= 1")
         return p
 

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,7 @@ class EngineSpec:
     device: str = "cpu"
     weight_version: str = "default"
     torch_threads: int = 0  # 0 = torch's default
+    cpus: tuple[int, ...] = ()  # --cpus: the cores it runs on; () = any
     weights_roots: tuple[str, ...] = ()  # reloads only from inside these (--weights-root)
     extra_args: tuple[str, ...] = ()
     startup_timeout_s: float = 120.0
@@ -118,6 +119,8 @@ def server_command(spec: EngineSpec, port: int) -> list[str]:
     cmd += ["--device", spec.device, "--weight-version", spec.weight_version]
     if spec.torch_threads:
         cmd += ["--torch-threads", str(spec.torch_threads)]
+    if spec.cpus:
+        cmd += ["--cpus", ",".join(map(str, spec.cpus))]
     if spec.api_key:
         cmd += ["--api-key", spec.api_key]
     for root in spec.weights_roots:
@@ -222,7 +225,7 @@ async def start_engine(spec: EngineSpec) -> EngineProcess:
 
 
 def _spec(model_dir: str | Path, kwargs: dict[str, Any]) -> EngineSpec:
-    for key in ("extra_args", "weights_roots"):
+    for key in ("extra_args", "weights_roots", "cpus"):
         if key in kwargs:
             kwargs[key] = tuple(kwargs[key])
     return EngineSpec(model_dir=str(model_dir), **kwargs)
@@ -271,6 +274,7 @@ async def serve_engines(
     *,
     max_restarts: int = 0,
     restart_from: Callable[[], tuple[str, str] | None] | None = None,
+    cpus_per_engine: Sequence[Sequence[int]] = (),
     task_status: Any = trio.TASK_STATUS_IGNORED,
     **kwargs: Any,
 ) -> None:
@@ -278,20 +282,25 @@ async def serve_engines(
     that exits (at most `max_restarts` times each, same port, not waited for: the pool's health
     check finds it) on `restart_from()` = (model dir, weight version) when it gives one that
     exists (the weights served now: the starting model may have been rotated away), else on
-    the starting model; runs until cancelled, then stops them all. Use with
-    `functools.partial` and `nursery.start`."""
+    the starting model; runs until cancelled, then stops them all. Engine i runs on cores
+    `cpus_per_engine[i]` when given. Use with `functools.partial` and `nursery.start`."""
     assert count >= 1, f"{count=}"
     assert max_restarts >= 0, f"{max_restarts=}"
+    assert not cpus_per_engine or len(cpus_per_engine) == count, f"{cpus_per_engine=} {count=}"
     spec = _spec(model_dir, kwargs)
     assert spec.port is None or count == 1, f"{count=} engines cannot share {spec.port=}"
+    specs = [
+        dataclasses.replace(spec, cpus=tuple(cpus_per_engine[i])) if cpus_per_engine else spec
+        for i in range(count)
+    ]
     procs: list[EngineProcess] = []
     try:
-        procs = [spawn(spec) for _ in range(count)]
+        procs = [spawn(s) for s in specs]
         async with trio.open_nursery() as nursery:
             for proc in procs:
                 nursery.start_soon(wait_healthy, proc, spec.startup_timeout_s)
         task_status.started([p.url for p in procs])
-        await _restart_exited(procs, spec, max_restarts, restart_from)
+        await _restart_exited(procs, specs, max_restarts, restart_from)
     finally:
         with trio.CancelScope(shield=True):
             for proc in procs:
@@ -300,7 +309,7 @@ async def serve_engines(
 
 async def _restart_exited(
     procs: list[EngineProcess],
-    spec: EngineSpec,
+    specs: Sequence[EngineSpec],
     max_restarts: int,
     restart_from: Callable[[], tuple[str, str] | None] | None,
 ) -> None:
@@ -321,7 +330,7 @@ async def _restart_exited(
                 f"[engines] {proc.url} exited ({code}); restart {restarts[i]}/{max_restarts}",
                 flush=True,
             )
-            again = dataclasses.replace(spec, port=port)
+            again = dataclasses.replace(specs[i], port=port)
             now = restart_from() if restart_from is not None else None
             if now is not None and Path(now[0], "config.json").is_file():
                 again = dataclasses.replace(again, model_dir=now[0], weight_version=now[1])

@@ -49,7 +49,11 @@ def current_weights(pool: EnginePool | None) -> tuple[str, str] | None:
 
 @contextlib.asynccontextmanager
 async def open_engines(
-    config: Config, model_dir: Path, version: str, weights_roots: Sequence[Path] = ()
+    config: Config,
+    model_dir: Path,
+    version: str,
+    weights_roots: Sequence[Path] = (),
+    cpus_per_engine: Sequence[Sequence[int]] = (),
 ) -> AsyncIterator[EnginePool]:
     """An EnginePool over built-in engine processes (started here, stopped on exit) or URLs.
 
@@ -75,6 +79,7 @@ async def open_engines(
                     startup_timeout_s=e.startup_timeout_s,
                     max_restarts=e.max_restarts,
                     restart_from=lambda: current_weights(pool),
+                    cpus_per_engine=cpus_per_engine,
                     weights_roots=tuple(str(Path(r).resolve()) for r in weights_roots),
                 )
             )

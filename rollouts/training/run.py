@@ -45,6 +45,7 @@ from rollouts.training.evaluation import EvalSpec, evaluate
 from rollouts.training.loops.rl import RLHooks, run_rl_training
 from rollouts.training.loops.sft import run_sft_training, split_eval, tokenize_all, total_sft_steps
 from rollouts.training.metrics import last_step
+from rollouts.training.placement import cpu_plan, pinned
 from rollouts.training.run_setup import (
     RL_METRICS,
     SFT_METRICS,
@@ -206,6 +207,10 @@ async def rl_phase(
     reward = load_function(reward_fn or config.rollout.reward_fn, RewardFn)
     reward_fn = with_response_text(reward, tokenizer)
     backend = make_backend(config, model_path=model_dir, total_steps=config.training.rl_steps)
+    plan = cpu_plan(config)
+    if plan is not None:
+        print(f"[train] CPU placement: {plan.describe()}", flush=True)
+        _pin_training_thread(backend, plan.trainer)
     ref = None
     try:
         start, version, step_metrics, loop_state = 0, 0, None, {}
@@ -216,31 +221,44 @@ async def rl_phase(
             loop_state = state.extra_state.get("rl_loop", {})
             step_metrics = state.extra_state.get("metrics")
         ref = build_reference(config, model_dir, make_backend)
+        if ref is not None and plan is not None:
+            _pin_training_thread(ref.backend, plan.trainer)
         if ref is not None and latest is not None:
             await trio.to_thread.run_sync(restore_reference, ref, latest)
         engine_model = latest / MODEL_DIR if latest is not None else model_dir
         # the engines reload only from the starting model and the run's weight copies
         sync_root = run_sync_root(config.training.weight_sync_dir, config.run.name, run_dir)
         async with open_engines(
-            config, engine_model, str(version), (engine_model, sync_root)
+            config,
+            engine_model,
+            str(version),
+            (engine_model, sync_root),
+            cpus_per_engine=plan.engines if plan is not None else (),
         ) as pool:
-            return await _rl_with_engines(
-                config,
-                run_dir,
-                backend,
-                buffer,
-                pool,
-                tokenizer,
-                reward_fn,
-                ref,
-                (start, version, step_metrics),
-                stop,
-                loop_state=loop_state,
-            )
+            with pinned(plan.driver if plan is not None else ()):
+                return await _rl_with_engines(
+                    config,
+                    run_dir,
+                    backend,
+                    buffer,
+                    pool,
+                    tokenizer,
+                    reward_fn,
+                    ref,
+                    (start, version, step_metrics),
+                    stop,
+                    loop_state=loop_state,
+                )
     finally:
         backend.close()
         if ref is not None:
             ref.backend.close()
+
+
+def _pin_training_thread(backend: Any, cores: tuple[int, ...]) -> None:
+    """The one-process backend's training thread on `cores` (other backends: not pinned)."""
+    if hasattr(backend, "pin_thread"):
+        backend.pin_thread(cores)
 
 
 def build_reference(config: Config, model_dir: Path, make_backend: Any = create_backend) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
@@ -60,6 +61,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch intra-op threads (0 = torch's default); 1 avoids OpenMP spin-waits when the "
         "server shares a few CPU cores with a trainer",
     )
+    parser.add_argument(
+        "--cpus",
+        default="",
+        metavar="LIST",
+        help="run on these CPU cores only, e.g. 1 or 2,3 (Linux; default: all the process may use)",
+    )
+
+
+def parse_cpus(text: str) -> set[int] | None:
+    """`--cpus` "2,3" -> {2, 3}; "" -> None (not pinned); ValueError naming the flag if bad."""
+    if not text.strip():
+        return None
+    try:
+        cores = {int(part) for part in text.split(",")}
+    except ValueError:
+        raise ValueError(
+            f"--cpus {text!r}: a comma-separated list of core numbers, e.g. 1,2"
+        ) from None
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else cores
+    if not cores <= allowed:
+        raise ValueError(f"--cpus {text!r}: this process may only use cores {sorted(allowed)}")
+    return cores
 
 
 def options_from_args(args: argparse.Namespace) -> Any:
@@ -105,6 +128,10 @@ def usage_error(args: argparse.Namespace) -> str | None:
     for name in ("max_batch", "max_queue", "max_prefill"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1"
+    try:
+        parse_cpus(args.cpus)
+    except ValueError as e:
+        return str(e)
     if args.max_body_mb <= 0:
         return f"--max-body-mb {args.max_body_mb} must be > 0"
     for root in args.weights_root:  # it may appear later (a trainer's first weight copy)
@@ -125,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
     if (error := usage_error(args)) is not None:
         print(f"rollouts serve: {error}", file=sys.stderr)
         return 2
+    cores = parse_cpus(args.cpus)
+    if cores is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)  # before torch starts any thread: they all inherit it
     import torch
     import trio
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -115,6 +116,11 @@ class PyTorchBackend:
             collective=LocalCollective(),
         )
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train")
+
+    def pin_thread(self, cores: Collection[int]) -> None:
+        """Run the training thread, and the torch threads it starts, on `cores` (Linux); call it
+        before any other work (`training/placement.py`)."""
+        self._submit(os.sched_setaffinity, 0, set(cores)).result()
 
     def _submit(self, fn: Callable[..., T], *args: Any) -> TrainFuture[T]:
         return TrainFuture(self._executor.submit(fn, *args))

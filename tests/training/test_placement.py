@@ -1,0 +1,140 @@
+"""CPU placement: the training thread, each built-in engine and (async) the driver on their own
+cores; the plan, the engine's --cpus flag, and a real async run whose threads are checked."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollouts.config import config_from_dict
+from rollouts.inference.launch import EngineSpec, engine_process
+from rollouts.training.backends.core import TrainerCore
+from rollouts.training.placement import CpuPlan, cpu_plan, plan_cpus
+from rollouts.training.quick_start import quick_start_training
+from rollouts.types import Sample
+
+CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+needs_two_cores = pytest.mark.skipif(len(CORES) < 2, reason="placement needs >= 2 usable cores")
+
+
+def test_equal_shares_for_the_trainer_and_each_engine() -> None:
+    assert plan_cpus([0, 1], 1, pin_driver=True) == CpuPlan(
+        trainer=(0,), engines=((1,),), driver=(1,)
+    )
+    assert plan_cpus([0, 1], 1, pin_driver=False) == CpuPlan(
+        trainer=(0,), engines=((1,),), driver=()
+    )
+    # 7 cores, 2 engines: shares of 2; the leftover core is the driver's only
+    plan = plan_cpus([6, 5, 4, 3, 2, 1, 0], 2, pin_driver=True)
+    assert plan == CpuPlan(trainer=(0, 1), engines=((2, 3), (4, 5)), driver=(2, 3, 4, 5, 6))
+    assert plan_cpus([0], 1, pin_driver=True) is None  # fewer cores than parts: no pinning
+
+
+def _config(**training: Any) -> Any:
+    return config_from_dict(
+        {
+            "model": {"path": "unused"},
+            "data": {"train_path": "unused.jsonl"},
+            "rollout": {"mode": "async"},
+            "training": {"device": "cpu", **training},
+        },
+        "test",
+    )
+
+
+@needs_two_cores
+def test_the_plan_applies_only_to_cpu_runs_left_to_the_defaults() -> None:
+    assert cpu_plan(_config()) == plan_cpus(CORES, 1, pin_driver=True)
+    sync = config_from_dict(
+        {"model": {"path": "unused"}, "data": {"train_path": "unused.jsonl"}}, "test"
+    )
+    assert cpu_plan(sync) in (None, plan_cpus(CORES, 1, pin_driver=False))  # device auto
+    assert cpu_plan(_config(cpu_placement="off")) is None
+    assert cpu_plan(_config(torch_threads=2)) is None  # set by hand: placed by hand
+    assert cpu_plan(_config(backend="fsdp")) is None
+
+
+def test_a_bad_placement_value_names_the_key() -> None:
+    with pytest.raises(ValueError, match="training.cpu_placement"):
+        _config(cpu_placement="pinned")
+
+
+@needs_two_cores
+async def test_an_engine_started_with_cpus_runs_only_there(tiny_model_dir: Path) -> None:
+    core = CORES[-1]
+    async with engine_process(tiny_model_dir, torch_threads=1, cpus=(core,)) as proc:
+        threads = os.listdir(f"/proc/{proc.process.pid}/task")
+        assert len(threads) > 1  # the server's own threads inherit the mask too
+        for tid in threads:
+            assert os.sched_getaffinity(int(tid)) == {core}, tid
+
+
+def test_a_bad_cpus_flag_is_refused_with_its_name(tiny_model_dir: Path) -> None:
+    spec = EngineSpec(model_dir=str(tiny_model_dir))
+    for bad, says in (("1;2", "comma-separated"), ("4096", "may only use cores")):
+        cmd = [sys.executable, "-m", "rollouts.inference.server", "--model", spec.model_dir]
+        out = subprocess.run(
+            [*cmd, "--cpus", bad],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 2, out
+        assert "--cpus" in out.stderr and says in out.stderr, out.stderr
+
+
+def _engine_pids() -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if b"rollouts.inference.server" in cmd and parent == os.getpid():
+            pids.append(int(entry))
+    return pids
+
+
+@needs_two_cores
+def test_an_async_run_keeps_training_driver_and_engine_apart(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, set[frozenset[int]]] = {"train": set(), "driver": set(), "engine": set()}
+    real_fb = TrainerCore.forward_backward
+
+    def recording_fb(self: Any, *args: Any, **kwargs: Any) -> Any:
+        seen["train"].add(frozenset(os.sched_getaffinity(0)))
+        return real_fb(self, *args, **kwargs)
+
+    def reward(sample: Sample) -> float:
+        seen["driver"].add(frozenset(os.sched_getaffinity(0)))  # a driver worker thread
+        for pid in _engine_pids():
+            seen["engine"].add(frozenset(os.sched_getaffinity(pid)))
+        return float(sample.response_length % 2)
+
+    monkeypatch.setattr(TrainerCore, "forward_backward", recording_fb)
+    quick_start_training(
+        tiny_model_dir,
+        [f"{a}+{a}=" for a in range(10, 20)],
+        reward,
+        num_iterations=3,
+        output_dir=tmp_path / "run",
+        overrides={
+            "rollout": {"mode": "async", "sampling": {"max_new_tokens": 8}},
+            "logging": {"console": False},
+        },
+    )
+    plan = plan_cpus(CORES, 1, pin_driver=True)
+    assert plan is not None
+    assert seen["train"] == {frozenset(plan.trainer)}
+    assert seen["engine"] == {frozenset(plan.engines[0])}
+    assert seen["driver"] and all(s <= frozenset(plan.driver) for s in seen["driver"]), seen
+    assert os.sched_getaffinity(0) == set(CORES)  # the caller's thread is given back its cores
