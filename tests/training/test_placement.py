@@ -108,6 +108,7 @@ def test_an_async_run_keeps_training_driver_and_engine_apart(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: dict[str, set[frozenset[int]]] = {"train": set(), "driver": set(), "engine": set()}
+    others = set(_engine_pids())  # engines of module-scoped fixtures: not this run's
     real_fb = TrainerCore.forward_backward
 
     def recording_fb(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -116,7 +117,7 @@ def test_an_async_run_keeps_training_driver_and_engine_apart(
 
     def reward(sample: Sample) -> float:
         seen["driver"].add(frozenset(os.sched_getaffinity(0)))  # a driver worker thread
-        for pid in _engine_pids():
+        for pid in set(_engine_pids()) - others:
             seen["engine"].add(frozenset(os.sched_getaffinity(pid)))
         return float(sample.response_length % 2)
 
@@ -135,6 +136,7 @@ def test_an_async_run_keeps_training_driver_and_engine_apart(
     plan = plan_cpus(CORES, 1, pin_driver=True)
     assert plan is not None
     assert seen["train"] == {frozenset(plan.trainer)}
+    assert seen["engine"], "the run's engine process was not found"
     assert seen["engine"] == {frozenset(plan.engines[0])}
     assert seen["driver"] and all(s <= frozenset(plan.driver) for s in seen["driver"]), seen
     assert os.sched_getaffinity(0) == set(CORES)  # the caller's thread is given back its cores
