@@ -6,7 +6,10 @@ temperature 1, GRPO, no reference model, one optimizer step per batch, on the de
   floor  the same batch generated with in-process padded `model.generate` plus one plain torch
          forward/backward/AdamW step (`bench_rl_floor.py`);
   sync   the project's RL phase with rollout.mode = "sync" (engine processes, weight sync, ...);
-  async  the same with rollout.mode = "async".
+  async  the same with rollout.mode = "async" (by default training in its own process,
+         `training.trainer_process = "auto"`);
+  async-1p  (only with --modes ...,async-1p) async with the trainer in the driver's process,
+         to show what the trainer process gains.
 and prints seconds per step (mean over the timed steps), samples/s, the phases, and the ratios
 floor / sync step (target >= 0.9 on the tiny model) and async / sync samples/s (target >= 1.6).
 With --compile the project trains with `model.compile = true` and the floor's training step runs
@@ -17,6 +20,7 @@ sync step / max(generate, the rest): the "async ceiling" line. Every ratio needs
 (two free cores for async); on a loaded one the processes wait for CPU and the GIL.
 
     python scripts/bench_rl_step.py [--model DIR] [--steps 8] [--skip 2] [--rounds 1] [--compile]
+                                    [--modes floor,sync,async,async-1p]
 """
 
 from __future__ import annotations
@@ -57,6 +61,11 @@ WORKLOAD = [
     "algorithm.advantage='grpo'",
     "algorithm.kl_coef=0.0",
 ]
+
+
+MODES = ("floor", "sync", "async", "async-1p")
+# async-1p: async with the trainer in the driver's process (the default trains in a child)
+MODE_OVERRIDES = {"async-1p": ["training.trainer_process='off'"]}
 
 
 def bench_config(work: Path, mode: str, steps: int, model: str, overrides: list[str]) -> Config:
@@ -136,10 +145,10 @@ def floor(config: Config, steps: int, skip: int) -> dict[str, float]:
 
 def one_round(work: Path, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     out = {}
-    for mode in ("floor", "sync", "async"):
-        config = bench_config(
-            work, "sync" if mode == "floor" else mode, args.steps, args.model, args.overrides
-        )
+    for mode in args.modes:
+        rl_mode = {"floor": "sync", "async-1p": "async"}.get(mode, mode)
+        overrides = [*args.overrides, *MODE_OVERRIDES.get(mode, [])]
+        config = bench_config(work, rl_mode, args.steps, args.model, overrides)
         if mode == "floor":
             prepare_data(config)
             out[mode] = floor(config, args.steps, args.skip)
@@ -160,6 +169,11 @@ def report(results: dict[str, dict[str, float]]) -> tuple[float, float]:
     async_ratio = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
     print(f"floor / sync step: {floor_ratio:.2f} (target >= 0.9)")
     print(f"async / sync samples/s: {async_ratio:.2f}x (target >= 1.6)")
+    if "async-1p" in results:
+        one = results["async-1p"]["samples_per_s"] / results["sync"]["samples_per_s"]
+        gain = results["async"]["samples_per_s"] / results["async-1p"]["samples_per_s"]
+        print(f"async-1p (trainer in the driver's process) / sync samples/s: {one:.2f}x")
+        print(f"async / async-1p samples/s (the trainer process's gain): {gain:.2f}x")
     sync = results["sync"]
     ceiling = sync["step_s"] / max(sync["generate"], sync["step_s"] - sync["generate"], 1e-9)
     print(f"async ceiling from the sync phases (step / slower stage): {ceiling:.2f}x")
@@ -178,7 +192,17 @@ def main() -> None:
         help="model.compile = true for sync and async, and compiled layers in the floor's train",
     )
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument(
+        "--modes",
+        default="floor,sync,async",
+        help=f"comma-separated, in run order, from {','.join(MODES)} (async-1p: async with "
+        "training.trainer_process = 'off'); floor, sync and async are required",
+    )
     args = parser.parse_args()
+    args.modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    unknown = sorted(set(args.modes) - set(MODES))
+    if unknown or not {"floor", "sync", "async"} <= set(args.modes):
+        parser.error(f"--modes {','.join(args.modes)}: give floor, sync, async (+ async-1p)")
     if args.compile:
         args.overrides = ["model.compile=true", *args.overrides]
     threads = cpu_share(0, "cpu", 1)

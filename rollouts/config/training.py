@@ -60,6 +60,10 @@ class TrainingConfig(_Section):
     # "auto": on CPU with built-in engines, pin the training thread, each engine and (async)
     # the driver to their own cores (training/placement.py); "off": leave it to the OS
     cpu_placement: str = "auto"
+    # "auto": train in a child process when async mode runs with that CPU placement (the
+    # driver's Python then never holds the training thread's GIL; backends/process.py);
+    # "on": always (one-device backend); "off": train in the driver's process
+    trainer_process: str = "auto"
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -82,6 +86,13 @@ class TrainingConfig(_Section):
         )
         _one_of(p, "training.micro_batch_layout", self.micro_batch_layout, ("pad", "pack"))
         _one_of(p, "training.cpu_placement", self.cpu_placement, ("auto", "off"))
+        _one_of(p, "training.trainer_process", self.trainer_process, ("auto", "on", "off"))
+        _check(
+            p,
+            self.trainer_process != "on" or self.backend == "pytorch",
+            "training.trainer_process = 'on' needs training.backend = 'pytorch' (FSDP ranks are "
+            "their own processes already): set it to 'auto' or 'off'",
+        )
         _check(p, self.weight_sync_attempts >= 1, "training.weight_sync_attempts: must be >= 1")
         return p
 

@@ -76,6 +76,19 @@ def cpu_plan(config: Config) -> CpuPlan | None:
     return plan_cpus(cores, e.num_engines, pin_driver=config.rollout.mode == "async")
 
 
+def wants_trainer_process(config: Config, plan: CpuPlan | None) -> bool:
+    """Whether the RL phase trains in a child process (`backends/process.py`): "on" always (for
+    the one-device backend), "auto" when async mode runs with a CPU `plan`: the driver then works
+    beside the training step, and in one process its Python holds the GIL the training thread
+    needs between torch ops."""
+    t = config.training
+    if t.trainer_process == "off" or t.backend != "pytorch":
+        return False
+    if t.trainer_process == "on":
+        return True
+    return plan is not None and config.rollout.mode == "async"
+
+
 @contextlib.contextmanager
 def pinned(cores: Collection[int]) -> Iterator[None]:
     """This process's threads that are not placed elsewhere (their mask is the process's own:

@@ -30,6 +30,7 @@ from rollouts.plugins import load_function
 from rollouts.rewards.protocol import RewardFn
 from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.training.backends.factories import create_backend, load_tokenizer, resolve_device
+from rollouts.training.backends.process import TrainerProcess
 from rollouts.training.backends.pytorch import MODEL_DIR
 from rollouts.training.checkpoint import (
     BestSpec,
@@ -45,7 +46,7 @@ from rollouts.training.evaluation import EvalSpec, evaluate
 from rollouts.training.loops.rl import RLHooks, run_rl_training
 from rollouts.training.loops.sft import run_sft_training, split_eval, tokenize_all, total_sft_steps
 from rollouts.training.metrics import last_step
-from rollouts.training.placement import cpu_plan, pinned
+from rollouts.training.placement import cpu_plan, pinned, wants_trainer_process
 from rollouts.training.run_setup import (
     RL_METRICS,
     SFT_METRICS,
@@ -206,13 +207,20 @@ async def rl_phase(
         raise ValueError("rollout.reward_fn is empty: name a reward function by dotted path")
     reward = load_function(reward_fn or config.rollout.reward_fn, RewardFn)
     reward_fn = with_response_text(reward, tokenizer)
-    backend = make_backend(config, model_path=model_dir, total_steps=config.training.rl_steps)
     plan = cpu_plan(config)
-    if plan is not None:
-        print(f"[train] CPU placement: {plan.describe()}", flush=True)
-        _pin_training_thread(backend, plan.trainer)
-    ref = None
+    host = None
+    if make_backend is create_backend and wants_trainer_process(config, plan):
+        host = TrainerProcess(
+            threads=torch.get_num_threads(), other_cores=plan.driver if plan is not None else ()
+        )
+        make_backend = host.create
+        print(f"[train] training in its own process (pid {host.pid})", flush=True)
+    backend = ref = None
     try:
+        backend = make_backend(config, model_path=model_dir, total_steps=config.training.rl_steps)
+        if plan is not None:
+            print(f"[train] CPU placement: {plan.describe()}", flush=True)
+            _pin_training_thread(backend, plan.trainer)
         start, version, step_metrics, loop_state = 0, 0, None, {}
         if latest is not None:
             state = await trio.to_thread.run_sync(load_checkpoint, backend, latest)
@@ -250,9 +258,12 @@ async def rl_phase(
                     loop_state=loop_state,
                 )
     finally:
-        backend.close()
+        if backend is not None:
+            backend.close()
         if ref is not None:
             ref.backend.close()
+        if host is not None:
+            host.close()
 
 
 def _pin_training_thread(backend: Any, cores: tuple[int, ...]) -> None:
@@ -363,13 +374,13 @@ async def _rl_with_engines(
 
     async def publish(version: str) -> Callable[[], Awaitable[dict[str, float]]]:
         """Fix the version's weights now (the next optimizer step must not change them); write
-        and load them in `deliver`, beside the next step. A one-process backend hands over a
-        copy (`get_weights`, in order after this step's update) that another thread writes;
-        others write their files now."""
+        and load them in `deliver`, beside the next step. A one-process (or trainer-process)
+        backend takes a snapshot (`snapshot_weights`, in order after this step's update) that
+        another thread writes; others write their files now."""
         if not hasattr(backend, "write_weights"):
             path = await trio.to_thread.run_sync(publish_weights, backend, sync_root, version)
             return functools.partial(deliver_to_engines, path, version)
-        weights = await trio.to_thread.run_sync(backend.get_weights)
+        weights = await trio.to_thread.run_sync(backend.snapshot_weights)
 
         async def deliver() -> dict[str, float]:
             path = await trio.to_thread.run_sync(

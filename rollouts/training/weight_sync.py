@@ -18,10 +18,10 @@ import hashlib
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-import torch
 import trio
 
 from rollouts.inference.http import EngineUnavailable
@@ -278,14 +278,14 @@ def publish_weights(
     version: str,
     *,
     keep_last: int = 2,
-    weights: Mapping[str, torch.Tensor] | None = None,
+    weights: Any = None,
 ) -> Path:
     """Write weights-only HF files to `root/v_<version>` (atomically), prune older versions.
 
     Every rank calls it (FSDP gathers on rank 0). Blocking: run it with trio.to_thread.run_sync.
-    `weights`, a `get_weights` copy, are written on this thread by the one-process backend's
-    `write_weights` (the training thread is free to go on); without them the backend saves its
-    current weights on its own thread.
+    `weights`, a `snapshot_weights` copy, are written by the backend's `write_weights` (the
+    one-process backend on this thread, the trainer process on its writer thread; the training
+    thread is free to go on); without them the backend saves its current weights on its own thread.
     """
     assert keep_last >= 1, f"{keep_last=}"
     root = Path(root)

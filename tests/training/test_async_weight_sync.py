@@ -109,7 +109,9 @@ def test_the_background_write_holds_the_published_steps_weights(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The files of version k are written beside step k+1, whose optimizer step changes the
-    model meanwhile: they must still be step k's weights (its checkpoint's), not a mix."""
+    model meanwhile: they must still be step k's weights (its checkpoint's), not a mix.
+    In this process (trainer_process = 'off'), where the write can be slowed down; the trainer
+    process's snapshots: test_trainer_process.py."""
     written: dict[str, dict[str, torch.Tensor]] = {}
     real_write = PyTorchBackend.write_weights
 
@@ -125,7 +127,11 @@ def test_the_background_write_holds_the_published_steps_weights(
         reward_last_token_parity,
         num_iterations=4,
         output_dir=tmp_path / "run",
-        overrides=_overrides(checkpoint={"every": 1, "keep_last": 4}, optim={"lr": 1e-2}),
+        overrides=_overrides(
+            checkpoint={"every": 1, "keep_last": 4},
+            optim={"lr": 1e-2},
+            training={"trainer_process": "off"},
+        ),
     )
     rows = _rows(result.run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

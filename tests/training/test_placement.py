@@ -3,6 +3,7 @@ cores; the plan, the engine's --cpus flag, and a real async run whose threads ar
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -88,7 +89,8 @@ def test_a_bad_cpus_flag_is_refused_with_its_name(tiny_model_dir: Path) -> None:
         assert "--cpus" in out.stderr and says in out.stderr, out.stderr
 
 
-def _engine_pids() -> list[int]:
+def _child_pids(module: bytes = b"rollouts.inference.server") -> list[int]:
+    """This process's children running `module` (engines by default)."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -98,17 +100,20 @@ def _engine_pids() -> list[int]:
             parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
-        if b"rollouts.inference.server" in cmd and parent == os.getpid():
+        if module in cmd and parent == os.getpid():
             pids.append(int(entry))
     return pids
 
 
 @needs_two_cores
+@pytest.mark.parametrize("trainer_process", ["off", "auto"])
 def test_an_async_run_keeps_training_driver_and_engine_apart(
-    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trainer_process: str
 ) -> None:
-    seen: dict[str, set[frozenset[int]]] = {"train": set(), "driver": set(), "engine": set()}
-    others = set(_engine_pids())  # engines of module-scoped fixtures: not this run's
+    """ "off": the training thread of this process; "auto": the trainer process's threads (its
+    training thread on the trainer's cores, its socket reader and weight writer on the driver's)."""
+    seen: dict[str, set[frozenset[int]]] = {k: set() for k in ("train", "driver", "engine")}
+    others = set(_child_pids())  # engines of module-scoped fixtures: not this run's
     real_fb = TrainerCore.forward_backward
 
     def recording_fb(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -117,8 +122,12 @@ def test_an_async_run_keeps_training_driver_and_engine_apart(
 
     def reward(sample: Sample) -> float:
         seen["driver"].add(frozenset(os.sched_getaffinity(0)))  # a driver worker thread
-        for pid in set(_engine_pids()) - others:
+        for pid in set(_child_pids()) - others:
             seen["engine"].add(frozenset(os.sched_getaffinity(pid)))
+        for pid in _child_pids(b"rollouts.training.backends.process_child"):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):  # a thread that just ended
+                    seen["train"].add(frozenset(os.sched_getaffinity(int(tid))))
         return float(sample.response_length % 2)
 
     monkeypatch.setattr(TrainerCore, "forward_backward", recording_fb)
@@ -130,12 +139,16 @@ def test_an_async_run_keeps_training_driver_and_engine_apart(
         output_dir=tmp_path / "run",
         overrides={
             "rollout": {"mode": "async", "sampling": {"max_new_tokens": 8}},
+            "training": {"trainer_process": trainer_process},
             "logging": {"console": False},
         },
     )
     plan = plan_cpus(CORES, 1, pin_driver=True)
     assert plan is not None
-    assert seen["train"] == {frozenset(plan.trainer)}
+    if trainer_process == "off":
+        assert seen["train"] == {frozenset(plan.trainer)}
+    else:  # the child's threads: the training thread and the others, apart
+        assert seen["train"] == {frozenset(plan.trainer), frozenset(plan.driver)}, seen
     assert seen["engine"], "the run's engine process was not found"
     assert seen["engine"] == {frozenset(plan.engines[0])}
     assert seen["driver"] and all(s <= frozenset(plan.driver) for s in seen["driver"]), seen

@@ -149,13 +149,22 @@ class PyTorchBackend:
         """Per-sequence critic values (no grad, CPU float32), aligned like the logprobs."""
         return self._submit(self.core.compute_values, batch, gather_local)
 
-    def get_weights(self) -> dict[str, torch.Tensor]:
-        """A CPU copy of the full HF state dict."""
+    def copy_weights(self) -> TrainFuture[dict[str, torch.Tensor]]:
+        """A CPU copy of the full HF state dict, taken on the training thread in order after
+        the work submitted before it."""
 
         def work() -> dict[str, torch.Tensor]:
             return {k: v.detach().to("cpu", copy=True) for k, v in self.lm.state_dict().items()}
 
-        return self._submit(work).result()
+        return self._submit(work)
+
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of the full HF state dict."""
+        return self.copy_weights().result()
+
+    def snapshot_weights(self) -> dict[str, torch.Tensor]:
+        """This step's weights for `write_weights` (here: a `get_weights` copy)."""
+        return self.get_weights()
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy `weights` into the model in place (optimizer references stay valid)."""
@@ -173,7 +182,7 @@ class PyTorchBackend:
         return self._submit(save_hf, self.lm, self.tokenizer, Path(path), None)
 
     def write_weights(self, weights: Mapping[str, torch.Tensor], path: Path) -> None:
-        """`save_weights` of a `get_weights` copy, on the calling thread: the training thread
+        """`save_weights` of a `snapshot_weights` copy, on the calling thread: the training thread
         goes on with the next step while the files are written (only the config and the
         tokenizer are read from the live model)."""
         save_hf(self.lm, self.tokenizer, Path(path), dict(weights))

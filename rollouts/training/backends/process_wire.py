@@ -1,0 +1,73 @@
+"""What crosses the trainer process's socket (`process.py`, `process_child.py`): pickles, with
+a TrainBatch's per-sequence tensors packed into one buffer per field."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from typing import Any
+
+import torch
+
+from rollouts.types import TrainBatch
+
+HOST = -1  # calls addressed to the child itself, not to one of its backends
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Ragged:
+    """A tuple of 1-D tensors as one flat tensor and the lengths: one pickled buffer instead of
+    one per sequence (128 sequences x 5 fields took 30 ms to pickle and unpickle one by one)."""
+
+    flat: torch.Tensor
+    lengths: tuple[int, ...]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.split(self.flat, self.lengths))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _PackedBatch:
+    """A TrainBatch's fields with every per-sequence tuple packed (`_Ragged`)."""
+
+    fields: dict[str, Any]
+
+
+def _is_ragged(value: Any) -> bool:
+    return (
+        isinstance(value, tuple)
+        and len(value) > 0
+        and all(isinstance(t, torch.Tensor) and t.dim() == 1 for t in value)
+        and len({t.dtype for t in value}) == 1
+    )
+
+
+def pack(value: Any) -> Any:
+    """What crosses the socket for `value`: batches and tuples of 1-D tensors packed."""
+    if isinstance(value, TrainBatch):
+        fields = {f.name: pack(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return _PackedBatch(fields)
+    if _is_ragged(value):
+        return _Ragged(torch.cat(value), tuple(len(t) for t in value))
+    return value
+
+
+def unpack(value: Any) -> Any:
+    """The inverse of `pack` (the tensors of a batch are views of one buffer per field)."""
+    if isinstance(value, _PackedBatch):
+        return TrainBatch(**{k: unpack(v) for k, v in value.fields.items()})
+    if isinstance(value, _Ragged):
+        return value.tensors()
+    return value
+
+
+def dumps(name: str, message: tuple) -> bytes:
+    """`message` pickled; an error naming the call `name` and the fix when it cannot be."""
+    try:
+        return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        raise TypeError(
+            f"{name}: cannot send its arguments to the trainer process ({e}); pass picklable "
+            "objects (module-level functions, not lambdas), or set training.trainer_process = "
+            "'off' to train in this process"
+        ) from e
