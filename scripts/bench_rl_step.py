@@ -10,7 +10,8 @@ temperature 1, GRPO, no reference model, one optimizer step per batch, on the de
          `training.trainer_process = "auto"`);
   async-1p  (only with --modes ...,async-1p) async with the trainer in the driver's process,
          to show what the trainer process gains.
-and prints seconds per step (mean over the timed steps), samples/s, the phases, and the ratios
+and prints seconds per step (the median of the timed steps, so a step slowed by the machine's
+other load does not move it), samples/s, the phases (medians too), and the ratios
 floor / sync step (target >= 0.9 on the tiny model) and async / sync samples/s (target >= 1.6).
 With --compile the project trains with `model.compile = true` and the floor's training step runs
 the same torch.compile'd decoder layers (the first, compiling, steps are among the skipped ones).
@@ -19,7 +20,7 @@ Async overlaps generation with training, so it cannot beat sync by more than
 sync step / max(generate, the rest): the "async ceiling" line. Every ratio needs a quiet machine
 (two free cores for async); on a loaded one the processes wait for CPU and the GIL.
 
-    python scripts/bench_rl_step.py [--model DIR] [--steps 8] [--skip 2] [--rounds 1] [--compile]
+    python scripts/bench_rl_step.py [--model DIR] [--steps 12] [--skip 2] [--rounds 1] [--compile]
                                     [--modes floor,sync,async,async-1p]
 """
 
@@ -101,17 +102,17 @@ def run_mode(config: Config) -> list[dict]:
 
 
 def summarise(rows: list[dict], skip: int) -> dict[str, float]:
-    """Mean s/step, samples/s and phases over steps skip+1 .. last-1 (the last one evaluates
+    """Median s/step, samples/s and phases over steps skip+1 .. last-1 (the last one evaluates
     and checkpoints)."""
     rows = rows[skip:-1]
     assert rows, "no timed step: raise --steps above --skip + 1"
-    step_s = statistics.fmean(r["perf/step_time_s"] for r in rows)
-    samples = statistics.fmean(r["perf/samples_per_s"] * r["perf/step_time_s"] for r in rows)
+    step_s = statistics.median(r["perf/step_time_s"] for r in rows)
+    samples = statistics.median(r["perf/samples_per_s"] * r["perf/step_time_s"] for r in rows)
     out = {"step_s": step_s, "samples_per_s": samples / step_s}
     out["len"] = statistics.fmean(r["rollout/response_length_mean"] for r in rows)
     for phase in PHASES:
-        out[phase] = statistics.fmean(r.get(f"time/{phase}_s", 0.0) for r in rows)
-    out["generate_overlapped"] = statistics.fmean(
+        out[phase] = statistics.median(r.get(f"time/{phase}_s", 0.0) for r in rows)
+    out["generate_overlapped"] = statistics.median(
         r.get("time/generate_overlapped_s", 0.0) for r in rows
     )
     return out
@@ -133,13 +134,13 @@ def floor(config: Config, steps: int, skip: int) -> dict[str, float]:
     )
     timed = run_floor(model_dir, spec, steps, compile_train=config.model.compile)[skip:-1]
     assert timed, "no timed floor step: raise --steps above --skip + 1"
-    step_s = statistics.fmean(s.step_s for s in timed)
+    step_s = statistics.median(s.step_s for s in timed)
     return {
         "step_s": step_s,
-        "samples_per_s": statistics.fmean(s.samples for s in timed) / step_s,
+        "samples_per_s": statistics.median(s.samples for s in timed) / step_s,
         "len": statistics.fmean(s.generated_tokens / s.samples for s in timed),
-        "generate": statistics.fmean(s.generate_s for s in timed),
-        "train": statistics.fmean(s.train_s for s in timed),
+        "generate": statistics.median(s.generate_s for s in timed),
+        "train": statistics.median(s.train_s for s in timed),
     }
 
 
@@ -183,7 +184,7 @@ def report(results: dict[str, dict[str, float]]) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="", help="an HF model directory (default: tiny)")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--skip", type=int, default=2, help="warm-up steps left out")
     parser.add_argument("--rounds", type=int, default=1, help="floor/sync/async repetitions")
     parser.add_argument(
