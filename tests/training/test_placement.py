@@ -147,8 +147,10 @@ def test_an_async_run_keeps_training_driver_and_engine_apart(
     assert plan is not None
     if trainer_process == "off":
         assert seen["train"] == {frozenset(plan.trainer)}
-    else:  # the child's threads: the training thread and the others, apart
-        assert seen["train"] == {frozenset(plan.trainer), frozenset(plan.driver)}, seen
+    else:  # the child's threads: the training thread and the others, apart (start-up work,
+        # which may still run when the first rewards come, uses every core)
+        assert {frozenset(plan.trainer), frozenset(plan.driver)} <= seen["train"], seen
+        assert seen["train"] <= {frozenset(plan.trainer), frozenset(plan.driver), frozenset(CORES)}
     assert seen["engine"], "the run's engine process was not found"
     assert seen["engine"] == {frozenset(plan.engines[0])}
     assert seen["driver"] and all(s <= frozenset(plan.driver) for s in seen["driver"]), seen
