@@ -207,6 +207,8 @@ class ModelOutputs:
 
     `logprobs[i][t]` = log p(token t | tokens < t) (position 0 is 0); `entropy[i][t]` is the
     entropy of the distribution that predicted token t; `values[i][t]` the critic's value there.
+    Logprobs and entropies of tokens whose loss_mask is 0 are not computed and hold 0 (the LM head
+    runs on trained tokens only), unless `training.logprob_positions = "all"`.
     """
 
     logprobs: tuple[Any, ...]

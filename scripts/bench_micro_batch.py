@@ -30,13 +30,15 @@ from rollouts.training.run_setup import prepare_base_model, prepare_data
 from rollouts.types import Sample, Status
 
 
-def rl_groups(vocab: int, seed: int = 0) -> list[tuple[Sample, ...]]:
+def rl_groups(
+    vocab: int, seed: int = 0, prompt: int = 22, groups: int = 16
+) -> list[tuple[Sample, ...]]:
     rng = random.Random(seed)
-    groups = []
-    for g in range(16):
+    out = []
+    for g in range(groups):
         group = []
         for _ in range(8):
-            prompt, response = 22, rng.randint(30, 64)
+            response = rng.randint(30, 64)
             tokens = tuple(rng.randrange(3, vocab) for _ in range(prompt + response))
             group.append(
                 Sample(
@@ -51,8 +53,8 @@ def rl_groups(vocab: int, seed: int = 0) -> list[tuple[Sample, ...]]:
                     status=Status.COMPLETED,
                 )
             )
-        groups.append(tuple(group))
-    return groups
+        out.append(tuple(group))
+    return out
 
 
 def main() -> None:

@@ -55,6 +55,10 @@ class TrainingConfig(_Section):
     # float32 logits per chunk (one chunk for small vocabularies)
     logprob_chunk_size: int = 0
     micro_batch_layout: str = "pad"  # "pad" (length-bucketed, right-padded) | "pack" (one row)
+    # "trained": the LM head (logprobs, entropy) runs only on tokens with loss_mask = 1, the
+    # others read 0 (prompts cost no head: verl and TRL do the same); "all": every position,
+    # for a custom loss that reads the logprobs of untrained tokens
+    logprob_positions: str = "trained"
     weight_sync_dir: str = ""  # weights-only copies for engines; "" = /dev/shm (else a temp dir)
     weight_sync_attempts: int = 3  # tries per engine before a sync fails
     # "auto": on CPU with built-in engines, pin the training thread, each engine and (async)
@@ -85,6 +89,7 @@ class TrainingConfig(_Section):
             "training.logprob_chunk_size: must be >= 1 (tokens per chunk), or 0 (auto)",
         )
         _one_of(p, "training.micro_batch_layout", self.micro_batch_layout, ("pad", "pack"))
+        _one_of(p, "training.logprob_positions", self.logprob_positions, ("trained", "all"))
         _one_of(p, "training.cpu_placement", self.cpu_placement, ("auto", "off"))
         _one_of(p, "training.trainer_process", self.trainer_process, ("auto", "on", "off"))
         _check(

@@ -117,12 +117,21 @@ class MicroBatchTensors:
     pred_rows: torch.Tensor  # [N] row of the hidden state that predicts each target token
     pred_cols: torch.Tensor  # [N] its column; the target is at column + 1
     split_sizes: tuple[int, ...]  # N split per sequence: length - 1 each
+    # [M] the predictions the LM head runs on (their targets are trained); None = all N
+    head_idx: torch.Tensor | None = None
 
 
 def build_tensors(
-    plan: MicroBatchPlan, input_ids: Sequence[torch.Tensor], pad_id: int = 0
+    plan: MicroBatchPlan,
+    input_ids: Sequence[torch.Tensor],
+    pad_id: int = 0,
+    loss_mask: Sequence[torch.Tensor] | None = None,
 ) -> MicroBatchTensors:
-    """Lay the plan's sequences out in rows; list the (row, col) of every next-token prediction."""
+    """Lay the plan's sequences out in rows; list the (row, col) of every next-token prediction.
+
+    With `loss_mask` (one per sequence of `input_ids`), `head_idx` lists the predictions whose
+    target is trained (mask != 0): the LM head runs only there (None when that is all of them).
+    """
     ids = torch.full((plan.rows, plan.row_len), pad_id, dtype=torch.long)
     packed = plan.rows == 1 and len(plan.indices) > 1
     pos = torch.zeros((plan.rows, plan.row_len), dtype=torch.long) if packed else None
@@ -145,7 +154,22 @@ def build_tensors(
         pred_rows=torch.cat(rows),
         pred_cols=torch.cat(cols),
         split_sizes=tuple(sizes),
+        head_idx=None if loss_mask is None else trained_predictions(plan, input_ids, loss_mask),
     )
+
+
+def trained_predictions(
+    plan: MicroBatchPlan, input_ids: Sequence[torch.Tensor], loss_mask: Sequence[torch.Tensor]
+) -> torch.Tensor | None:
+    """Indices, into the plan's flat predictions, of those whose target token is trained;
+    None when every prediction is (nothing to skip)."""
+    assert len(loss_mask) == len(input_ids), f"{len(loss_mask)=} != {len(input_ids)=}"
+    # prediction k of a sequence targets its token k + 1: drop each mask's position 0
+    trained = torch.cat([loss_mask[i][1:] != 0 for i in plan.indices])
+    assert trained.shape[0] == sum(int(input_ids[i].shape[0]) - 1 for i in plan.indices)
+    if bool(trained.all()):
+        return None
+    return trained.nonzero().squeeze(-1)
 
 
 def shard_indices(lengths: Sequence[int], world_size: int, rank: int) -> list[int]:

@@ -176,6 +176,7 @@ def backend_settings(config: Config, device: torch.device, pad_id: int = 0) -> B
         max_consecutive_nonfinite=t.max_consecutive_nonfinite,
         autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
         pad_id=pad_id,
+        logprob_positions=t.logprob_positions,
     )
 
 

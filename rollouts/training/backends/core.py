@@ -28,6 +28,8 @@ from rollouts.training.backends.model import TokenLogprobModel, move_to, split_p
 from rollouts.training.backends.protocol import Metrics, NonFiniteError
 from rollouts.types import LossFn, ModelOutputs, TrainBatch
 
+LOGPROB_POSITIONS = ("trained", "all")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class BackendSettings:
@@ -40,9 +42,12 @@ class BackendSettings:
     max_consecutive_nonfinite: int = 3
     autocast_dtype: torch.dtype | None = None  # bf16 autocast on GPU; None = off
     pad_id: int = 0
+    # "trained": the LM head runs only where loss_mask != 0 (other logprobs are 0); "all"
+    logprob_positions: str = "trained"
 
     def __post_init__(self) -> None:
         assert self.layout in LAYOUTS, f"{self.layout=} not in {LAYOUTS}"
+        assert self.logprob_positions in LOGPROB_POSITIONS, f"{self.logprob_positions=}"
         assert self.micro_batch_tokens >= 1, f"{self.micro_batch_tokens=}"
         assert self.max_consecutive_nonfinite >= 1, f"{self.max_consecutive_nonfinite=}"
 
@@ -143,6 +148,13 @@ class TrainerCore:
         vals = split_per_sequence(val_N, mb.split_sizes) if want_values else []
         return lps, ents, vals
 
+    def _tensors(self, plan: MicroBatchPlan, batch: TrainBatch) -> MicroBatchTensors:
+        """One planned micro-batch of `batch`; the LM head skips untrained targets unless
+        `logprob_positions = "all"`."""
+        trained_only = self.settings.logprob_positions == "trained"
+        mask = batch.loss_mask if trained_only else None
+        return build_tensors(plan, batch.input_ids, self.settings.pad_id, mask)
+
     def _filler_micro_batch(self) -> MicroBatchTensors:
         """A 2-token micro-batch for a rank that has run out of real ones (FSDP lock-step)."""
         ids = (torch.full((2,), self.settings.pad_id, dtype=torch.long),)
@@ -174,7 +186,7 @@ class TrainerCore:
                 (sum(t.sum() for t in lps + vals) * 0.0).backward()
                 continue
             plan = plans[k]
-            mb = build_tensors(plan, local.input_ids, self.settings.pad_id)
+            mb = self._tensors(plan, local)
             lps, ents, vals = self._run(mb, want_entropy, want_values, entropy_grad)
             outputs = ModelOutputs(logprobs=tuple(lps), entropy=tuple(ents), values=tuple(vals))
             loss, metrics = loss_fn(outputs, local.select(plan.indices))
@@ -265,7 +277,7 @@ class TrainerCore:
             if k >= len(plans):
                 self._run(self._filler_micro_batch(), False, values)
                 continue
-            mb = build_tensors(plans[k], local.input_ids, self.settings.pad_id)
+            mb = self._tensors(plans[k], local)
             lps, _, vals = self._run(mb, False, values)
             for i, t in zip(plans[k].indices, vals if values else lps, strict=True):
                 out[local_idx[i]] = t.float().cpu()

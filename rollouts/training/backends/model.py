@@ -6,6 +6,9 @@ pass when there are several chunks), so a large vocabulary never holds [tokens, 
 the whole micro-batch at once. Chunk size 0 (the default) sizes chunks by the vocabulary (512 MiB
 of float32 logits each), so a small vocabulary pays no recompute. An entropy the loss does not
 train on (entropy_coef = 0) is computed without a graph: a metric costs no backward pass.
+The head runs only on the predictions whose target is trained (`MicroBatchTensors.head_idx`,
+`training.logprob_positions = "trained"`, the default): prompt tokens cost no LM head, which on
+a 49k vocabulary is a fifth of a token's compute; the other positions hold 0.
 It is also the FSDP2 root module, so one forward call all-gathers everything it needs.
 
 With a value head (a critic sharing the policy's trunk, PPO with GAE) the same forward also gives
@@ -127,10 +130,7 @@ class TokenLogprobModel(nn.Module):
         hidden_R_L_H = out.last_hidden_state
         hidden_N_H = hidden_R_L_H[mb.pred_rows, mb.pred_cols]
         targets_N = mb.input_ids_R_L[mb.pred_rows, mb.pred_cols + 1]
-        head = self.lm.get_output_embeddings()
-        lp_N, ent_N = token_stats(
-            head, hidden_N_H, targets_N, self.chunk_size, want_entropy, entropy_grad
-        )
+        lp_N, ent_N = self._head_stats(mb, hidden_N_H, targets_N, want_entropy, entropy_grad)
         if not want_values:
             return lp_N, ent_N, lp_N.new_zeros(0)
         if self.value_head is None:
@@ -140,6 +140,29 @@ class TokenLogprobModel(nn.Module):
             )
         values_N = self.value_head(hidden_N_H.float()).squeeze(-1).float()
         return lp_N, ent_N, values_N
+
+    def _head_stats(
+        self,
+        mb: MicroBatchTensors,
+        hidden_N_H: torch.Tensor,
+        targets_N: torch.Tensor,
+        want_entropy: bool,
+        entropy_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`token_stats` at the predictions `mb.head_idx` names (all when None); the others
+        hold 0: their targets are not trained, so no loss or metric reads them."""
+        head = self.lm.get_output_embeddings()
+        idx = mb.head_idx
+        if idx is None:
+            return token_stats(
+                head, hidden_N_H, targets_N, self.chunk_size, want_entropy, entropy_grad
+            )
+        lp_M, ent_M = token_stats(
+            head, hidden_N_H[idx], targets_N[idx], self.chunk_size, want_entropy, entropy_grad
+        )
+        n = hidden_N_H.shape[0]
+        lp_N = lp_M.new_zeros(n).index_copy(0, idx, lp_M)
+        return lp_N, ent_M.new_zeros(n).index_copy(0, idx, ent_M)
 
 
 def split_per_sequence(flat_N: torch.Tensor, split_sizes: tuple[int, ...]) -> list[torch.Tensor]:
@@ -158,4 +181,5 @@ def move_to(mb: MicroBatchTensors, device: torch.device) -> MicroBatchTensors:
         pred_rows=mb.pred_rows.to(device, non_blocking=True),
         pred_cols=mb.pred_cols.to(device, non_blocking=True),
         split_sizes=mb.split_sizes,
+        head_idx=None if mb.head_idx is None else mb.head_idx.to(device, non_blocking=True),
     )

@@ -1,0 +1,82 @@
+"""Benchmark: one RL training step with the LM head on every position vs only on trained tokens.
+
+`training.logprob_positions = "all"` (the baseline) against `"trained"` (the default): the same
+RL-shaped batch as `bench_micro_batch.py` (16 groups x 8 samples, 22 untrained prompt tokens +
+30-64 trained response tokens, GRPO), forward/backward + AdamW, one backend per setting in this
+process, timed in interleaved rounds (the first left out). Prints the median seconds per step and
+the speed-up. With `--model DIR` (SmolLM2-135M: a 49k vocabulary) the head is a fifth of a token's
+compute, so the prompt positions it skips matter more than on the tiny demo model (259 tokens).
+
+    python scripts/bench_logprob_positions.py [--model DIR] [--rounds 6] [--prompt 22]
+                                              [--groups 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_micro_batch import rl_groups  # scripts/ is on sys.path when run
+from bench_rl_step import bench_config
+
+from rollouts.algorithms.batch import build_train_batch
+from rollouts.algorithms.loss_fn import make_loss_fn
+from rollouts.training.backends.factories import create_backend
+from rollouts.training.engines import cpu_share
+from rollouts.training.run_setup import prepare_base_model, prepare_data
+
+SETTINGS = ("all", "trained")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="", help="an HF model directory (default: tiny)")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--prompt", type=int, default=22, help="untrained tokens per sample")
+    parser.add_argument("--groups", type=int, default=16, help="groups of 8 samples per step")
+    args = parser.parse_args()
+    torch.set_num_threads(cpu_share(0, "cpu", 1))
+    with tempfile.TemporaryDirectory(prefix="bench-lp-") as tmp:
+        config = bench_config(Path(tmp), "sync", 2, args.model, [])
+        prepare_data(config)
+        model_dir = prepare_base_model(config)
+        backends = {}
+        for positions in SETTINGS:
+            training = dataclasses.replace(config.training, logprob_positions=positions)
+            sized = dataclasses.replace(config, training=training)
+            backends[positions] = create_backend(sized, model_path=model_dir, total_steps=1000)
+        vocab = backends["all"].lm.config.vocab_size
+        groups = rl_groups(min(vocab, 40), prompt=args.prompt, groups=args.groups)
+        batch = build_train_batch(groups, config.algorithm)
+        loss_fn = make_loss_fn(config.algorithm)
+        times: dict[str, list[float]] = {p: [] for p in SETTINGS}
+        losses: dict[str, float] = {}
+        for r in range(args.rounds + 1):
+            for positions, backend in backends.items():
+                started = time.perf_counter()
+                metrics = backend.forward_backward(batch, loss_fn, entropy=True).result()
+                backend.optim_step().result()
+                if r:  # round 0 warms up
+                    times[positions].append(time.perf_counter() - started)
+                else:
+                    losses[positions] = metrics["loss"]
+        for backend in backends.values():
+            backend.close()
+    base = statistics.median(times["all"])
+    print(
+        f"model {args.model or 'tiny (demo)'}, vocabulary {vocab}; first-step loss "
+        + ", ".join(f"{p} {v:.6f}" for p, v in losses.items())
+    )
+    print(f"{'logprob_positions':>18} {'median s/step':>14} {'vs all':>8}")
+    for positions in SETTINGS:
+        median = statistics.median(times[positions])
+        print(f"{positions:>18} {median:>14.3f} {base / median:>7.2f}x")
+
+
+if __name__ == "__main__":
+    main()
