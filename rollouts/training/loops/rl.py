@@ -259,6 +259,8 @@ async def run_rl_training(
         "version": start_version,
         "synced": start_version,
         "trained_through": start_step,  # the last step whose optimizer steps are done
+        "checkpointed": start_step,  # the last step with a checkpoint
+        "in_backend": False,  # training, or writing a checkpoint: no rescue from there
         "metrics": {},
         "kl_ctl": kl_ctl,
     }
@@ -279,19 +281,23 @@ async def run_rl_training(
             batches.start_producer(nursery, start_step + 1, total)
         overlap = (nursery, engine_sync) if is_async and hooks.publish_weights else None
         for step in range(start_step + 1, total + 1):
-            metrics = await _one_step(
-                step,
-                total,
-                backend,
-                batches,
-                config,
-                hooks,
-                ref,
-                schedule,
-                state,
-                is_async,
-                overlap,
-            )
+            try:
+                metrics = await _one_step(
+                    step,
+                    total,
+                    backend,
+                    batches,
+                    config,
+                    hooks,
+                    ref,
+                    schedule,
+                    state,
+                    is_async,
+                    overlap,
+                )
+            except Exception as error:
+                await _rescue_checkpoint(error, hooks, batches, state)
+                raise
             with trio.move_on_after(5.0):  # the engines' load after the batch (0 = no leftovers)
                 with contextlib.suppress(EngineError):
                     metrics["engines/load"] = float((await engines.load()).total)
@@ -346,6 +352,7 @@ async def _one_step(
             f"(group counts by filter reason); first errors: {errors}"
         )
     if prep.groups:
+        state["in_backend"] = True
         train_metrics, train_times = await train_step(backend, prep.groups, algo, config, ref)
         metrics |= train_metrics
         if "train/reward_kl_seq_mean" in train_metrics:  # verl: n_steps = the batch size
@@ -356,7 +363,9 @@ async def _one_step(
         state["version"] += 1
         if ref is not None:
             await ref.update(backend, algo, step)
+        state["in_backend"] = False
     state["trained_through"] = step
+    state["step_metrics"] = metrics  # what a rescue checkpoint stores if the step fails from here
     if hooks.log_samples is not None:
         hooks.log_samples(step, rollout)
     stopping = hooks.should_stop()
@@ -391,11 +400,42 @@ async def _one_step(
         t = time.monotonic()
         resume_state = batches.state_for_resume(step + 1)
         loop_state = {"kl_ctl": state["kl_ctl"].state_dict()}
+        state["in_backend"] = True
         await hooks.checkpoint(
             step, str(state["version"]), resume_state, metrics=metrics, loop_state=loop_state
         )
+        state["in_backend"] = False
+        state["checkpointed"] = step
         times["checkpoint"] = time.monotonic() - t
     return metrics | _timing(times, time.monotonic() - started, rollout, state["version"])
+
+
+async def _rescue_checkpoint(
+    error: Exception, hooks: RLHooks, batches: BatchSource, state: dict[str, Any]
+) -> None:
+    """Checkpoint the last trained step before `error` stops the run, when it came from outside
+    the backend (the engines died, a weight sync or evaluation failed, a reward function raised)
+    and that step has no checkpoint yet: the steps since the last periodic checkpoint are kept
+    and `--resume` continues after them. The error gets a note saying which step was saved."""
+    step = state["trained_through"]
+    if state["in_backend"] or step <= state["checkpointed"]:
+        return
+    try:
+        with trio.CancelScope(shield=True):
+            await hooks.checkpoint(
+                step,
+                str(state["version"]),
+                batches.state_for_resume(step + 1),
+                metrics=state.get("step_metrics", {}),
+                loop_state={"kl_ctl": state["kl_ctl"].state_dict()},
+            )
+    except Exception as failed:
+        error.add_note(f"[train] the rescue checkpoint of step {step} failed too: {failed!r}")
+        return
+    state["checkpointed"] = step
+    note = f"[train] step {step} (the last trained one) was checkpointed before the run stopped"
+    print(f"{note}; fix the cause below and continue it with --resume", flush=True)
+    error.add_note(f"{note}: continue it with --resume")
 
 
 def _with_kl_controller(algo: AlgorithmConfig, kl_ctl: AdaptiveKL) -> AlgorithmConfig:

@@ -37,7 +37,7 @@ class EngineSync:
     At most one is in flight. The producer waits for it before it starts a batch, so a batch
     is generated with weights at least as new as without overlap (the staleness bound holds);
     the loop collects its result (`finish`) before the next sync, an evaluation or the end,
-    and a failed delivery raises there, in the loop, before that step's checkpoint.
+    and a failed delivery raises there, in the loop (which first checkpoints the trained step).
     """
 
     def __init__(self) -> None:
@@ -95,7 +95,7 @@ class BatchSource:
         self.staleness = staleness
         self.engines_ready = engines_ready  # awaited before a batch starts (a weight delivery)
         self.states: dict[int, dict[str, Any]] = {}
-        self._recv: trio.MemoryReceiveChannel[tuple[RolloutBatch, float]] | None = None
+        self._recv: trio.MemoryReceiveChannel[tuple[RolloutBatch, float] | Exception] | None = None
 
     async def _make(self, number: int) -> tuple[RolloutBatch, float]:
         if self.engines_ready is not None:
@@ -109,20 +109,32 @@ class BatchSource:
         return batch, time.monotonic() - started
 
     def start_producer(self, nursery: trio.Nursery, first: int, last: int) -> None:
-        send, self._recv = trio.open_memory_channel[tuple[RolloutBatch, float]](0)
+        """Make batches `first..last` one ahead of the loop. A batch that fails (engines down, a
+        reward function raising) is handed to the loop as its error, so it is raised between
+        steps, never inside one (the loop can then checkpoint the last trained step)."""
+        send, self._recv = trio.open_memory_channel[tuple[RolloutBatch, float] | Exception](0)
 
         async def produce() -> None:
             async with send:
                 for number in range(first, last + 1):
-                    await send.send(await self._make(number))
+                    try:
+                        made: tuple[RolloutBatch, float] | Exception = await self._make(number)
+                    except Exception as error:
+                        made = error
+                    await send.send(made)
+                    if isinstance(made, Exception):
+                        return
 
         nursery.start_soon(produce)
 
     async def next(self, number: int) -> tuple[RolloutBatch, float]:
-        """Batch `number` and the seconds spent generating it."""
+        """Batch `number` and the seconds spent generating it (its error, raised)."""
         if self._recv is None:
             return await self._make(number)
-        return await self._recv.receive()
+        made = await self._recv.receive()
+        if isinstance(made, Exception):
+            raise made
+        return made
 
     def state_for_resume(self, next_number: int) -> dict[str, Any]:
         """The buffer state from which batch `next_number` is (or will be) generated."""

@@ -1,0 +1,88 @@
+"""The engines die for good mid-run (a real SIGKILL, no restarts left): the run stops with the
+engine error, but first checkpoints the last step it trained, so the steps since the last periodic
+checkpoint are not lost; --resume continues from there and logs every step exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.training.test_engine_failover import server_pids, wait_gone
+from tests.training.test_train_e2e import ROOT, _config, _steps, _train
+
+TRAIN = ROOT / "integration_training" / "train.py"
+
+
+def _run_until_killed(config: Path, run: Path, marker: str, log: Path) -> int:
+    """train.py until step 2 is logged, then SIGKILL its only engine; its exit code."""
+    with log.open("w") as out:
+        train = subprocess.Popen(
+            [sys.executable, str(TRAIN), "--mode", "rl", "--config", str(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+        try:
+            deadline = time.monotonic() + 240
+            metrics = run / "metrics.jsonl"
+            while time.monotonic() < deadline and train.poll() is None:
+                if metrics.exists() and 2 in _steps(metrics):
+                    break
+                time.sleep(0.02)
+            engines = server_pids(marker)
+            assert len(engines) == 1, (engines, log.read_text()[-3000:])
+            os.kill(engines[0], signal.SIGKILL)
+            return train.wait(timeout=240)
+        finally:
+            if train.poll() is None:
+                train.kill()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_last_trained_step_is_checkpointed_when_the_engines_die(
+    tmp_path: Path, mode: str
+) -> None:
+    config = _config(
+        tmp_path,
+        data={"eval_size": 2},
+        training={"rl_steps": 12},
+        rollout={"mode": mode},
+        engines={"max_restarts": 0, "wait_for_up_s": 1.0, "health_interval_s": 0.5},
+        checkpoint={"every": 0},  # no periodic checkpoint: only the end (and the rescue)
+    )
+    run, marker, log = tmp_path / "run", str(tmp_path / "base"), tmp_path / "train.log"
+    code = _run_until_killed(config, run, marker, log)
+    text = log.read_text()
+    assert code != 0, text[-3000:]
+    assert "EngineUnavailable" in text, text[-3000:]
+    logged = _steps(run / "metrics.jsonl")
+    last = logged[-1]
+    before = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert 2 <= last < 12 and logged == list(range(last + 1)), (logged, text[-3000:])
+    saved = sorted(p.name for p in (run / "checkpoints" / "rl").glob("step_*"))
+    assert len(saved) == 1, saved
+    rescued = int(saved[0].removeprefix("step_"))
+    # the step that trained last: logged, or trained and then stopped at its weight sync
+    assert rescued in (last, last + 1), (saved, logged)
+    # its weights are the last trained ones: the version after step `last`, plus one when the
+    # run stopped at step last + 1's weight sync (trained, not yet logged)
+    version = json.loads((run / "checkpoints" / "rl" / saved[0] / "manifest.json").read_text())
+    trained_after_last = int(before[last]["policy/version"]) + (rescued - last)
+    assert int(version["weight_version"]) == trained_after_last, (version, before[last])
+    assert f"step {rescued} (the last trained one) was checkpointed" in text, text[-3000:]
+    assert wait_gone(marker) == []
+
+    done = _train("--mode", "rl", "--config", str(config), "--resume", timeout_s=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert _steps(run / "metrics.jsonl") == list(range(13))  # every step once, none lost
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[: last + 1] == before  # the lines before the kill, kept as they were
+    assert rows[rescued + 1]["policy/version"] == trained_after_last + 1  # trained on from it
+    assert server_pids(marker) == []
