@@ -5,7 +5,8 @@ RL-shaped batch as `bench_micro_batch.py` (16 groups x 8 samples, 22 untrained p
 30-64 trained response tokens, GRPO), forward/backward + AdamW, one backend per setting in this
 process, timed in interleaved rounds (the first left out). Prints the median seconds per step and
 the speed-up. With `--model DIR` (SmolLM2-135M: a 49k vocabulary) the head is a fifth of a token's
-compute, so the prompt positions it skips matter more than on the tiny demo model (259 tokens).
+compute, so the prompt positions it skips matter more than on the tiny demo model (259 tokens),
+where the gain (about 1%) is within a 6-round run's noise: use `--rounds 15` there.
 
     python scripts/bench_logprob_positions.py [--model DIR] [--rounds 6] [--prompt 22]
                                               [--groups 16]
@@ -14,19 +15,20 @@ compute, so the prompt positions it skips matter more than on the tiny demo mode
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from bench_micro_batch import rl_groups  # scripts/ is on sys.path when run
+from bench_micro_batch import (  # scripts/ is on sys.path when run
+    interleaved_steps,
+    rl_groups,
+    variant_backends,
+)
 from bench_rl_step import bench_config
 
 from rollouts.algorithms.batch import build_train_batch
 from rollouts.algorithms.loss_fn import make_loss_fn
-from rollouts.training.backends.factories import create_backend
 from rollouts.training.engines import cpu_share
 from rollouts.training.run_setup import prepare_base_model, prepare_data
 
@@ -45,26 +47,13 @@ def main() -> None:
         config = bench_config(Path(tmp), "sync", 2, args.model, [])
         prepare_data(config)
         model_dir = prepare_base_model(config)
-        backends = {}
-        for positions in SETTINGS:
-            training = dataclasses.replace(config.training, logprob_positions=positions)
-            sized = dataclasses.replace(config, training=training)
-            backends[positions] = create_backend(sized, model_path=model_dir, total_steps=1000)
+        variants = {p: {"logprob_positions": p} for p in SETTINGS}
+        backends = variant_backends(config, model_dir, variants)
         vocab = backends["all"].lm.config.vocab_size
         groups = rl_groups(min(vocab, 40), prompt=args.prompt, groups=args.groups)
         batch = build_train_batch(groups, config.algorithm)
         loss_fn = make_loss_fn(config.algorithm)
-        times: dict[str, list[float]] = {p: [] for p in SETTINGS}
-        losses: dict[str, float] = {}
-        for r in range(args.rounds + 1):
-            for positions, backend in backends.items():
-                started = time.perf_counter()
-                metrics = backend.forward_backward(batch, loss_fn, entropy=True).result()
-                backend.optim_step().result()
-                if r:  # round 0 warms up
-                    times[positions].append(time.perf_counter() - started)
-                else:
-                    losses[positions] = metrics["loss"]
+        times, losses = interleaved_steps(backends, batch, loss_fn, args.rounds)
         for backend in backends.values():
             backend.close()
     base = statistics.median(times["all"])

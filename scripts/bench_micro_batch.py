@@ -18,16 +18,18 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from bench_rl_step import bench_config  # scripts/ is on sys.path when run
 
 from rollouts.algorithms.batch import build_train_batch
 from rollouts.algorithms.loss_fn import make_loss_fn
+from rollouts.config import Config
 from rollouts.training.backends.factories import create_backend
 from rollouts.training.engines import cpu_share
 from rollouts.training.run_setup import prepare_base_model, prepare_data
-from rollouts.types import Sample, Status
+from rollouts.types import LossFn, Sample, Status, TrainBatch
 
 
 def rl_groups(
@@ -57,6 +59,35 @@ def rl_groups(
     return out
 
 
+def variant_backends(config: Config, model_dir: Path, variants: dict[Any, dict]) -> dict:
+    """One backend per variant: `[training]` with that variant's fields replaced."""
+    backends = {}
+    for key, fields in variants.items():
+        training = dataclasses.replace(config.training, **fields)
+        changed = dataclasses.replace(config, training=training)
+        backends[key] = create_backend(changed, model_path=model_dir, total_steps=1000)
+    return backends
+
+
+def interleaved_steps(
+    backends: dict, batch: TrainBatch, loss_fn: LossFn, rounds: int
+) -> tuple[dict[Any, list[float]], dict[Any, float]]:
+    """Seconds per RL training step (forward/backward + AdamW) of each backend, the backends
+    taking turns round by round (round 0 warms up, left out); and each one's first loss."""
+    times: dict[Any, list[float]] = {key: [] for key in backends}
+    first_loss: dict[Any, float] = {}
+    for r in range(rounds + 1):
+        for key, backend in backends.items():
+            started = time.perf_counter()
+            metrics = backend.forward_backward(batch, loss_fn, entropy=True).result()
+            backend.optim_step().result()
+            if r:
+                times[key].append(time.perf_counter() - started)
+            else:
+                first_loss[key] = float(metrics["loss"])
+    return times, first_loss
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sizes", type=int, nargs="+", help="micro_batch_tokens; first = baseline")
@@ -68,22 +99,11 @@ def main() -> None:
         config = bench_config(Path(tmp), "sync", 2, args.model, [])
         prepare_data(config)
         model_dir = prepare_base_model(config)
-        backends = {}
-        for size in args.sizes:
-            training = dataclasses.replace(config.training, micro_batch_tokens=size)
-            sized = dataclasses.replace(config, training=training)
-            backends[size] = create_backend(sized, model_path=model_dir, total_steps=1000)
+        variants = {size: {"micro_batch_tokens": size} for size in args.sizes}
+        backends = variant_backends(config, model_dir, variants)
         vocab = backends[args.sizes[0]].lm.config.vocab_size
         batch = build_train_batch(rl_groups(min(vocab, 40)), config.algorithm)
-        loss_fn = make_loss_fn(config.algorithm)
-        times: dict[int, list[float]] = {size: [] for size in args.sizes}
-        for r in range(args.rounds + 1):
-            for size, backend in backends.items():
-                started = time.perf_counter()
-                backend.forward_backward(batch, loss_fn, entropy=True).result()
-                backend.optim_step().result()
-                if r:  # round 0 warms up
-                    times[size].append(time.perf_counter() - started)
+        times, _ = interleaved_steps(backends, batch, make_loss_fn(config.algorithm), args.rounds)
     base = statistics.median(times[args.sizes[0]])
     print(f"{'micro_batch_tokens':>18} {'median s/step':>14} {'vs ' + str(args.sizes[0]):>10}")
     for size in args.sizes:
