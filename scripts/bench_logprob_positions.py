@@ -21,16 +21,15 @@ from pathlib import Path
 
 import torch
 from bench_micro_batch import (  # scripts/ is on sys.path when run
+    bench_model,
     interleaved_steps,
     rl_groups,
     variant_backends,
 )
-from bench_rl_step import bench_config
 
 from rollouts.algorithms.batch import build_train_batch
 from rollouts.algorithms.loss_fn import make_loss_fn
 from rollouts.training.engines import cpu_share
-from rollouts.training.run_setup import prepare_base_model, prepare_data
 
 SETTINGS = ("all", "trained")
 
@@ -44,9 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(cpu_share(0, "cpu", 1))
     with tempfile.TemporaryDirectory(prefix="bench-lp-") as tmp:
-        config = bench_config(Path(tmp), "sync", 2, args.model, [])
-        prepare_data(config)
-        model_dir = prepare_base_model(config)
+        config, model_dir = bench_model(Path(tmp), args.model)
         variants = {p: {"logprob_positions": p} for p in SETTINGS}
         backends = variant_backends(config, model_dir, variants)
         vocab = backends["all"].lm.config.vocab_size

@@ -59,6 +59,13 @@ def rl_groups(
     return out
 
 
+def bench_model(work: Path, model: str) -> tuple[Config, Path]:
+    """The bench config (the demo's, sync) with its data and model directory ready."""
+    config = bench_config(work, "sync", 2, model, [])
+    prepare_data(config)
+    return config, prepare_base_model(config)
+
+
 def variant_backends(config: Config, model_dir: Path, variants: dict[Any, dict]) -> dict:
     """One backend per variant: `[training]` with that variant's fields replaced."""
     backends = {}
@@ -96,9 +103,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(cpu_share(0, "cpu", 1))
     with tempfile.TemporaryDirectory(prefix="bench-mb-") as tmp:
-        config = bench_config(Path(tmp), "sync", 2, args.model, [])
-        prepare_data(config)
-        model_dir = prepare_base_model(config)
+        config, model_dir = bench_model(Path(tmp), args.model)
         variants = {size: {"micro_batch_tokens": size} for size in args.sizes}
         backends = variant_backends(config, model_dir, variants)
         vocab = backends[args.sizes[0]].lm.config.vocab_size
