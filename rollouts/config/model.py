@@ -30,6 +30,7 @@ class TinyModelConfig(_Section):
     num_heads: int = 4
     intermediate_size: int = 256
     max_position_embeddings: int = 512
+    tie_embeddings: bool = False  # the LM head shares the embedding matrix
     corpus_path: str = ""  # text the tokenizer is trained on ("" = the data files)
     # the random init; not run.seed, so one built model serves every run seed (reproducible)
     seed: int = 0

@@ -24,6 +24,11 @@ class WeightSyncConfig(_Section):
     backend: str = "auto"  # "auto" (nccl on cuda, else gloo) | "gloo" | "nccl"
     group_name: str = "rollouts_weights"
     timeout_s: float = 300.0  # forming the group, and one whole sync
+    # after each sync (and at start) every engine's logprobs of a fixed probe sequence must
+    # match the trainer's: a version label proves nothing (weight_check.py)
+    check: bool = True
+    check_tokens: int = 32  # the probe's length
+    check_tolerance: float = 0.0  # largest |engine - trainer| logprob; 0 = by model.dtype
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -38,4 +43,14 @@ class WeightSyncConfig(_Section):
         _check(p, bool(self.master_address), "weight_sync.master_address: must not be empty")
         _check(p, bool(self.group_name), "weight_sync.group_name: must not be empty")
         _check(p, self.timeout_s > 0, f"weight_sync.timeout_s = {self.timeout_s}: must be > 0")
+        _check(
+            p,
+            self.check_tokens >= 2,
+            f"weight_sync.check_tokens = {self.check_tokens}: must be >= 2",
+        )
+        _check(
+            p,
+            self.check_tolerance >= 0,
+            f"weight_sync.check_tolerance = {self.check_tolerance}: must be >= 0 (0 = by dtype)",
+        )
         return p

@@ -143,6 +143,11 @@ class InferenceEngine(Protocol):
         """The weight version the engine serves now."""
         ...
 
+    async def prompt_logprobs(self, input_ids: Sequence[int]) -> tuple[float, ...]:
+        """The served weights' logprob of each of `input_ids[1:]` given the tokens before it
+        (raw logits, teacher-forced): what a weight sync's content check compares."""
+        ...
+
     async def load(self) -> EngineLoad:
         """Running and waiting request counts."""
         ...

@@ -89,6 +89,35 @@ def batch_generate_body(requests: Sequence[GenerateRequest]) -> dict[str, Any]:
     return body
 
 
+def input_logprobs_body(input_ids: Sequence[int]) -> dict[str, Any]:
+    """POST /generate asking for the prompt tokens' logprobs (`logprob_start_len` 0)."""
+    assert len(input_ids) >= 2, "a prompt-logprobs probe needs two tokens"
+    return {
+        "input_ids": list(input_ids),
+        "sampling_params": {"max_new_tokens": 1, "temperature": 1.0, "sampling_seed": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+
+
+def parse_input_logprobs(answer: Any, input_ids: Sequence[int]) -> tuple[float, ...]:
+    """meta_info.input_token_logprobs (`[logprob, token_id, text]` per prompt token, the first
+    logprob null) -> the logprob of each of `input_ids[1:]`."""
+    entries = one_answer(answer)["meta_info"].get("input_token_logprobs")
+    if not isinstance(entries, list) or len(entries) != len(input_ids):
+        got = len(entries) if isinstance(entries, list) else entries
+        raise EngineError(f"/generate gave {got!r} input_token_logprobs for {len(input_ids)}")
+    out = []
+    for t in range(1, len(input_ids)):
+        lp, tok = entries[t][0], entries[t][1]
+        if lp is None or int(tok) != int(input_ids[t]):
+            raise EngineError(
+                f"input_token_logprobs[{t}] = {entries[t]!r}, not token {input_ids[t]}"
+            )
+        out.append(float(lp))
+    return tuple(out)
+
+
 def finish_reason(obj: Any) -> tuple[FinishReason, int | str | None]:
     """meta_info.finish_reason -> (FinishReason, matched)."""
     if not isinstance(obj, dict):
@@ -257,6 +286,11 @@ class SGLangEngine:
         """POST /abort_request {"rid": prefix} (SGLang aborts every rid starting with it)."""
         assert rid_prefix, "an empty prefix would abort everything: use abort_all"
         await self.http.call("POST", "/abort_request", json_body={"rid": rid_prefix})
+
+    async def prompt_logprobs(self, input_ids: Sequence[int]) -> tuple[float, ...]:
+        """POST /generate with `logprob_start_len: 0`: each prompt token's logprob."""
+        answer = await self.http.json("POST", "/generate", json_body=input_logprobs_body(input_ids))
+        return parse_input_logprobs(answer, input_ids)
 
     async def health(self) -> bool:
         """GET /health is 200; while this client has the engine paused, GET /model_info is.

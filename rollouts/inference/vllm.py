@@ -99,6 +99,38 @@ def parse_completion(answer: Any, version: str) -> Completion:
     )
 
 
+def prompt_logprobs_body(input_ids: Sequence[int], model: str | None) -> dict[str, Any]:
+    """POST /v1/completions asking for the prompt tokens' logprobs (one output token)."""
+    assert len(input_ids) >= 2, "a prompt-logprobs probe needs two tokens"
+    body: dict[str, Any] = {
+        "prompt": list(input_ids),
+        "max_tokens": 1,
+        "temperature": 1.0,
+        "seed": 0,
+        "prompt_logprobs": 0,
+        "return_token_ids": True,
+    }
+    if model is not None:
+        body["model"] = model
+    return body
+
+
+def parse_prompt_logprobs(answer: Any, input_ids: Sequence[int]) -> tuple[float, ...]:
+    """`choices[0].prompt_logprobs` (null, then {token id: {logprob, rank, ...}} per position)
+    -> the logprob of each of `input_ids[1:]`."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    entries = choices[0].get("prompt_logprobs") if choices else None
+    if not isinstance(entries, list) or len(entries) != len(input_ids):
+        raise EngineError(f"/v1/completions gave no prompt_logprobs for the prompt: {entries!r}")
+    out = []
+    for t in range(1, len(input_ids)):
+        entry = (entries[t] or {}).get(str(input_ids[t]))
+        if not isinstance(entry, dict) or entry.get("logprob") is None:
+            raise EngineError(f"prompt_logprobs[{t}] has no entry for token {input_ids[t]}")
+        out.append(float(entry["logprob"]))
+    return tuple(out)
+
+
 def reports_weight_versions(version: str) -> bool | None:
     """Whether vLLM `version` answers `return_weight_versions` (0.33+); None if unparseable."""
     parts = version.split(".")
@@ -244,6 +276,12 @@ class VLLMEngine:
             raise EngineError(f"{self.url}/weight_info has no weight_version: {info!r}")
         self.bracket.served(str(info["weight_version"]))
         return str(info["weight_version"])
+
+    async def prompt_logprobs(self, input_ids: Sequence[int]) -> tuple[float, ...]:
+        """`prompt_logprobs: 0` of POST /v1/completions: each prompt token's logprob."""
+        body = prompt_logprobs_body(input_ids, self.model)
+        answer = await self.http.json("POST", "/v1/completions", json_body=body)
+        return parse_prompt_logprobs(answer, input_ids)
 
     async def load(self) -> EngineLoad:
         """vLLM has no load route in its API: this client's own in-flight requests."""

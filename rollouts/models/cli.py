@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intermediate-size", type=int, default=defaults.intermediate_size)
     parser.add_argument("--max-positions", type=int, default=defaults.max_position_embeddings)
     parser.add_argument("--corpus", help="text file the BPE tokenizer is trained on")
+    parser.add_argument(
+        "--tie-embeddings", action="store_true", help="the LM head shares the embedding matrix"
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -33,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
         num_heads=args.num_heads,
         intermediate_size=args.intermediate_size,
         max_position_embeddings=args.max_positions,
+        tie_embeddings=args.tie_embeddings,
         seed=args.seed,
     )
     corpus = Path(args.corpus).read_text().splitlines() if args.corpus else []

@@ -45,6 +45,7 @@ class TinyModelSpec:
     num_heads: int = 4
     intermediate_size: int = 256
     max_position_embeddings: int = 512
+    tie_embeddings: bool = False  # the LM head shares the embedding (as SmolLM2, Qwen2-0.5B)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -99,7 +100,7 @@ def build_tiny_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) ->
         num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_heads,
         max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=False,
+        tie_word_embeddings=spec.tie_embeddings,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -142,4 +143,7 @@ def spec_differences(model_dir: str | Path, spec: TinyModelSpec) -> dict[str, tu
         return {}
     built = json.loads(path.read_text())
     asked = dataclasses.asdict(spec)
-    return {k: (built.get(k), v) for k, v in asked.items() if built.get(k) != v}
+    default = dataclasses.asdict(TinyModelSpec())  # a field newer than the file: its default
+    return {
+        k: (built.get(k, default[k]), v) for k, v in asked.items() if built.get(k, default[k]) != v
+    }

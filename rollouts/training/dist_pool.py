@@ -11,15 +11,17 @@ takes every engine that answers /health into the group and marks it up once it s
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Mapping
 
 import torch
 
 from rollouts.config import Config
-from rollouts.inference.http import EngineUnavailable
+from rollouts.inference.http import EngineError, EngineUnavailable
 from rollouts.inference.pool import EnginePool
 from rollouts.training.backends.factories import resolve_device
 from rollouts.training.dist_sync import DistributedWeightSync, DistSyncOptions
+from rollouts.training.weight_check import WeightContentError, WeightProbe, check_engine
 from rollouts.training.weight_sync import SyncReport, WeightSyncError
 
 
@@ -36,11 +38,14 @@ async def sync_pool_distributed(
     *,
     pause_mode: str = "abort",
     step: int | None = None,
+    probe: WeightProbe | None = None,
 ) -> SyncReport:
-    """Broadcast the trainer's weights to the pool's live engines as `version`.
+    """Broadcast the trainer's weights to the pool's live engines as `version`; with a `probe`,
+    the engines that do not serve them (`weight_check`) are marked down.
 
     Raises EngineUnavailable when no engine is up within `pool.wait_for_up_s`, WeightSyncError
-    when no engine took the new weights (or the trainer's side failed).
+    when no engine took the new weights (or the trainer's side failed), WeightContentError when
+    none of those that took them serves them.
     """
     if not await pool.wait_for_up():
         raise EngineUnavailable(
@@ -66,11 +71,35 @@ async def sync_pool_distributed(
                 live = [i for i in live if i not in failed]
                 if not failed or not live:
                     raise
+        if probe is not None:
+            live, report = await _serving(pool, live, probe, report, step)
         for i in live:
             pool.up[i] = True
         # no weights path: a returning engine must not reload old files under the new version
         pool.weights_path, pool.version = None, str(version)
     return dataclasses.replace(report, engines_down=len(pool.engines) - len(live))
+
+
+async def _serving(
+    pool: EnginePool, live: list[int], probe: WeightProbe, report: SyncReport, step: int | None
+) -> tuple[list[int], SyncReport]:
+    """The engines of `live` whose content check passes (the others marked down), and the
+    report with the check's figures; WeightContentError when none passes."""
+    started = time.perf_counter()
+    kept, gaps, errors = [], [], []
+    for i in live:
+        try:
+            gaps.append(await check_engine(pool.engines[i], probe, step))
+        except (WeightContentError, EngineError) as exc:
+            pool.mark_down(i)
+            print(f"[engines] {pool.engines[i].url} marked down: {exc}", flush=True)
+            errors.append(str(exc))
+            continue
+        kept.append(i)
+    if not kept:
+        raise WeightContentError("\n".join(errors))
+    stats = {"check_s_max": time.perf_counter() - started, "content_gap_max": max(gaps)}
+    return kept, dataclasses.replace(report, stats=report.stats | stats)
 
 
 def distributed_sync_for(config: Config) -> DistributedWeightSync | None:
@@ -90,7 +119,10 @@ def distributed_sync_for(config: Config) -> DistributedWeightSync | None:
         raise ValueError(
             f"weight_sync.method = 'distributed' with engines.kind = 'vllm' needs NCCL from a "
             f"trainer on CUDA (weight_sync.backend = {ws.backend!r}, training.device = "
-            f"{config.training.device!r}); use weight_sync.method = 'disk' otherwise"
+            f"{config.training.device!r}); use weight_sync.method = 'disk' otherwise. vLLM has "
+            "no CPU transfer backend: its CPU build (0.32) starts with --weight-transfer-config "
+            "nccl but /init_weight_transfer_engine fails with 'Cannot access accelerator device "
+            "when none is available.'"
         )
     options = DistSyncOptions(
         bucket_bytes=max(1, int(ws.bucket_mb * 2**20)),

@@ -59,6 +59,7 @@ from rollouts.training.run_setup import (
     with_response_text,
 )
 from rollouts.training.summary import finish_run, quiet_progress_bars
+from rollouts.training.weight_check import WeightProbe, check_engines_at_start, content_probe
 from rollouts.training.weight_sync import (
     clean_sync_root,
     publish_weights,
@@ -236,6 +237,13 @@ async def rl_phase(
         engine_model = latest / MODEL_DIR if latest is not None else model_dir
         # the engines reload only from the starting model and the run's weight copies
         sync_root = run_sync_root(config.training.weight_sync_dir, config.run.name, run_dir)
+        configured = bool(config.training.weight_sync_dir)
+        await trio.to_thread.run_sync(clean_sync_root, sync_root, configured)
+        if config.engines.kind != "builtin":  # servers already up reload the starting weights
+            # in place: the trainer writes them, so every tensor is in the files (a tied head)
+            engine_model = await trio.to_thread.run_sync(
+                publish_weights, backend, sync_root, str(version)
+            )
         async with open_engines(
             config,
             engine_model,
@@ -321,10 +329,9 @@ async def _rl_with_engines(
     )
     evaluate_fn = _eval_hook(config, pool, tokenizer, reward_fn, manager)
     # weights-only copies for the engines (in /dev/shm when there is one); one root per run,
-    # cleaned at start (a crashed run's copies) and on exit
+    # cleaned at start (a crashed run's copies: `rl_phase`) and on exit
     configured = bool(config.training.weight_sync_dir)
     sync_root = run_sync_root(config.training.weight_sync_dir, config.run.name, run_dir)
-    await trio.to_thread.run_sync(clean_sync_root, sync_root, configured)
 
     async def checkpoint(
         step: int,
@@ -347,8 +354,13 @@ async def _rl_with_engines(
 
     distributed = distributed_sync_for(config)  # None for weight_sync.method = "disk"
     pause_mode = "keep" if config.rollout.mode == "async" else "abort"
+    probe_of = content_probe(config, backend, tokenizer)
+    if probe_of is not None:  # the engines must serve the starting weights before any step
+        live = [e for e, up in zip(pool.engines, pool.up, strict=True) if up]
+        await check_engines_at_start(live, await probe_of(str(version)))
 
     async def sync(version: str) -> dict[str, float]:
+        probe = await probe_of(version) if probe_of is not None else None
         if distributed is not None:
             report = await sync_pool_distributed(
                 pool,
@@ -357,18 +369,22 @@ async def _rl_with_engines(
                 version,
                 pause_mode=pause_mode,
                 step=int(version),
+                probe=probe,
             )
             return report.metrics()
         path = await trio.to_thread.run_sync(publish_weights, backend, sync_root, version)
-        return await deliver_to_engines(path, version)
+        return await deliver_to_engines(path, version, probe)
 
-    async def deliver_to_engines(path: Path, version: str) -> dict[str, float]:
+    async def deliver_to_engines(
+        path: Path, version: str, probe: WeightProbe | None
+    ) -> dict[str, float]:
         report = await sync_pool(
             pool,
             path,
             version,
             attempts=config.training.weight_sync_attempts,
             pause_mode=pause_mode,
+            probe=probe,
         )
         return report.metrics()
 
@@ -378,15 +394,17 @@ async def _rl_with_engines(
         backend takes a snapshot (`snapshot_weights`, in order after this step's update) that
         another thread writes; others write their files now."""
         if not hasattr(backend, "write_weights"):
+            probe = await probe_of(version) if probe_of is not None else None
             path = await trio.to_thread.run_sync(publish_weights, backend, sync_root, version)
-            return functools.partial(deliver_to_engines, path, version)
+            return functools.partial(deliver_to_engines, path, version, probe)
         weights = await trio.to_thread.run_sync(backend.snapshot_weights)
+        probe = await probe_of(version) if probe_of is not None else None  # of the snapshot
 
         async def deliver() -> dict[str, float]:
             path = await trio.to_thread.run_sync(
                 functools.partial(publish_weights, backend, sync_root, version, weights=weights)
             )
-            return await deliver_to_engines(path, version)
+            return await deliver_to_engines(path, version, probe)
 
         return deliver
 

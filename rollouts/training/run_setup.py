@@ -126,6 +126,7 @@ def tiny_spec(config: Config) -> TinyModelSpec:
         num_heads=tiny.num_heads,
         intermediate_size=tiny.intermediate_size,
         max_position_embeddings=tiny.max_position_embeddings,
+        tie_embeddings=tiny.tie_embeddings,
         seed=tiny.seed,
     )
 

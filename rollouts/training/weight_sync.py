@@ -29,6 +29,7 @@ from rollouts.inference.pool import EnginePool
 from rollouts.inference.protocol import InferenceEngine
 from rollouts.training.backends.protocol import TrainingBackend
 from rollouts.training.disk import write_error
+from rollouts.training.weight_check import WeightProbe, check_engine
 
 RESUME_TIMEOUT_S = 30.0
 
@@ -59,6 +60,8 @@ class EngineSyncResult:
     load_s: float = 0.0
     resume_s: float = 0.0
     verify_s: float = 0.0
+    check_s: float = 0.0
+    content_gap: float = 0.0  # largest |engine - trainer| logprob on the probe (content check)
     total_s: float = 0.0
 
 
@@ -85,7 +88,7 @@ class SyncReport:
         """Flat numbers for the metrics log: wall time, slowest engine per phase, failures."""
         out = {"total_s": self.total_s, "failed_engines": float(len(self.failed))}
         out["engines_down"] = float(self.engines_down + len(self.failed))
-        for phase in ("pause_s", "load_s", "resume_s", "verify_s"):
+        for phase in ("pause_s", "load_s", "resume_s", "verify_s", "check_s", "content_gap"):
             out[f"{phase}_max"] = max((getattr(r, phase) for r in self.results), default=0.0)
         out["attempts"] = float(sum(r.attempts for r in self.results))
         return out | self.stats
@@ -102,9 +105,15 @@ class _Clock:
 
 
 async def _attempt(
-    engine: InferenceEngine, path: str, version: str, pause_mode: str, timeout_s: float
+    engine: InferenceEngine,
+    path: str,
+    version: str,
+    pause_mode: str,
+    timeout_s: float,
+    probe: WeightProbe | None,
 ) -> dict[str, float]:
-    """One pause -> load -> resume -> verify; resume runs even when the pause or load fails."""
+    """One pause -> load -> resume -> verify (the version label, then the content when there
+    is a probe); resume runs even when the pause or load fails."""
     clock = _Clock()
     times: dict[str, float] = {}
     with trio.fail_after(timeout_s):
@@ -119,10 +128,13 @@ async def _attempt(
             times["resume_s"] = clock.lap()
         served = await engine.weight_version()
         times["verify_s"] = clock.lap()
-    if served != version:
-        raise RuntimeError(
-            f"engine serves weight_version {served!r} after the reload, not {version!r}"
-        )
+        if served != version:
+            raise RuntimeError(
+                f"engine serves weight_version {served!r} after the reload, not {version!r}"
+            )
+        if probe is not None:
+            times["content_gap"] = await check_engine(engine, probe)
+            times["check_s"] = clock.lap()
     return times
 
 
@@ -135,14 +147,16 @@ async def sync_engine(
     timeout_s: float = 300.0,
     pause_mode: str = "abort",
     retry_delay_s: float = 0.5,
+    probe: WeightProbe | None = None,
 ) -> EngineSyncResult:
-    """Sync one engine, retrying up to `attempts` times; never raises for an engine failure."""
+    """Sync one engine, retrying up to `attempts` times; never raises for an engine failure.
+    With a `probe`, an engine that does not serve the trainer's weights has failed too."""
     assert attempts >= 1, f"{attempts=}"
     start = time.perf_counter()
     error = "no attempt made"
     for attempt in range(1, attempts + 1):
         try:
-            times = await _attempt(engine, path, version, pause_mode, timeout_s)
+            times = await _attempt(engine, path, version, pause_mode, timeout_s, probe)
         except Exception as exc:  # an engine failure: reported, retried, never lost
             error = f"{type(exc).__name__}: {exc}"
             if attempt < attempts:
@@ -164,6 +178,7 @@ async def sync_weights_to_engines(
     pause_mode: str = "abort",
     retry_delay_s: float = 0.5,
     strict: bool = True,
+    probe: WeightProbe | None = None,
 ) -> SyncReport:
     """Reload `checkpoint_path` (an HF model dir) on every engine at once as `version`.
 
@@ -186,6 +201,7 @@ async def sync_weights_to_engines(
             timeout_s=timeout_s,
             pause_mode=pause_mode,
             retry_delay_s=retry_delay_s,
+            probe=probe,
         )
 
     async with trio.open_nursery() as nursery:
@@ -210,8 +226,10 @@ async def sync_pool(
     timeout_s: float = 300.0,
     pause_mode: str = "abort",
     retry_delay_s: float = 0.5,
+    probe: WeightProbe | None = None,
 ) -> SyncReport:
-    """Sync every engine of `pool` that is up; the failing ones are marked down, not fatal.
+    """Sync every engine of `pool` that is up; the failing ones (also those that do not serve
+    the trainer's weights by the `probe`) are marked down, not fatal.
 
     The pool records (path, version) so that engines coming back load these weights first.
     Raises EngineUnavailable when no engine is up within `pool.wait_for_up_s`, and
@@ -235,6 +253,7 @@ async def sync_pool(
             pause_mode=pause_mode,
             retry_delay_s=retry_delay_s,
             strict=False,
+            probe=probe,
         )
         for i, result in zip(live, report.results, strict=True):
             if not result.ok:

@@ -34,7 +34,7 @@ from rollouts.inference.server.scheduler import (
 )
 from rollouts.inference.server.weights import load_weights
 
-__all__ = ["CoreOptions", "EngineCore", "Sequence"]
+__all__ = ["CoreOptions", "EngineCore", "PromptLogprob", "Sequence"]
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5
 # The worker drops the GIL in every torch call; while the trio thread encodes answers it would
@@ -53,6 +53,16 @@ class CoreOptions:
     context_len: int = 2048
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PromptLogprob:
+    """One prompt position: its token, that token's logprob and rank, the top candidates."""
+
+    token: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: tuple[tuple[float, int], ...] = ()  # (logprob, token), most likely first
 
 
 class EngineCore:
@@ -264,6 +274,38 @@ class EngineCore:
         counts = self._batch.output_counts()
         for seq, count in zip(self._batch.seqs, counts, strict=True):
             seq.version_starts.append((version, count))
+
+    def prompt_logprobs(self, prompt_ids: list[int], top: int) -> list[PromptLogprob]:
+        """Each prompt token's logprob given the tokens before it (raw logits, as vLLM's and
+        SGLang's prompt logprobs), its rank, and the top `top` candidates: one forward of the
+        weights being served, without the KV cache. Position 0 has no entry."""
+        assert len(prompt_ids) >= 1, "an empty prompt"
+        assert top >= 0, f"{top=}"
+        device = next(self.model.parameters()).device
+        ids_T = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+        with torch.inference_mode():
+            logits_T_V = self.model(input_ids=ids_T[None]).logits[0, :-1].float()
+        logprobs_T_V = torch.log_softmax(logits_T_V, dim=-1)
+        targets_T = ids_T[1:]
+        chosen_T = logprobs_T_V.gather(1, targets_T[:, None]).squeeze(1)
+        ranks_T = (logprobs_T_V > chosen_T[:, None]).sum(dim=1) + 1
+        tops = torch.topk(logprobs_T_V, top, dim=-1) if top else None
+        out = []
+        for t in range(len(prompt_ids) - 1):
+            best = (
+                ()
+                if tops is None
+                else tuple(zip(tops.values[t].tolist(), tops.indices[t].tolist(), strict=True))
+            )
+            out.append(
+                PromptLogprob(
+                    token=int(targets_T[t]),
+                    logprob=float(chosen_T[t]),
+                    rank=int(ranks_T[t]),
+                    top=best,
+                )
+            )
+        return out
 
     def idle(self) -> bool:
         """No running and no waiting sequence."""

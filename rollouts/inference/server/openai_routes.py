@@ -23,6 +23,7 @@ from rollouts.inference.server.wire import openai_spec, token_ids_or_none
 COMPLETION_EXTRA = {
     "prompt",
     "logprobs",
+    "prompt_logprobs",
     "return_token_ids",
     "return_tokens_as_token_ids",
     "return_weight_versions",
@@ -136,17 +137,46 @@ async def completions(request: Request) -> Response:
     groups = await unless_disconnected(request, lambda: state.generate_many(work))
     if groups is None:
         return Response(status_code=CLIENT_GONE)
-    seqs = [s for g in groups for s in g]
+    choices = []
+    for prompt, group in zip(prompts, groups, strict=True):
+        of_prompt = await prompt_logprobs_field(state, prompt, body)
+        for seq in group:
+            choice = completion_choice(state, seq, len(choices), body)
+            choices.append(choice | {"prompt_logprobs": of_prompt})
     return JSONResponse(
         {
             "id": rid,
             "object": "text_completion",
             "created": int(time.time()),
             "model": state.info.served_model_name,
-            "choices": [completion_choice(state, s, i, body) for i, s in enumerate(seqs)],
+            "choices": choices,
             "usage": usage(groups),
         }
     )
+
+
+async def prompt_logprobs_field(
+    state: ServerState, prompt: list[int], body: dict
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs`: null for the first token, then per token a dict keyed by token
+    id of {logprob, rank, decoded_token}: the prompt's token and the top `prompt_logprobs`."""
+    top = body.get("prompt_logprobs")
+    if top is None:
+        return None
+    top = as_type("prompt_logprobs", top, int)
+    if not 0 <= top <= 20:
+        raise BadRequest("prompt_logprobs", f"{top} must be in [0, 20]")
+
+    def entry(lp: float, rank: int, tok: int) -> dict[str, Any]:
+        return {"logprob": lp, "rank": rank, "decoded_token": state.tokenizer.decode([tok])}
+
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for p in await state.prompt_logprobs(prompt, top):
+        step = {str(p.token): entry(p.logprob, p.rank, p.token)}
+        for rank, (lp, tok) in enumerate(p.top, start=1):
+            step.setdefault(str(tok), entry(lp, rank, tok))
+        out.append(step)
+    return out
 
 
 def _with_top(spec: Any, top_n: int, field: str) -> Any:

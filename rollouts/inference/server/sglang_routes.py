@@ -73,6 +73,35 @@ def sglang_result(state: ServerState, seq: Sequence, opts: dict[str, Any]) -> di
     return out
 
 
+async def input_logprobs(
+    state: ServerState, prompt: list[int], body: dict[str, Any], top_n: int
+) -> dict[str, Any]:
+    """`input_token_logprobs` (and `input_top_logprobs`) from `logprob_start_len` on, as
+    SGLang: `[logprob, token_id, text]` per prompt token, the first token's logprob null."""
+    start = body.get("logprob_start_len", -1)
+    if start is None or start == -1 or not body.get("return_logprob"):
+        return {}
+    start = as_type("logprob_start_len", start, int)
+    if not 0 <= start < len(prompt):
+        raise BadRequest(
+            "logprob_start_len", f"{start} must be -1 or in [0, {len(prompt)}) for this prompt"
+        )
+    with_text = bool(body.get("return_text_in_logprobs"))
+
+    def entry(lp: float | None, tok: int) -> list[Any]:
+        return [lp, tok, state.tokenizer.decode([tok]) if with_text else None]
+
+    positions = await state.prompt_logprobs(prompt, top_n)
+    first = [entry(None, prompt[0])]
+    out: dict[str, Any] = {
+        "input_token_logprobs": (first + [entry(p.logprob, p.token) for p in positions])[start:]
+    }
+    if top_n:
+        tops = [[]] + [[entry(lp, t) for lp, t in p.top] for p in positions]
+        out["input_top_logprobs"] = tops[start:]
+    return out
+
+
 async def sglang_prompts(state: ServerState, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
     """The prompts as token ids (texts encoded off the event loop), and whether it was a batch."""
     if body.get("text") is not None:
@@ -109,8 +138,6 @@ async def generate(request: Request) -> Response:
     check_generate_keys(body)
     if body.get("stream"):
         raise BadRequest("stream", "streaming is not supported by the built-in server")
-    if body.get("logprob_start_len", -1) not in (-1, None):
-        raise BadRequest("logprob_start_len", "only -1 (output tokens only) is supported")
     prompts, is_batch = await sglang_prompts(state, body)
     for i, p in enumerate(prompts):
         state.check_prompt(p, "input_ids" if body.get("text") is None else f"text[{i}]")
@@ -125,7 +152,13 @@ async def generate(request: Request) -> Response:
     groups = await unless_disconnected(request, lambda: state.generate_many(work))
     if groups is None:
         return Response(status_code=CLIENT_GONE)
-    results = [sglang_result(state, seq, body) for group in groups for seq in group]
+    results = []
+    for prompt, group in zip(prompts, groups, strict=True):
+        extra = await input_logprobs(state, prompt, body, top_n)
+        for seq in group:
+            result = sglang_result(state, seq, body)
+            result["meta_info"] |= extra
+            results.append(result)
     if not is_batch and len(results) == 1:
         return JSONResponse(results[0])
     return JSONResponse(results)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import trio
 
-from rollouts.inference.server.core import EngineCore, Sequence
+from rollouts.inference.server.core import EngineCore, PromptLogprob, Sequence
 from rollouts.inference.server.sampling import BadRequest, SamplingSpec
 from rollouts.inference.server.scheduler import allowed_new_tokens
 from rollouts.inference.server.weights import WeightLoadError
@@ -255,6 +255,11 @@ class ServerState:
                 self.core.when_idle(load)
 
         await self.command(run)
+
+    async def prompt_logprobs(self, prompt_ids: list[int], top: int) -> list[PromptLogprob]:
+        """The served weights' logprob of each prompt token (`EngineCore.prompt_logprobs`), run
+        in the worker between steps (also while paused: a weight sync checks it there)."""
+        return await self.command(lambda reply: reply(self.core.prompt_logprobs(prompt_ids, top)))
 
     async def set_version(self, version: str) -> None:
         """Set the reported weight version without touching the weights."""

@@ -64,7 +64,7 @@ NEUTRAL = {
     "spaces_between_special_tokens": "any",
     "stream": False,
     "echo": False,
-    "prompt_logprobs": None,
+    "prompt_logprobs": None,  # /v1/chat/completions (/v1/completions computes them)
     "best_of": None,
     "user": "any",
     "model": "any",

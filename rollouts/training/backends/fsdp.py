@@ -35,7 +35,13 @@ from rollouts.training.backends.batching import shard_indices
 from rollouts.training.backends.core import BackendSettings, TrainerCore
 from rollouts.training.backends.model import VALUE_HEAD_FILE, TokenLogprobModel, make_value_head
 from rollouts.training.backends.protocol import Metrics
-from rollouts.training.backends.pytorch import MODEL_DIR, load_hf_weights, load_value_head, save_hf
+from rollouts.training.backends.pytorch import (
+    MODEL_DIR,
+    engine_state_dict,
+    load_hf_weights,
+    load_value_head,
+    save_hf,
+)
 from rollouts.types import LossFn, TrainBatch, TrainFuture
 
 T = TypeVar("T")
@@ -197,15 +203,17 @@ class FSDPBackend:
         options = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(self.model, full, options=options)
 
-    def _save_hf(self, path: Path) -> None:
+    def _save_hf(self, path: Path, for_engine: bool = False) -> None:
         state = self._full_state()
         if self.rank == 0:
+            state = engine_state_dict(self.model.lm, state) if for_engine else state
             save_hf(self.model.lm, self.tokenizer, path, state)
         dist.barrier()
 
     def save_weights(self, path: Path) -> TrainFuture[None]:
-        """HF files gathered and written by rank 0; every rank must call."""
-        return self._submit(self._save_hf, Path(path))
+        """HF files gathered and written by rank 0 (a tied LM head written out, as engines
+        reload in place); every rank must call."""
+        return self._submit(self._save_hf, Path(path), True)
 
     def save_checkpoint(self, path: Path) -> TrainFuture[None]:
         """HF model (rank 0), optimizer (DCP, every rank), scheduler and counters (rank 0)."""

@@ -43,6 +43,24 @@ def save_hf(lm: Any, tokenizer: Any, path: Path, state_dict: dict[str, Any] | No
     assert (path / "config.json").is_file(), f"save_pretrained wrote no config.json in {path}"
 
 
+def engine_state_dict(lm: Any, state_dict: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The state dict an engine reloads: every tensor the model has, a tied LM head included.
+
+    `save_pretrained` leaves `lm_head.weight` out of the files when it shares the embedding's
+    storage (loading a fresh model ties it again), but an in-place reload does not tie: vLLM's
+    `reload_weights` then updated the embedding and kept the old LM head while reporting the new
+    version. Here a tied head is written as its own copy."""
+    state = dict(state_dict) if state_dict is not None else dict(lm.state_dict())
+    if not getattr(lm.config, "tie_word_embeddings", False) or lm.get_output_embeddings() is None:
+        return state
+    embedding = lm.get_input_embeddings().weight
+    names = [n for n, p in lm.named_parameters(remove_duplicate=False) if p is embedding]
+    head = next((n for n in names if n in state and "embed" not in n), "lm_head.weight")
+    source = next(n for n in names if n in state and n != head)
+    state[head] = state[source].detach().clone()
+    return state
+
+
 def load_hf_weights(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the HF safetensors files in `path` (sharded or not), on CPU."""
     from safetensors.torch import load_file
@@ -179,13 +197,15 @@ class PyTorchBackend:
 
     def save_weights(self, path: Path) -> TrainFuture[None]:
         """HF safetensors + config + tokenizer in `path`, for engines to reload."""
-        return self._submit(save_hf, self.lm, self.tokenizer, Path(path), None)
+        return self._submit(
+            lambda: save_hf(self.lm, self.tokenizer, Path(path), engine_state_dict(self.lm))
+        )
 
     def write_weights(self, weights: Mapping[str, torch.Tensor], path: Path) -> None:
         """`save_weights` of a `snapshot_weights` copy, on the calling thread: the training thread
         goes on with the next step while the files are written (only the config and the
         tokenizer are read from the live model)."""
-        save_hf(self.lm, self.tokenizer, Path(path), dict(weights))
+        save_hf(self.lm, self.tokenizer, Path(path), engine_state_dict(self.lm, weights))
 
     def save_checkpoint(self, path: Path) -> TrainFuture[None]:
         """Model, tokenizer, optimizer, scheduler and counters into directory `path`."""

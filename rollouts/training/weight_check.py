@@ -1,0 +1,165 @@
+"""The content check of a weight sync: an engine must serve the trainer's weights, not only
+report the trainer's version label.
+
+After the trainer's update, `trainer_probe` computes the trainer's logprobs of a fixed probe
+sequence (teacher-forced, in order after the update on the training thread). After an engine
+loads the weights, `check_engine` asks it for its prompt logprobs of the same tokens
+(`InferenceEngine.prompt_logprobs`) and compares: a gap over the tolerance (set by the dtype)
+is a `WeightContentError` naming the engine, the version, the gap and where it is. The sync
+treats it like a failed load: retried, then the engine is marked down.
+
+A label proves nothing: vLLM reloading a tied embedding without `lm_head.weight` kept the old
+LM head while reporting the new version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from rollouts.config import Config
+from rollouts.types import TrainBatch
+
+# Largest |engine - trainer| logprob gap on the probe that still counts as the same weights.
+# fp32 engine vs fp32 trainer: ~1e-5 (measured on vLLM's CPU build and the built-in engine); a
+# stale LM head after one RL step: >= 1e-3. Half precision rounds logits by ~1e-2 per token.
+TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.1}
+
+
+class WeightContentError(RuntimeError):
+    """An engine serves other weights than the trainer's (the message says how far off)."""
+
+
+class ServesPromptLogprobs(Protocol):
+    """What the check needs of an engine."""
+
+    url: str
+
+    async def prompt_logprobs(self, input_ids: Sequence[int]) -> tuple[float, ...]: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class WeightProbe:
+    """A probe sequence and the trainer's logprob of each of its tokens after the first."""
+
+    ids: tuple[int, ...]
+    expected: tuple[float, ...]  # expected[t] = logprob of ids[t + 1] given ids[: t + 1]
+    tolerance: float
+    version: str
+
+    def __post_init__(self) -> None:
+        assert len(self.ids) >= 2, f"{len(self.ids)=}: a probe needs two tokens"
+        assert len(self.expected) == len(self.ids) - 1, f"{len(self.expected)=} {len(self.ids)=}"
+        assert self.tolerance > 0, f"{self.tolerance=}"
+
+
+def probe_ids(vocab_size: int, length: int, seed: int) -> tuple[int, ...]:
+    """A fixed probe: `length` token ids drawn from [0, vocab_size) by `seed`."""
+    assert vocab_size >= 2, f"{vocab_size=}"
+    assert length >= 2, f"{length=}"
+    rng = np.random.default_rng([seed, 0x5EED])
+    return tuple(int(t) for t in rng.integers(0, vocab_size, size=length))
+
+
+def tolerance_for(dtype: str, configured: float) -> float:
+    """`configured` when set (> 0), else the default for the model's dtype."""
+    if configured > 0:
+        return configured
+    assert dtype in TOLERANCE, f"{dtype=} not in {sorted(TOLERANCE)}"
+    return TOLERANCE[dtype]
+
+
+def largest_gap(expected: Sequence[float], served: Sequence[float]) -> tuple[float, int]:
+    """(max |expected - served|, its position); inf when the lengths differ or a value is NaN."""
+    if len(expected) != len(served):
+        return float("inf"), -1
+    gaps = np.abs(np.asarray(expected, dtype=np.float64) - np.asarray(served, dtype=np.float64))
+    if not len(gaps):
+        return 0.0, -1
+    if np.isnan(gaps).any():
+        return float("inf"), int(np.argmax(np.isnan(gaps)))
+    at = int(np.argmax(gaps))
+    return float(gaps[at]), at
+
+
+async def trainer_probe(backend: Any, ids: Sequence[int], version: str, tol: float) -> WeightProbe:
+    """The trainer's logprobs of `ids` now (queued after the work submitted before it)."""
+    ids_T = torch.tensor(list(ids), dtype=torch.long)
+    mask_T = torch.ones(len(ids), dtype=torch.float32)
+    mask_T[0] = 0.0  # the first token is only context
+    batch = TrainBatch(
+        input_ids=(ids_T,),
+        loss_mask=(mask_T,),
+        num_global_tokens=float(len(ids) - 1),
+        num_global_seqs=1.0,
+        max_response_length=len(ids),
+    )
+    (logprobs_T,) = await backend.compute_logprobs(batch)
+    expected = tuple(float(x) for x in logprobs_T[1:].tolist())
+    return WeightProbe(ids=tuple(ids), expected=expected, tolerance=tol, version=version)
+
+
+async def check_engine(
+    engine: ServesPromptLogprobs, probe: WeightProbe, step: int | None = None
+) -> float:
+    """The engine's largest logprob gap to the trainer on the probe; raises WeightContentError
+    when it is over the tolerance."""
+    served = await engine.prompt_logprobs(probe.ids)
+    gap, at = largest_gap(probe.expected, served)
+    if gap <= probe.tolerance:
+        return gap
+    at_step = f" at step {step}" if step is not None else ""
+    where = f"at probe position {at + 1}" if at >= 0 else f"({len(served)} values returned)"
+    raise WeightContentError(
+        f"{engine.url} reports weight version {probe.version!r}{at_step} but does not serve the "
+        f"trainer's weights: its logprobs of the probe differ by {gap:.3g} {where} (tolerance "
+        f"{probe.tolerance:.3g}, weight_sync.check_tolerance). A reload that missed tensors (a "
+        "tied LM head), an engine serving another model or dtype, or a failed load gives this."
+    )
+
+
+def probe_dtype(config: Config) -> str:
+    """The precision the trainer's logprobs have: the model's dtype, bf16 under autocast (CUDA)."""
+    if config.training.device.startswith("cuda"):
+        return "bfloat16"
+    return config.model.dtype
+
+
+def content_probe(
+    config: Config, backend: Any, tokenizer: Any
+) -> Callable[[str], Awaitable[WeightProbe]] | None:
+    """`version -> the trainer's probe now`, or None when `weight_sync.check` is off."""
+    ws = config.weight_sync
+    if not ws.check:
+        return None
+    ids = probe_ids(len(tokenizer), ws.check_tokens, config.run.seed)
+    tol = tolerance_for(probe_dtype(config), ws.check_tolerance)
+
+    async def probe(version: str) -> WeightProbe:
+        return await trainer_probe(backend, ids, version, tol)
+
+    return probe
+
+
+async def check_engines_at_start(
+    engines: Sequence[ServesPromptLogprobs], probe: WeightProbe
+) -> None:
+    """Every engine must serve the starting weights before any step (an engine started on
+    another model or dtype fails here, not as a silent off-policy run)."""
+    errors: list[str] = []
+    for engine in engines:
+        try:
+            gap = await check_engine(engine, probe)
+        except WeightContentError as exc:
+            errors.append(str(exc))
+            continue
+        print(f"[engines] {engine.url} serves the trainer's weights (gap {gap:.2g})", flush=True)
+    if errors:
+        raise WeightContentError(
+            "at start: " + "\n".join(errors) + "\nStart the engines on the run's model "
+            "(model.path) in the same dtype, or set weight_sync.check_tolerance."
+        )

@@ -1,0 +1,167 @@
+"""Benchmark: the built-in engine (`rollouts serve`) against the real vLLM (CPU build), one run.
+
+The RL-shaped batch: 16 prompts x 8 samples = 128 sequences, temperature 1 with a seed per
+sample, EOS ignored so every sequence has exactly `--new-tokens` (64) tokens, the logprob of each
+sampled token returned. Each engine gets it the way the rollout manager sends it: the built-in
+server one batch request per group (`SGLangEngine.generate_many`), vLLM one request per sample
+(`VLLMEngine.generate`, all 128 at once). Both servers run with their defaults, as their users
+start them (vLLM: `scripts/serve_vllm.sh`, compiled, its worker on one core with the other
+reserved; built-in: `rollouts serve`, every core), on the same model; rounds alternate between
+them and only one works at a time. Printed: start-up time, each round, the medians and the
+ratio built-in / vLLM of the batch time (above 1: vLLM is faster).
+
+    .venv/bin/python scripts/bench_vllm.py                  # the demo's tiny model
+    .venv/bin/python scripts/bench_vllm.py --model smollm2  # SmolLM2-135M-Instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import trio
+
+from rollouts.inference.http import HttpOptions
+from rollouts.inference.launch import engine_process, free_port
+from rollouts.inference.protocol import GenerateRequest, SamplingParams
+from rollouts.inference.sglang import SGLangEngine
+from rollouts.inference.vllm import VLLMEngine
+from rollouts.models.sources import fetch_source
+from rollouts.models.tiny import TinyModelSpec, make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+OPTIONS = HttpOptions(timeout_s=600.0, max_retries=0)
+
+
+def model_dir(name: str, tmp: Path) -> Path:
+    if name == "smollm2":
+        return fetch_source("smollm2-135m-instruct")
+    spec = TinyModelSpec(hidden_size=128, num_layers=3, num_heads=4, intermediate_size=512)
+    return make_tiny_model(tmp / "tiny", spec)  # the demo's shape (head_dim 32)
+
+
+def requests(vocab: int, prompts: int, group: int, new: int, seed: int) -> list[GenerateRequest]:
+    rng = random.Random(seed)
+    out = []
+    for p in range(prompts):
+        prompt = tuple(rng.randrange(3, vocab) for _ in range(rng.randint(16, 48)))
+        for i in range(group):
+            sampling = SamplingParams(
+                max_new_tokens=new, temperature=1.0, ignore_eos=True, seed=seed * 1000 + p * 16 + i
+            )
+            out.append(GenerateRequest(input_ids=prompt, sampling=sampling, rid=f"b{p}-{i}"))
+    return out
+
+
+async def builtin_batch(engine: SGLangEngine, reqs: list[GenerateRequest], group: int) -> int:
+    tokens = 0
+
+    async def one(chunk: list[GenerateRequest]) -> None:
+        nonlocal tokens
+        tokens += sum(len(c.output_ids) for c in await engine.generate_many(chunk))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(0, len(reqs), group):
+            nursery.start_soon(one, reqs[i : i + group])
+    return tokens
+
+
+async def vllm_batch(engine: VLLMEngine, reqs: list[GenerateRequest]) -> int:
+    tokens = 0
+
+    async def one(r: GenerateRequest) -> None:
+        nonlocal tokens
+        tokens += len((await engine.generate(r.input_ids, r.sampling, rid=r.rid)).output_ids)
+
+    async with trio.open_nursery() as nursery:
+        for r in reqs:
+            nursery.start_soon(one, r)
+    return tokens
+
+
+def start_vllm(model: Path, log: Path) -> tuple[subprocess.Popen, str, float]:
+    port = free_port()
+    started = time.monotonic()
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            ["bash", str(ROOT / "scripts/serve_vllm.sh"), str(model), str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited; see {log}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url, time.monotonic() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+
+
+async def bench(args: argparse.Namespace, model: Path, vllm_url: str) -> None:
+    from transformers import AutoTokenizer
+
+    vocab = min(len(AutoTokenizer.from_pretrained(model)), 2000)
+    started = time.monotonic()
+    async with engine_process(model, max_batch=128) as proc:
+        print(f"built-in engine ready in {time.monotonic() - started:.1f}s")
+        builtin = SGLangEngine(proc.url, options=OPTIONS)
+        real = VLLMEngine(vllm_url, options=OPTIONS)
+        warm = requests(vocab, 2, args.group, 8, seed=99)
+        await builtin_batch(builtin, warm, args.group)
+        await vllm_batch(real, warm)
+        times: dict[str, list[float]] = {"builtin": [], "vllm": []}
+        for r in range(args.rounds):
+            reqs = requests(vocab, args.prompts, args.group, args.new_tokens, seed=r)
+            for name in ("builtin", "vllm") if r % 2 == 0 else ("vllm", "builtin"):
+                t = time.monotonic()
+                if name == "builtin":
+                    tokens = await builtin_batch(builtin, reqs, args.group)
+                else:
+                    tokens = await vllm_batch(real, reqs)
+                times[name].append(time.monotonic() - t)
+                assert tokens == len(reqs) * args.new_tokens, f"{name}: {tokens} tokens"
+                took = times[name][-1]
+                print(f"round {r} {name:8s} {took:7.2f}s  {tokens / took:8.0f} tok/s")
+        await builtin.aclose()
+        await real.aclose()
+    b, v = statistics.median(times["builtin"]), statistics.median(times["vllm"])
+    n = args.prompts * args.group
+    print(f"median batch of {n} x {args.new_tokens} tokens: built-in {b:.2f}s, vLLM {v:.2f}s")
+    print(f"ratio built-in / vLLM: {b / v:.2f} (above 1: vLLM is faster)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = model_dir(args.model, Path(tmp))
+        proc, url, ready_s = start_vllm(model, Path(tmp) / "vllm.log")
+        print(f"vLLM ({args.model}) ready in {ready_s:.1f}s")
+        try:
+            trio.run(bench, args, model, url)
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+
+
+if __name__ == "__main__":
+    main()

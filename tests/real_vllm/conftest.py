@@ -1,0 +1,117 @@
+"""Real vLLM servers (vLLM's own CPU build) on 127.0.0.1, started together once per test run.
+
+`scripts/test_vllm.sh` builds the vLLM environment and sets ROLLOUTS_VLLM_PYTHON; without it these
+tests are skipped (the plain suite, `scripts/test.sh`, has no vLLM). Four servers start at once:
+"tiny" and "tiny2" (the demo's model shape: head_dim 32, untied; the pool of two), "tied" (the
+same shape with a tied LM head) and "smollm2" (the packaged SmolLM2-135M-Instruct, tied). `-O0`
+skips vLLM's compile: start-up is then Python imports and a warm-up (tens of seconds each).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rollouts.inference.launch import free_port
+from rollouts.models.tiny import TinyModelSpec, make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 420.0
+DEMO_SHAPE = dict(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=256)
+
+
+class VLLMServer:
+    """One `scripts/serve_vllm.sh` process group and where it answers."""
+
+    def __init__(self, name: str, model: Path, core: int, log_dir: Path) -> None:
+        self.name, self.model = name, model
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log_dir / f"vllm-{name}.log"
+        env = os.environ | {
+            "VLLM_VENV": str(Path(os.environ["ROLLOUTS_VLLM_PYTHON"]).parents[1]),
+            "VLLM_CPU_OMP_THREADS_BIND": str(core),
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "MAX_MODEL_LEN": "512",
+        }
+        env.pop("OMP_NUM_THREADS", None)  # vLLM sets its own (one per bound core)
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(
+                ["bash", str(ROOT / "scripts/serve_vllm.sh"), str(model), str(self.port), "-O0"],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM {self.name} exited {self.proc.returncode}:\n{self.tail()}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vLLM {self.name} not ready in {START_TIMEOUT_S}s:\n{self.tail()}")
+
+    def tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    python = os.environ.get("ROLLOUTS_VLLM_PYTHON", "")
+    if not python or not Path(python).is_file():
+        pytest.skip("real vLLM: run scripts/test_vllm.sh (it builds .venv-vllm)")
+    return python
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("vllm-models")
+    tiny = make_tiny_model(root / "tiny", TinyModelSpec(**DEMO_SHAPE, max_position_embeddings=512))
+    tied = make_tiny_model(
+        root / "tied", TinyModelSpec(**DEMO_SHAPE, max_position_embeddings=512, tie_embeddings=True)
+    )
+    return {"tiny": tiny, "tiny2": tiny, "tied": tied, "smollm2": smollm2_dir}
+
+
+@pytest.fixture(scope="session")
+def vllm(
+    vllm_python: str, model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, VLLMServer]]:
+    """The four servers, started in parallel (workers on cores 0 and 1 alternately)."""
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    started = time.monotonic()
+    servers = {
+        name: VLLMServer(name, model_dirs[name], core=i % 2, log_dir=logs)
+        for i, name in enumerate(("tiny", "tiny2", "tied", "smollm2"))
+    }
+    try:
+        for server in servers.values():
+            server.wait_ready(started + START_TIMEOUT_S)
+        print(f"\n[vllm] 4 servers ready in {time.monotonic() - started:.0f}s", flush=True)
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()

@@ -1,0 +1,267 @@
+"""The project's vLLM client, weight sync and content check against the real vLLM (CPU build).
+
+Every check compares what the engine serves with the trainer's own teacher-forced logprobs
+(fp32: they agree to ~1e-5 when the weights are the same).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import trio
+
+from rollouts.inference.launch import engine_server
+from rollouts.inference.protocol import FinishReason, SamplingParams
+from rollouts.inference.sglang import SGLangEngine
+from rollouts.inference.vllm import VLLMEngine
+from rollouts.training.backends.factories import create_pytorch_backend
+from rollouts.training.backends.pytorch import save_hf
+from rollouts.training.weight_check import (
+    WeightContentError,
+    check_engine,
+    largest_gap,
+    probe_ids,
+    trainer_probe,
+)
+from rollouts.training.weight_sync import publish_weights, sync_weights_to_engines
+from rollouts.types import TrainBatch
+from tests.real_vllm.conftest import VLLMServer
+from tests.training.backend_helpers import tiny_config
+
+FP32_MATCH = 1e-4  # engine vs trainer logprobs on the same weights, fp32
+LONG = SamplingParams(max_new_tokens=400, temperature=1.0, ignore_eos=True, seed=1)
+
+
+class Trainer:
+    """A one-process backend on a model, its weights moved or written for the engine."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.backend = create_pytorch_backend(tiny_config(model_dir), total_steps=1)
+        self.vocab = len(self.backend.tokenizer)
+
+    def logprobs(self, prompt: list[int], output: tuple[int, ...]) -> list[float]:
+        ids = torch.tensor([*prompt, *output])
+        mask = torch.zeros(len(ids))
+        mask[len(prompt) :] = 1.0
+        batch = TrainBatch(input_ids=(ids,), loss_mask=(mask,), num_global_tokens=1.0)
+        (lp,) = self.backend.compute_logprobs(batch).result()
+        return lp[len(prompt) :].tolist()
+
+    def scale(self, factor: float, only: str = "") -> None:
+        weights = self.backend.get_weights()
+        self.backend.load_weights({k: v * factor if only in k else v for k, v in weights.items()})
+
+    def publish(self, root: Path, version: str) -> Path:
+        return publish_weights(self.backend, root, version)
+
+
+@pytest.fixture(scope="module")
+def trainers(model_dirs: dict[str, Path]) -> Iterator[dict[str, Trainer]]:
+    made = {name: Trainer(model_dirs[name]) for name in ("tiny", "tied", "smollm2")}
+    yield made
+    for trainer in made.values():
+        trainer.backend.close()
+
+
+async def _at_base(server: VLLMServer, trainer: Trainer, tmp: Path) -> VLLMEngine:
+    """A client of `server`, the server reloaded with the trainer's weights as "base"."""
+    engine = VLLMEngine(server.url)
+    path = await trio.to_thread.run_sync(trainer.publish, tmp / "base", "base")
+    await engine.update_weights_from_disk(str(path), "base")
+    return engine
+
+
+def _prompt(trainer: Trainer, seed: int = 0) -> list[int]:
+    return list(probe_ids(trainer.vocab, 12, seed))
+
+
+@pytest.mark.parametrize("name", ["tiny", "smollm2"])
+async def test_generate_logprobs_equal_the_trainers(
+    vllm: dict[str, VLLMServer], trainers: dict[str, Trainer], name: str, tmp_path: Path
+) -> None:
+    trainer = trainers[name]
+    engine = await _at_base(vllm[name], trainer, tmp_path)
+    prompt = _prompt(trainer)
+    sampling = SamplingParams(max_new_tokens=24, temperature=1.0, ignore_eos=True, seed=7)
+    done = await engine.generate(prompt, sampling)
+    again = await engine.generate(prompt, sampling)  # the per-request seed is honoured
+    probe = await trainer_probe(trainer.backend, prompt, "base", FP32_MATCH)
+    gap = await check_engine(engine, probe)
+    await engine.aclose()
+    assert len(done.output_ids) == 24 and done.finish_reason == FinishReason.LENGTH
+    assert again.output_ids == done.output_ids
+    expected = trainer.logprobs(prompt, done.output_ids)
+    assert largest_gap(expected, done.logprobs)[0] < FP32_MATCH
+    assert gap < FP32_MATCH
+
+
+async def test_n_samples_on_the_completions_route(
+    vllm: dict[str, VLLMServer], trainers: dict[str, Trainer]
+) -> None:
+    prompt = _prompt(trainers["tiny"])
+    body = {"prompt": prompt, "max_tokens": 6, "n": 3, "logprobs": 0, "return_token_ids": True}
+    async with httpx.AsyncClient(base_url=vllm["tiny"].url, timeout=60) as client:
+        answer = (await client.post("/v1/completions", json=body | {"seed": 3})).json()
+    choices = answer["choices"]
+    assert len(choices) == 3 and {c["index"] for c in choices} == {0, 1, 2}
+    assert all(len(c["token_ids"]) == 6 for c in choices)
+    assert len({tuple(c["token_ids"]) for c in choices}) > 1  # three samples, not one copied
+
+
+async def _running(engine: VLLMEngine, prompt: list[int], rid: str, box: list) -> None:
+    box.append(await engine.generate(prompt, LONG, rid=rid))
+
+
+async def _until_running(engine: VLLMEngine) -> None:
+    with trio.fail_after(30):
+        while (await engine.load()).running == 0:
+            await trio.sleep(0.01)
+    await trio.sleep(0.1)  # a few tokens in
+
+
+async def test_abort_by_request_id_returns_the_partial_output(
+    vllm: dict[str, VLLMServer], trainers: dict[str, Trainer], tmp_path: Path
+) -> None:
+    engine = await _at_base(vllm["tiny"], trainers["tiny"], tmp_path)
+    kept, aborted = [], []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_running, engine, _prompt(trainers["tiny"], 1), "grp-7-0", aborted)
+        nursery.start_soon(_running, engine, _prompt(trainers["tiny"], 2), "grp-8-0", kept)
+        await _until_running(engine)
+        await engine.abort("grp-7")
+    await engine.aclose()
+    assert aborted[0].finish_reason == FinishReason.ABORT
+    assert 0 < len(aborted[0].output_ids) < LONG.max_new_tokens
+    assert len(aborted[0].logprobs) == len(aborted[0].output_ids)
+    assert kept[0].finish_reason == FinishReason.LENGTH  # another group's request ran on
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+async def test_pause_with_a_request_running(
+    vllm: dict[str, VLLMServer], trainers: dict[str, Trainer], mode: str, tmp_path: Path
+) -> None:
+    trainer = trainers["tiny"]
+    engine = await _at_base(vllm["tiny"], trainer, tmp_path)
+    box: list = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_running, engine, _prompt(trainer, 3), "pause-0", box)
+        await _until_running(engine)
+        await engine.pause(mode)
+        paused_with = list(box)  # wait: done before the pause returns; abort: being answered
+        await trio.sleep(0.5)
+        frozen = list(box)
+        await engine.resume()
+    await engine.aclose()
+    done = box[0]
+    if mode == "abort":
+        assert done.finish_reason == FinishReason.ABORT
+        assert 0 < len(done.output_ids) < LONG.max_new_tokens
+    elif mode == "wait":
+        assert paused_with and done.finish_reason == FinishReason.LENGTH
+    else:  # keep: frozen while paused, then finished on resume
+        assert not frozen and done.finish_reason == FinishReason.LENGTH
+    expected = trainer.logprobs(_prompt(trainer, 3), done.output_ids)
+    assert largest_gap(expected, done.logprobs)[0] < FP32_MATCH
+
+
+@pytest.mark.parametrize("name", ["tiny", "tied", "smollm2"])
+async def test_disk_sync_serves_the_trainers_weights(
+    vllm: dict[str, VLLMServer], trainers: dict[str, Trainer], name: str, tmp_path: Path
+) -> None:
+    """Every tensor moved (the tied embedding and head included): after the sync the engine's
+    logprobs equal the trainer's, and it reports the version."""
+    trainer = trainers[name]
+    engine = await _at_base(vllm[name], trainer, tmp_path)
+    trainer.scale(1.03)
+    try:
+        path = await trio.to_thread.run_sync(trainer.publish, tmp_path / "w", "1")
+        probe = await trainer_probe(trainer.backend, _prompt(trainer), "1", FP32_MATCH)
+        report = await sync_weights_to_engines([engine], path, "1", probe=probe)
+        version = await engine.weight_version()
+        out = await engine.generate(_prompt(trainer, 4), SamplingParams(max_new_tokens=8, seed=2))
+    finally:
+        trainer.scale(1 / 1.03)
+    await engine.aclose()
+    assert report.ok and version == "1"
+    assert report.results[0].content_gap < FP32_MATCH
+    assert out.weight_version == "1"
+
+
+@pytest.mark.parametrize("name", ["tied", "smollm2"])
+async def test_content_check_catches_a_stale_tied_head(
+    vllm: dict[str, VLLMServer], trainers: dict[str, Trainer], name: str, tmp_path: Path
+) -> None:
+    """Files written as `save_pretrained` does by default (no `lm_head.weight` for a tied head):
+    vLLM reloads the embedding, keeps the old head and reports the new version. The label
+    check passes; the content check does not."""
+    trainer = trainers[name]
+    engine = await _at_base(vllm[name], trainer, tmp_path)
+    trainer.scale(1.05, only="embed")
+    try:
+        lm = trainer.backend.lm
+        await trio.to_thread.run_sync(save_hf, lm, None, tmp_path / "hf", None)
+        probe = await trainer_probe(trainer.backend, _prompt(trainer), "1", FP32_MATCH)
+    finally:
+        trainer.scale(1 / 1.05, only="embed")
+    await engine.update_weights_from_disk(str(tmp_path / "hf"), "1")
+    assert await engine.weight_version() == "1"
+    with pytest.raises(WeightContentError, match="does not serve the trainer's weights"):
+        await check_engine(engine, probe, step=1)
+    await engine.aclose()
+
+
+async def test_partial_rollout_aborted_by_a_sync_continues_on_the_new_weights(
+    vllm: dict[str, VLLMServer], trainers: dict[str, Trainer], tmp_path: Path
+) -> None:
+    trainer = trainers["tiny"]
+    engine = await _at_base(vllm["tiny"], trainer, tmp_path)
+    prompt = _prompt(trainer, 5)
+    box: list = []
+    trainer.scale(1.02)
+    try:
+        path = await trio.to_thread.run_sync(trainer.publish, tmp_path / "w", "1")
+        probe = await trainer_probe(trainer.backend, prompt, "1", FP32_MATCH)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_running, engine, prompt, "part-0", box)
+            await _until_running(engine)
+            report = await sync_weights_to_engines([engine], path, "1", probe=probe)
+        partial = box[0]
+        rest = SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True, seed=5)
+        continued = await engine.generate([*prompt, *partial.output_ids], rest)
+        expected = trainer.logprobs([*prompt, *partial.output_ids], continued.output_ids)
+    finally:
+        trainer.scale(1 / 1.02)
+    await engine.aclose()
+    assert report.ok
+    assert partial.finish_reason == FinishReason.ABORT and partial.weight_version == "base"
+    assert 0 < len(partial.output_ids) < LONG.max_new_tokens
+    assert continued.weight_version == "1" and len(continued.output_ids) == 16
+    assert largest_gap(expected, continued.logprobs)[0] < FP32_MATCH
+
+
+async def test_builtin_engine_matches_vllm(
+    vllm: dict[str, VLLMServer],
+    trainers: dict[str, Trainer],
+    model_dirs: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    """Same model, same token ids: greedy tokens equal, logprobs within 1e-4."""
+    trainer = trainers["tiny"]
+    real = await _at_base(vllm["tiny"], trainer, tmp_path)
+    greedy = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    async with engine_server(model_dirs["tiny"]) as url:
+        builtin = SGLangEngine(url)
+        for seed in range(3):
+            prompt = _prompt(trainer, 10 + seed)
+            a, b = await real.generate(prompt, greedy), await builtin.generate(prompt, greedy)
+            assert a.output_ids == b.output_ids
+            assert largest_gap(a.logprobs, b.logprobs)[0] < FP32_MATCH
+            ids = probe_ids(trainer.vocab, 32, seed)
+            pa, pb = await real.prompt_logprobs(ids), await builtin.prompt_logprobs(ids)
+            assert largest_gap(pa, pb)[0] < FP32_MATCH
+        await builtin.aclose()
+    await real.aclose()
