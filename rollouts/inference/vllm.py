@@ -72,6 +72,12 @@ def completion_body(
     return body
 
 
+def completion_request_id(rid: str, prompt_index: int = 0) -> str:
+    """The id vLLM's /abort_requests knows a /v1/completions request by: its `request_id`
+    prefixed `cmpl-` (the answer's `id`) and suffixed with the prompt's index."""
+    return f"cmpl-{rid}-{prompt_index}"
+
+
 def parse_completion(answer: Any, version: str) -> Completion:
     """A /v1/completions answer with one choice -> Completion served by weight `version`."""
     choices = answer.get("choices") if isinstance(answer, dict) else None
@@ -258,10 +264,12 @@ class VLLMEngine:
         await self.http.call("POST", "/abort_requests", json_body={"request_ids": []})
 
     async def abort(self, rid_prefix: str) -> None:
-        """POST /abort_requests with this client's in-flight ids that start with the prefix
-        (vLLM matches exact ids; nothing is sent when none is in flight)."""
+        """POST /abort_requests with the ids of this client's in-flight requests whose rid starts
+        with the prefix. vLLM matches exact external ids, and a completion's is
+        `cmpl-<request_id>-<prompt index>` (`completion_request_id`): the bare rid aborts
+        nothing, while vLLM still answers 200. Nothing is sent when none is in flight."""
         assert rid_prefix, "an empty prefix would abort everything: use abort_all"
-        ids = sorted(r for r in self._live_rids if r.startswith(rid_prefix))
+        ids = sorted(completion_request_id(r) for r in self._live_rids if r.startswith(rid_prefix))
         if ids:
             await self.http.call("POST", "/abort_requests", json_body={"request_ids": ids})
 

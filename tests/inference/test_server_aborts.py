@@ -20,6 +20,7 @@ from rollouts.inference.server.core import EngineCore, Sequence
 from rollouts.inference.server.rows import SlotTable
 from rollouts.inference.server.sampling import SamplingSpec
 from rollouts.inference.sglang import SGLangEngine
+from rollouts.inference.vllm import VLLMEngine, completion_request_id
 
 LONG = {"max_new_tokens": 500, "temperature": 0.0, "ignore_eos": True}  # most of the context
 
@@ -194,3 +195,35 @@ def test_a_row_is_out_of_the_batch_when_its_owner_hears_of_it(core) -> None:
     assert _submit(core, [1, 2, 3], 4, seen).wait(30)
     ((seq, (running, waiting)),) = seen
     assert seq.stop.reason is FinishReason.LENGTH and (running, waiting) == (0, 0)
+
+
+async def test_vllm_aborts_match_exact_external_ids(fault_servers) -> None:
+    """As vLLM: /abort_requests takes the external id of a completion, `cmpl-<request_id>-<i>`;
+    the bare request_id aborts nothing (the real vLLM answers 200 and lets it run: the client
+    must send the external id, `VLLMEngine.abort`)."""
+    url = fault_servers["rooted"].url
+    engine = VLLMEngine(url)
+    long = SamplingParams(max_new_tokens=500, temperature=0.0, ignore_eos=True)
+    box: list = []
+
+    async def run(rid: str) -> None:
+        box.append((rid, await engine.generate([5, 6], long, rid=rid)))
+
+    async with httpx.AsyncClient(base_url=url) as http, trio.open_nursery() as nursery:
+        nursery.start_soon(run, "grp-1-0")
+        nursery.start_soon(run, "grp-2-0")
+        await _until(lambda: _running(http, 2))
+        bare = await http.post("/abort_requests", json={"request_ids": ["grp-1-0", "cmpl-grp-1"]})
+        assert bare.json()["aborted"] == 0
+        await engine.abort("grp-1")
+        await _until(lambda: _running(http, 1))
+        await http.post("/abort_requests", json={"request_ids": [completion_request_id("grp-2-0")]})
+    await engine.aclose()
+    finished = dict(box)
+    assert finished["grp-1-0"].finish_reason == FinishReason.ABORT
+    assert finished["grp-2-0"].finish_reason == FinishReason.ABORT
+    assert 0 < len(finished["grp-1-0"].output_ids) < 500
+
+
+async def _running(http: httpx.AsyncClient, count: int) -> bool:
+    return (await _load(http))[0] == count

@@ -52,7 +52,11 @@ class Trainer:
         return lp[len(prompt) :].tolist()
 
     def scale(self, factor: float, only: str = "") -> None:
+        """Weights whose name contains `only` times `factor` (a tied head moves with the
+        embedding: it is the same parameter, so its own key is left out)."""
         weights = self.backend.get_weights()
+        if self.backend.lm.config.tie_word_embeddings:
+            del weights["lm_head.weight"]
         self.backend.load_weights({k: v * factor if only in k else v for k, v in weights.items()})
 
     def publish(self, root: Path, version: str) -> Path:

@@ -49,6 +49,8 @@ def _reference(model_dir: Path, ids: tuple[int, ...]) -> list[float]:
 def _scaled(backend: object, factor: float, only: str = "") -> None:
     """Move the trainer's weights (all, or those whose name contains `only`) by `factor`."""
     weights = backend.get_weights()  # type: ignore[attr-defined]
+    if backend.lm.config.tie_word_embeddings:  # type: ignore[attr-defined]
+        del weights["lm_head.weight"]  # the same parameter as the embedding: moved with it
     backend.load_weights({k: v * factor if only in k else v for k, v in weights.items()})  # type: ignore[attr-defined]
 
 
@@ -81,7 +83,9 @@ async def test_builtin_prompt_logprobs_match_transformers_on_both_routes(
 def test_tied_lm_head_is_written_for_engines(tied_model_dir: Path, tmp_path: Path) -> None:
     """save_pretrained drops a tied head; an in-place reload (vLLM) then keeps the old head."""
     backend = create_pytorch_backend(tiny_config(tied_model_dir), total_steps=1)
+    before = backend.lm.get_output_embeddings().weight.clone()
     _scaled(backend, 1.05, only="embed")
+    assert torch.allclose(backend.lm.get_output_embeddings().weight, before * 1.05)
     backend.save_weights(tmp_path / "sync").result()
     backend.write_weights(backend.snapshot_weights(), tmp_path / "snap")
     backend.close()

@@ -27,7 +27,7 @@ from rollouts.inference.server.scheduler import Stop, stop_after_token
 class Sequence:
     """One sequence being generated; the worker fills the outputs, then calls `notify`."""
 
-    rid: str
+    rid: str  # this sequence's id (`<request>-<i>` for sample i of n > 1)
     prompt_ids: list[int]
     spec: SamplingSpec
     max_new: int  # max_new_tokens capped by the context length
@@ -47,6 +47,7 @@ class Sequence:
     # reloaded in place while it ran (a keep/in_place pause), so its oldest part is known
     version_starts: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     created_s: float = dataclasses.field(default_factory=time.monotonic)
+    request: str = ""  # the id of the request (prompt) it belongs to: vLLM aborts by it
 
     def version_spans(self) -> list[dict[str, Any]]:
         """`[{version, start, end}, ...]` over the output tokens (SGLang's and vLLM's shape)."""

@@ -131,8 +131,8 @@ async def completions(request: Request) -> Response:
     prompts = await completion_prompts(state, extra["prompt"])
     for p in prompts:
         state.check_prompt(p, "prompt")
-    rid = str(body.get("request_id") or f"cmpl-{uuid.uuid4().hex}")
-    work = [(p, spec, rid if len(prompts) == 1 else f"{rid}-{i}", n) for i, p in enumerate(prompts)]
+    rid = f"cmpl-{body.get('request_id') or uuid.uuid4().hex}"  # as vLLM: the answer's id,
+    work = [(p, spec, f"{rid}-{i}", n) for i, p in enumerate(prompts)]  # prompt i's: `{id}-i`
     state.check_count(len(prompts) * n, "n")
     groups = await unless_disconnected(request, lambda: state.generate_many(work))
     if groups is None:
@@ -257,7 +257,7 @@ async def chat_completions(request: Request) -> Response:
         raise BadRequest("messages", f"the chat template failed: {exc}") from None
     prompt = await state.encode(text, "messages")
     state.check_prompt(prompt, "messages")
-    rid = str(body.get("request_id") or f"chatcmpl-{uuid.uuid4().hex}")
+    rid = f"chatcmpl-{body.get('request_id') or uuid.uuid4().hex}"  # vLLM's id (and abort's)
     state.check_count(n, "n")
     groups = await unless_disconnected(
         request, lambda: state.generate_many([(prompt, spec, rid, n)])
@@ -332,7 +332,7 @@ async def abort_requests(request: Request) -> Response:
     ids = body.get("request_ids") or []
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
         raise BadRequest("request_ids", "must be a list of request id strings")
-    count = await state.abort(None) if not ids else sum([await state.abort(i) for i in ids])
+    count = await state.abort(None) if not ids else await state.abort_requests(set(ids))
     return JSONResponse({"status": "aborted", "aborted": count})
 
 

@@ -162,6 +162,7 @@ class ServerState:
                     ),
                     notify=self._notifier(event),
                     generator=None if seed is None else torch.Generator().manual_seed(seed),
+                    request=rid,
                 )
             )
         return group
@@ -197,6 +198,11 @@ class ServerState:
     async def abort(self, rid_prefix: str | None) -> int:
         """Abort all (or matching) requests; they answer with partial output."""
         return await self.command(lambda reply: reply(self.core.abort(rid_prefix)))
+
+    async def abort_requests(self, ids: set[str]) -> int:
+        """Abort the sequences of the requests with these exact ids (vLLM's semantics)."""
+        hit = lambda s: s.request in ids  # noqa: E731
+        return await self.command(lambda reply: reply(self.core.abort_where(hit)))
 
     async def pause(self, mode: str, *, reject_new: bool) -> None:
         """abort: abort in-flight; wait: let them finish; keep: freeze them. Then stop stepping."""
