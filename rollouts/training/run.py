@@ -59,7 +59,12 @@ from rollouts.training.run_setup import (
     with_response_text,
 )
 from rollouts.training.summary import finish_run, quiet_progress_bars
-from rollouts.training.weight_check import WeightProbe, check_engines_at_start, content_probe
+from rollouts.training.weight_check import (
+    WeightProbe,
+    check_engines_at_start,
+    content_probe,
+    probe_metrics,
+)
 from rollouts.training.weight_sync import (
     clean_sync_root,
     publish_weights,
@@ -371,7 +376,7 @@ async def _rl_with_engines(
                 step=int(version),
                 probe=probe,
             )
-            return report.metrics()
+            return report.metrics() | probe_metrics(probe)
         path = await trio.to_thread.run_sync(publish_weights, backend, sync_root, version)
         return await deliver_to_engines(path, version, probe)
 
@@ -386,7 +391,7 @@ async def _rl_with_engines(
             pause_mode=pause_mode,
             probe=probe,
         )
-        return report.metrics()
+        return report.metrics() | probe_metrics(probe)
 
     async def publish(version: str) -> Callable[[], Awaitable[dict[str, float]]]:
         """Fix the version's weights now (the next optimizer step must not change them); write

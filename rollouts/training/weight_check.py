@@ -15,6 +15,7 @@ LM head while reporting the new version.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -50,6 +51,7 @@ class WeightProbe:
     expected: tuple[float, ...]  # expected[t] = logprob of ids[t + 1] given ids[: t + 1]
     tolerance: float
     version: str
+    trainer_s: float = 0.0  # the trainer's forward for `expected` (part of the check's cost)
 
     def __post_init__(self) -> None:
         assert len(self.ids) >= 2, f"{len(self.ids)=}: a probe needs two tokens"
@@ -88,6 +90,7 @@ def largest_gap(expected: Sequence[float], served: Sequence[float]) -> tuple[flo
 
 async def trainer_probe(backend: Any, ids: Sequence[int], version: str, tol: float) -> WeightProbe:
     """The trainer's logprobs of `ids` now (queued after the work submitted before it)."""
+    started = time.perf_counter()
     ids_T = torch.tensor(list(ids), dtype=torch.long)
     mask_T = torch.ones(len(ids), dtype=torch.float32)
     mask_T[0] = 0.0  # the first token is only context
@@ -100,7 +103,10 @@ async def trainer_probe(backend: Any, ids: Sequence[int], version: str, tol: flo
     )
     (logprobs_T,) = await backend.compute_logprobs(batch)
     expected = tuple(float(x) for x in logprobs_T[1:].tolist())
-    return WeightProbe(ids=tuple(ids), expected=expected, tolerance=tol, version=version)
+    took = time.perf_counter() - started
+    return WeightProbe(
+        ids=tuple(ids), expected=expected, tolerance=tol, version=version, trainer_s=took
+    )
 
 
 async def check_engine(
@@ -120,6 +126,11 @@ async def check_engine(
         f"{probe.tolerance:.3g}, weight_sync.check_tolerance). A reload that missed tensors (a "
         "tied LM head), an engine serving another model or dtype, or a failed load gives this."
     )
+
+
+def probe_metrics(probe: WeightProbe | None) -> dict[str, float]:
+    """The trainer's side of the check's cost, for the sync's metrics."""
+    return {} if probe is None else {"probe_s": probe.trainer_s}
 
 
 def probe_dtype(config: Config) -> str:

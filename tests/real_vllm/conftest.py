@@ -39,7 +39,7 @@ class VLLMServer:
             "VLLM_VENV": str(Path(os.environ["ROLLOUTS_VLLM_PYTHON"]).parents[1]),
             "VLLM_CPU_OMP_THREADS_BIND": str(core),
             "VLLM_CPU_KVCACHE_SPACE": "1",
-            "MAX_MODEL_LEN": "512",
+            "MAX_MODEL_LEN": "2048",  # room for requests long enough to abort mid-way
         }
         env.pop("OMP_NUM_THREADS", None)  # vLLM sets its own (one per bound core)
         with self.log.open("w") as out:
@@ -89,9 +89,10 @@ def vllm_python() -> str:
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vllm-models")
-    tiny = make_tiny_model(root / "tiny", TinyModelSpec(**DEMO_SHAPE, max_position_embeddings=512))
+    tiny = make_tiny_model(root / "tiny", TinyModelSpec(**DEMO_SHAPE, max_position_embeddings=2048))
     tied = make_tiny_model(
-        root / "tied", TinyModelSpec(**DEMO_SHAPE, max_position_embeddings=512, tie_embeddings=True)
+        root / "tied",
+        TinyModelSpec(**DEMO_SHAPE, max_position_embeddings=2048, tie_embeddings=True),
     )
     return {"tiny": tiny, "tiny2": tiny, "tied": tied, "smollm2": smollm2_dir}
 
