@@ -1,5 +1,8 @@
 """Algorithm schedules: `step -> AlgorithmConfig`, so the algorithm can change during training.
 
+`step` is the RL step, 0-based (RL step k gets k - 1), not the optimizer step: one RL step makes
+`ppo_epochs` x mini-batches optimizer steps, all with the same config.
+
 `load_schedule(config)` resolves `config.schedule` (a dotted path) through `plugins.load_function`;
 with no schedule the config itself is used at every step. `example_schedule` is the built-in
 example: GRPO with KL 0.2 until step 30, then KL 0.05, then a DAPO setting from step 60;
@@ -17,7 +20,7 @@ from rollouts.plugins import load_function
 
 
 class ScheduleFn(Protocol):
-    """The algorithm config to use at optimizer step `step` (0-based)."""
+    """The algorithm config of RL step `step + 1` (0-based; all its optimizer steps use it)."""
 
     def __call__(self, step: int) -> AlgorithmConfig: ...
 

@@ -53,7 +53,7 @@ class AlgorithmConfig(_Section):
     pair_beta: float = 0.1  # policy_loss = "pairwise": beta of -log sigmoid(beta * margin)
     pair_selector: str = "best_vs_worst"  # | "all_pairs_above_margin" | dotted path to a selector
     pair_margin: float = 0.0  # a pair needs r_chosen - r_rejected > pair_margin
-    schedule: str = ""  # dotted path to `step -> AlgorithmConfig`
+    schedule: str = ""  # dotted path to `rl_step -> AlgorithmConfig` (0-based RL step)
     tis_level: str = "token"  # "token" | "sequence"
     # rejection of samples the engine made too unlike the trainer (verl rollout_rs): drop tokens
     # ("token") or whole sequences ("sequence": product of ratios; "geometric": their geometric

@@ -1,9 +1,10 @@
 """DataBuffer: the one stateful component between the dataset and the rollout manager.
 
-It serves prompts in a deterministic per-epoch shuffled order (a permutation seeded by
-`seed + epoch`), crosses epoch boundaries without a gap, and keeps a pool of partial (aborted)
-groups that are served before fresh prompts. `state_dict()` holds everything needed for a resumed
-run to see exactly the same order, partial groups included.
+It serves prompts in a deterministic per-epoch shuffled order (the permutation of
+`np.random.default_rng([seed, epoch])`: seed and epoch as two entropy words, so seed 1 epoch 0
+and seed 0 epoch 1 differ), crosses epoch boundaries without a gap, and keeps a pool of partial
+(aborted) groups that are served before fresh prompts. `state_dict()` holds everything needed
+for a resumed run to see exactly the same order, partial groups included.
 """
 
 from __future__ import annotations
