@@ -17,9 +17,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import trio
 
 from rollouts.plugins import is_async_callable
@@ -40,23 +42,61 @@ def reward_limiter() -> trio.CapacityLimiter:
         return limiter
 
 
+REAL_KINDS = "biuf"  # numpy dtype kinds of real numbers: bool, signed and unsigned int, float
+EXPECTED = (
+    "expected a float (or another real scalar: int, bool, a numpy scalar, a 0-d numpy array "
+    "or torch tensor) or a tuple of them"
+)
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    module = kind.__module__
+    name = kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
+    shape = getattr(value, "shape", None)
+    return f"{name} of shape {tuple(shape)}" if shape is not None and len(shape) > 0 else name
+
+
+def _torch_scalar(value: Any) -> Any:
+    """A 0-d real torch tensor's Python number, else None (torch is never imported here:
+    a tensor exists only when its module is loaded)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(value, torch.Tensor):
+        return None
+    if value.ndim != 0 or value.is_complex():
+        return None
+    return value.item()
+
+
+def as_scalar(value: Any) -> float:
+    """`value` as a float when it is a real scalar: a Python bool/int/float, a numpy scalar
+    (np.float32, np.int64, np.bool_, ...), a 0-d real numpy array or a 0-d torch tensor."""
+    if isinstance(value, bool | int | float):
+        return float(value)
+    numpy_real = isinstance(value, np.generic | np.ndarray) and value.dtype.kind in REAL_KINDS
+    if numpy_real and value.ndim == 0:
+        return float(value.item())
+    item = _torch_scalar(value)
+    if isinstance(item, bool | int | float):
+        return float(item)
+    raise TypeError(f"returned {value!r:.80} (a {_type_name(value)}): {EXPECTED}")
+
+
 def as_reward(value: Any) -> Reward:
     """`value` as a Reward (float, or tuple of floats); raise TypeError/ValueError otherwise.
 
-    A bool counts as 0.0 / 1.0 (`return answer == label`); a string such as "1.0" is an error.
+    Every real scalar counts (`as_scalar`): a bool is 0.0 / 1.0 (`return answer == label`),
+    numpy and 0-d torch values too; a string such as "1.0", None or an array of several
+    values is an error that names the type.
     """
-    if value is None:
-        raise TypeError(f"returned {value!r}: expected a float or a tuple of floats")
-    if isinstance(value, (int, float)):
-        out: Reward = float(value)
-        items = (out,)
-    elif isinstance(value, (tuple, list)) and value:
-        if not all(isinstance(v, (int, float)) for v in value):
-            raise TypeError(f"returned {value!r}: a vector reward must hold only floats")
-        out = tuple(float(v) for v in value)
+    if isinstance(value, tuple | list):
+        if not value:
+            raise TypeError(f"returned an empty {type(value).__name__}: {EXPECTED}")
+        out: Reward = tuple(as_scalar(v) for v in value)
         items = out
     else:
-        raise TypeError(f"returned {value!r}: expected a float or a tuple of floats")
+        out = as_scalar(value)
+        items = (out,)
     if not all(math.isfinite(v) for v in items):
         raise ValueError(f"returned a non-finite reward {value!r}")
     return out

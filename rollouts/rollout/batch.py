@@ -15,6 +15,7 @@ from typing import Any
 
 from rollouts.config import RolloutConfig
 from rollouts.data.buffer import DataBuffer
+from rollouts.rewards.scoring import as_reward
 from rollouts.rollout.filters import run_filters
 from rollouts.rollout.generate import fail_sample
 from rollouts.rollout.planning import (
@@ -34,15 +35,14 @@ class ShortBatchError(RuntimeError):
 
 
 def check_reward(value: Any) -> Reward:
-    """A reward function's value as a Reward; anything else (None, str, NaN, inf) is an error."""
-    if not isinstance(value, int | float | tuple | list):  # bools count as 0.0 / 1.0
-        raise TypeError(f"reward function returned {value!r}: expected a float or tuple of floats")
-    out: Reward = (
-        tuple(float(v) for v in value) if isinstance(value, tuple | list) else float(value)
-    )
-    if not all(math.isfinite(v) for v in (out if isinstance(out, tuple) else (out,))):
-        raise ValueError(f"reward function returned a non-finite reward ({value!r})")
-    return out
+    """A reward function's value as a Reward (every real scalar, or a tuple of them: the rule of
+    `rewards.scoring.as_reward`); anything else (None, str, NaN, inf, an array) is an error."""
+    try:
+        return as_reward(value)
+    except TypeError as e:
+        raise TypeError(f"reward function {e}") from e
+    except ValueError as e:
+        raise ValueError(f"reward function {e}") from e
 
 
 def with_reward(sample: Sample, value: Any) -> Sample:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
+import numpy as np
 import pytest
+import torch
 import trio
 
 from rollouts.rewards.scoring import as_reward, count_failed, score_group, score_sample
@@ -16,6 +19,7 @@ from rollouts.rewards.verifiers import (
     numeric_reward,
     response_text,
 )
+from rollouts.rollout.batch import check_reward
 from rollouts.types import Sample, Status
 
 
@@ -83,6 +87,54 @@ def test_as_reward():
     for bad in (None, "1", "1.0", float("nan"), float("inf"), -float("inf"), [], [1.0, "x"]):
         with pytest.raises((TypeError, ValueError)):
             as_reward(bad)
+
+
+REAL_SCALARS = [
+    (np.float32(0.5), 0.5),
+    (np.float16(0.25), 0.25),
+    (np.int64(3), 3.0),
+    (np.uint8(2), 2.0),
+    (np.bool_(True), 1.0),
+    (np.array(0.75), 0.75),
+    (np.array(1, dtype=np.int32), 1.0),
+    (np.array(False), 0.0),
+    (torch.tensor(0.5), 0.5),
+    (torch.tensor(2), 2.0),
+    (torch.tensor(True), 1.0),
+    (torch.tensor(1.5, dtype=torch.bfloat16), 1.5),
+]
+
+
+@pytest.mark.parametrize(("value", "expected"), REAL_SCALARS, ids=lambda v: repr(v)[:30])
+async def test_every_real_scalar_is_a_reward(value, expected):
+    assert as_reward(value) == expected and type(as_reward(value)) is float
+    assert as_reward((value, 1)) == (expected, 1.0)
+    scored = await score_sample(done("Answer: 85"), lambda s: value, timeout_s=5)
+    assert scored.status is Status.COMPLETED and scored.reward == expected, scored.metadata
+    assert check_reward(value) == expected  # the synchronous batch path: the same rule
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        (np.array([1.0, 2.0]), "numpy.ndarray of shape (2,)"),
+        (torch.tensor([0.5]), "torch.Tensor of shape (1,)"),
+        (np.complex64(1), "numpy.complex64"),
+        (np.str_("1.0"), "numpy.str_"),
+        (np.array("1"), "numpy.ndarray"),
+        (torch.tensor(1j), "torch.Tensor"),
+        ("1.0", "str"),
+        ({"score": 1.0}, "dict"),
+        (np.float32("nan"), "non-finite"),
+        (torch.tensor(float("inf")), "non-finite"),
+    ],
+    ids=lambda v: repr(v)[:30],
+)
+async def test_anything_else_is_refused_naming_its_type(value, named):
+    with pytest.raises((TypeError, ValueError), match=re.escape(named)):
+        as_reward(value)
+    scored = await score_sample(done("Answer: 85"), lambda s: value, timeout_s=5)
+    assert scored.status is Status.FAILED and named in scored.metadata["error"]
 
 
 async def test_score_sample_sets_reward_without_mutation():
