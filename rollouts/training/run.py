@@ -24,7 +24,7 @@ import trio
 
 from rollouts.config import Config
 from rollouts.data.buffer import DataBuffer
-from rollouts.data.loaders import load_conversations, load_prompts
+from rollouts.data.loaders import load_conversations
 from rollouts.inference.pool import EnginePool
 from rollouts.plugins import load_function
 from rollouts.rewards.protocol import RewardFn
@@ -51,6 +51,7 @@ from rollouts.training.run_setup import (
     RL_METRICS,
     SFT_METRICS,
     StopFlag,
+    load_rl_prompts,
     make_logger,
     prepare_base_model,
     prepare_data,
@@ -164,13 +165,13 @@ async def sft_phase(
     return final / MODEL_DIR
 
 
-def _eval_hook(config: Config, pool: Any, tokenizer: Any, reward_fn: Any, manager: Any) -> Any:
-    """The held-out greedy evaluation through the engines (None when there is no eval set)."""
-    if not config.data.eval_path:
+def _eval_hook(
+    config: Config, pool: Any, tokenizer: Any, reward_fn: Any, manager: Any, items: list[Any]
+) -> Any:
+    """The held-out greedy evaluation of `items` through the engines (None when there are none)."""
+    if not items:
         return None
-    d = config.data
-    items = load_prompts(d.eval_path, d.prompt_key, d.label_key, d.messages_key)
-    items = items[: d.eval_size or None]
+    items = items[: config.data.eval_size or None]
     r = config.rollout
     spec = EvalSpec(
         max_new_tokens=r.sampling.max_new_tokens,
@@ -205,10 +206,11 @@ async def rl_phase(
     tokenizer = load_tokenizer(model_dir)
     d = config.data
     buffer = DataBuffer(
-        load_prompts(d.train_path, d.prompt_key, d.label_key, d.messages_key),
+        load_rl_prompts(config, "train_path", tokenizer, model_dir),
         seed=config.run.seed,
         shuffle=d.shuffle,
     )
+    eval_items = load_rl_prompts(config, "eval_path", tokenizer, model_dir) if d.eval_path else []
     if reward_fn is None and not config.rollout.reward_fn:
         raise ValueError("rollout.reward_fn is empty: name a reward function by dotted path")
     reward = load_function(reward_fn or config.rollout.reward_fn, RewardFn)
@@ -269,6 +271,7 @@ async def rl_phase(
                     (start, version, step_metrics),
                     stop,
                     loop_state=loop_state,
+                    eval_items=eval_items,
                 )
     finally:
         if backend is not None:
@@ -320,6 +323,7 @@ async def _rl_with_engines(
     resumed: tuple[int, int, dict[str, Any] | None],
     stop: StopFlag,
     loop_state: dict[str, Any] | None = None,
+    eval_items: list[Any] | None = None,
 ) -> dict[str, float]:
     """RL with the engines up; `resumed` = (step, weight version, that step's stored metrics)."""
     root = checkpoint_root(config, run_dir, "rl")
@@ -332,7 +336,7 @@ async def _rl_with_engines(
     manager = AsyncRolloutManager(
         buffer, config.rollout, pool, tokenizer=tokenizer, reward_fn=reward_fn
     )
-    evaluate_fn = _eval_hook(config, pool, tokenizer, reward_fn, manager)
+    evaluate_fn = _eval_hook(config, pool, tokenizer, reward_fn, manager, eval_items or [])
     # weights-only copies for the engines (in /dev/shm when there is one); one root per run,
     # cleaned at start (a crashed run's copies: `rl_phase`) and on exit
     configured = bool(config.training.weight_sync_dir)

@@ -16,10 +16,14 @@ from typing import Any
 import trio
 
 from rollouts.config import Config, config_to_dict
+from rollouts.data.limits import drop_overlong_prompts, prompt_limit
+from rollouts.data.loaders import DatasetError, load_prompts
+from rollouts.data.sft import tokenize_prompt
 from rollouts.models.sources import download_hub_model, fetch_source, looks_like_hub_id
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model, spec_differences
 from rollouts.plugins import import_object, is_async_callable
 from rollouts.training.metrics import ConsoleSink, JsonlSink, MetricsLogger, truncate_jsonl
+from rollouts.types import PromptItem
 
 SFT_METRICS = "sft_metrics.jsonl"
 RL_METRICS = "metrics.jsonl"
@@ -75,6 +79,22 @@ def prepare_data(config: Config) -> None:
         path = getattr(config.data, key)
         if path and not Path(path).is_file():
             raise FileNotFoundError(f"data.{key} = {path!r}: no such file")
+
+
+def load_rl_prompts(config: Config, key: str, tokenizer: Any, model_dir: Path) -> list[PromptItem]:
+    """The prompts of `data.<key>` ("train_path" or "eval_path") that fit the context: longer
+    ones would fail every sample at generation, so they are dropped here, counted and printed."""
+    d = config.data
+    path = getattr(d, key)
+    items = load_prompts(path, d.prompt_key, d.label_key, d.messages_key)
+    limit = prompt_limit(model_dir, config.rollout.max_total_tokens)
+    found = drop_overlong_prompts(items, lambda i: len(tokenize_prompt(tokenizer, i.prompt)), limit)
+    if found.dropped:
+        line = found.describe(f"data.{key} = {path!r}")
+        if not found.kept:
+            raise DatasetError(f"{line}: no prompt is left; shorten them or raise the limit")
+        print(f"[train] {line}", flush=True)
+    return found.kept
 
 
 def _corpus(config: Config) -> list[str]:
