@@ -90,6 +90,7 @@ class DataConfig(_Section):
     messages_key: str = "messages"
     shuffle: bool = True
     eval_size: int = 0  # 0 = the whole eval set
+    max_length: int = 0  # tokens of the longest SFT conversation; 0 = the model's context
     prepare: str = ""  # dotted path to `fn(data_config) -> None` writing missing data files
 
     def problems(self) -> list[str]:
@@ -100,4 +101,9 @@ class DataConfig(_Section):
             f"data.sft_eval_fraction = {self.sft_eval_fraction}: must be in [0, 1)",
         )
         _check(p, self.eval_size >= 0, f"data.eval_size = {self.eval_size}: must be >= 0")
+        _check(
+            p,
+            self.max_length >= 0,
+            f"data.max_length = {self.max_length}: must be >= 0 (0 = the model's context)",
+        )
         return p

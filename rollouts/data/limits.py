@@ -53,8 +53,10 @@ def model_context(model_dir: str | Path) -> TokenLimit | None:
 def sft_limit(model_dir: str | Path, max_length: int) -> TokenLimit | None:
     """The longest SFT conversation: the model's context, and `data.max_length` when set."""
     assert max_length >= 0, f"{max_length=} must be >= 0"
-    asked = TokenLimit(tokens=max_length, source=f"data.max_length = {max_length}")
-    return tightest([model_context(model_dir), asked if max_length else None])
+    asked = None
+    if max_length:
+        asked = TokenLimit(tokens=max_length, source=f"data.max_length = {max_length}")
+    return tightest([model_context(model_dir), asked])
 
 
 def prompt_limit(model_dir: str | Path, max_total_tokens: int) -> TokenLimit:

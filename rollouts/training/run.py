@@ -24,6 +24,7 @@ import trio
 
 from rollouts.config import Config
 from rollouts.data.buffer import DataBuffer
+from rollouts.data.limits import sft_limit
 from rollouts.data.loaders import load_conversations
 from rollouts.inference.pool import EnginePool
 from rollouts.plugins import load_function
@@ -120,8 +121,7 @@ async def sft_phase(
     clean_leftovers(root)
     tokenizer = load_tokenizer(base)
     conversations = load_conversations(config.data.sft_path, config.data.messages_key)
-    max_tokens = int(getattr(tokenizer, "model_max_length", 10**9))
-    examples = tokenize_all(tokenizer, conversations, max_tokens)
+    examples = tokenize_all(tokenizer, conversations, sft_limit(base, config.data.max_length))
     train, held = split_eval(examples, config.data.sft_eval_fraction, config.run.seed)
     total = total_sft_steps(config, len(train))
     latest = find_latest_checkpoint(root) if resume else None

@@ -1,12 +1,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from rollouts.config import config_from_dict
+from rollouts.data.limits import TokenLimit, model_context
+from rollouts.data.loaders import write_jsonl
+from rollouts.models.tiny import TinyModelSpec, make_tiny_model
 from rollouts.training.backends.factories import create_pytorch_backend
 from rollouts.training.loops.sft import (
     batch_indices,
@@ -18,6 +22,8 @@ from rollouts.training.loops.sft import (
     total_sft_steps,
 )
 from rollouts.training.metrics import MetricsLogger
+from rollouts.training.run import sft_phase
+from rollouts.training.run_setup import StopFlag
 from rollouts.types import ModelOutputs
 
 CONVERSATIONS = [
@@ -58,8 +64,46 @@ def test_sft_loss_is_normalised_by_the_global_token_count() -> None:
 
 def test_long_conversation_is_a_clear_error(tiny_model_dir: Path) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    with pytest.raises(ValueError, match="SFT conversation 0 has .* tokens, more than the model"):
-        tokenize_all(tok, CONVERSATIONS[:1], max_tokens=5)
+    limit = TokenLimit(tokens=5, source="data.max_length = 5")
+    with pytest.raises(ValueError, match=r"1 SFT conversation\(s\) longer than 5 tokens, the "):
+        tokenize_all(tok, CONVERSATIONS[:1], limit)
+
+
+def _sft_config(tmp: Path, model: Path, long_chars: int, **data: object) -> Any:
+    rows = [{"messages": list(c)} for c in CONVERSATIONS]
+    long = {"role": "assistant", "content": "7" * long_chars}
+    rows.insert(2, {"messages": [{"role": "user", "content": "1+1"}, long]})
+    write_jsonl(tmp / "sft.jsonl", rows)
+    table = {
+        "run": {"output_dir": str(tmp / "run")},
+        "model": {"path": str(model)},
+        "data": {"sft_path": str(tmp / "sft.jsonl"), "sft_eval_fraction": 0.0, **data},
+        "training": {"sft_steps": 1, "sft_batch_size": 2},
+    }
+    return config_from_dict(table)
+
+
+async def test_sft_refuses_what_the_model_positions_cannot_hold_and_names_the_limit(
+    tmp_path: Path,
+) -> None:
+    """A 128-position model whose tokenizer says model_max_length = 1,000,000: a 300-token
+    conversation used to train without a word (issue 27 item 5)."""
+    spec = TinyModelSpec(
+        hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, max_position_embeddings=128
+    )
+    model = make_tiny_model(tmp_path / "m128", spec)
+    assert AutoTokenizer.from_pretrained(model).model_max_length == 1_000_000
+    config = _sft_config(tmp_path, model, long_chars=300)
+    with pytest.raises(ValueError) as info:
+        await sft_phase(config, tmp_path / "run", model, False, StopFlag())
+    message = str(info.value)
+    assert "1 SFT conversation(s) longer than 128 tokens" in message, message
+    assert f"model.max_position_embeddings = 128 ({model}/config.json)" in message, message
+    assert "conversation 2 (" in message, message  # 0-based, in file order
+    # data.max_length, when tighter, is the limit named
+    config = _sft_config(tmp_path, model, long_chars=80, max_length=64)
+    with pytest.raises(ValueError, match=r"longer than 64 tokens, the limit of data.max_length"):
+        await sft_phase(config, tmp_path / "run", model, False, StopFlag())
 
 
 async def test_sft_loop_lowers_the_loss_and_checkpoints(tiny_model_dir: Path) -> None:
@@ -73,7 +117,7 @@ async def test_sft_loop_lowers_the_loss_and_checkpoints(tiny_model_dir: Path) ->
     )
     backend = create_pytorch_backend(config, total_steps=30)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    examples = tokenize_all(tok, CONVERSATIONS, max_tokens=512)
+    examples = tokenize_all(tok, CONVERSATIONS, model_context(tiny_model_dir))
     train, held = split_eval(examples, 0.2, seed=0)
     assert total_sft_steps(config, len(train)) == 30
     logger = MetricsLogger([])

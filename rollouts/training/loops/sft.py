@@ -18,11 +18,13 @@ import numpy as np
 import torch
 
 from rollouts.config import Config
+from rollouts.data.limits import TokenLimit
 from rollouts.data.sft import tokenize_conversation
 from rollouts.training.metrics import MetricsLogger
 from rollouts.types import Message, ModelOutputs, TrainBatch
 
 TokenizedConversation = tuple[list[int], list[int]]
+MAX_NAMED = 5  # overlong conversations named in the error; the rest are counted
 
 
 def sft_loss_fn(outputs: ModelOutputs, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -53,18 +55,22 @@ def make_sft_batch(examples: Sequence[TokenizedConversation]) -> TrainBatch:
 
 
 def tokenize_all(
-    tokenizer: Any, conversations: Sequence[Sequence[Message]], max_tokens: int
+    tokenizer: Any, conversations: Sequence[Sequence[Message]], limit: TokenLimit | None
 ) -> list[TokenizedConversation]:
-    """Tokenise every conversation; one longer than `max_tokens` is an error naming it."""
-    out = []
-    for i, messages in enumerate(conversations):
-        tokens, mask = tokenize_conversation(tokenizer, messages)
-        if len(tokens) > max_tokens:
-            raise ValueError(
-                f"SFT conversation {i} has {len(tokens)} tokens, more than the model's "
-                f"{max_tokens} positions: shorten it or raise max_position_embeddings"
-            )
-        out.append((tokens, mask))
+    """Tokenise every conversation; those longer than `limit` are one error that names them
+    (0-based, in file order) and the limit that refused them (`rollouts.data.limits`)."""
+    out = [tokenize_conversation(tokenizer, messages) for messages in conversations]
+    if limit is None:
+        return out
+    over = [(i, len(tokens)) for i, (tokens, _) in enumerate(out) if len(tokens) > limit.tokens]
+    if over:
+        named = ", ".join(f"conversation {i} ({n} tokens)" for i, n in over[:MAX_NAMED])
+        more = f" and {len(over) - MAX_NAMED} more" if len(over) > MAX_NAMED else ""
+        raise ValueError(
+            f"{len(over)} SFT conversation(s) longer than {limit.tokens} tokens, the limit of "
+            f"{limit.source}: {named}{more}; shorten them, drop them from data.sft_path, or "
+            "raise that limit"
+        )
     return out
 
 
