@@ -55,8 +55,9 @@ def summarize_phase(
 ) -> PhaseSummary | None:
     """The phase's step count and `key` (e.g. "eval/accuracy") at its start, end and best.
 
-    "Before" is the step-0 value (RL evaluates before its first step); a lower-is-better key
-    (a loss, first evaluated after some steps) takes its first evaluation instead.
+    "Before" is the step-0 value (RL and SFT evaluate before their first step); a
+    lower-is-better key (a loss) of an older run, first evaluated after some steps, takes its
+    first evaluation instead. A single evaluation after step 0 is no "before" (None).
     """
     if not rows:
         return None
@@ -64,7 +65,9 @@ def summarize_phase(
     points = [(int(r["step"]), float(r[key])) for r in rows if isinstance(r.get(key), int | float)]
     if not points:
         return PhaseSummary(name=name, steps=steps)
-    first = points[0][1] if points[0][0] == 0 or not higher_is_better else None
+    first_step, first_value = points[0]
+    evaluated_before = first_step == 0 or (not higher_is_better and len(points) > 1)
+    first = first_value if evaluated_before else None  # one late evaluation is no "before"
     after = points[-1][1] if points[-1][0] > 0 else None
     sign = 1.0 if higher_is_better else -1.0
     best = max(points, key=lambda p: (sign * p[1], -p[0])) if len(points) > 1 else None
@@ -90,7 +93,9 @@ def phase_line(p: PhaseSummary, metric: str, wall_s: float | None) -> str:
     """'RL: 40 steps in 52m10s; held-out accuracy 0.210 -> 0.460 (best 0.480 at step 35)'."""
     line = f"{p.name}: {p.steps} steps"
     line += f" in {format_duration(wall_s)}" if wall_s is not None else ""
-    if p.before is not None or p.after is not None:
+    if p.before is None and p.after is not None:
+        line += f"; {metric} {p.after:.3f} (no evaluation before training)"
+    elif p.before is not None or p.after is not None:
         line += f"; {metric} {_fmt(p.before)} -> {_fmt(p.after)}"
         if p.best is not None and p.best[1] != p.after:
             line += f" (best {p.best[1]:.3f} at step {p.best[0]})"

@@ -21,9 +21,10 @@ from rollouts.training.loops.sft import (
     tokenize_all,
     total_sft_steps,
 )
-from rollouts.training.metrics import MetricsLogger
+from rollouts.training.metrics import JsonlSink, MetricsLogger
 from rollouts.training.run import sft_phase
 from rollouts.training.run_setup import StopFlag
+from rollouts.training.summary import finish_run, phase_line, summarize_phase
 from rollouts.types import ModelOutputs
 
 CONVERSATIONS = [
@@ -132,8 +133,46 @@ async def test_sft_loop_lowers_the_loss_and_checkpoints(tiny_model_dir: Path) ->
         )
     finally:
         backend.close()
-    losses = [row["sft/loss"] for row in logger.history]
+    losses = [row["sft/loss"] for row in logger.history if "sft/loss" in row]
     assert result.steps == 30
     assert losses[-1] < 0.5 * losses[0]
-    assert [row["step"] for row in logger.history if "sft/eval_loss" in row] == [10, 20, 30]
+    assert [row["step"] for row in logger.history if "sft/eval_loss" in row] == [0, 10, 20, 30]
     assert saved == [10, 20, 30]
+
+
+async def test_eval_every_0_evaluates_before_training_so_the_summary_shows_a_change(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The summary once read "held-out loss 0.779 -> 0.779" (one evaluation, at the end)."""
+    config = config_from_dict(
+        {
+            "model": {"path": str(tiny_model_dir)},
+            "training": {"sft_steps": 6, "sft_batch_size": 4, "eval_every": 0},
+            "optim": {"lr": 3e-3, "scheduler": "constant"},
+        }
+    )
+    backend = create_pytorch_backend(config, total_steps=6)
+    examples = tokenize_all(AutoTokenizer.from_pretrained(tiny_model_dir), CONVERSATIONS, None)
+    logger = MetricsLogger([JsonlSink(tmp_path / "sft_metrics.jsonl")])
+    try:
+        result = await run_sft_training(
+            backend, examples[2:], config, logger, eval_examples=examples[:2]
+        )
+    finally:
+        backend.close()
+        logger.close()
+    evals = [
+        (row["step"], row["sft/eval_loss"]) for row in logger.history if "sft/eval_loss" in row
+    ]
+    assert [step for step, _ in evals] == [0, 6]
+    assert evals[1][1] < evals[0][1] and result.eval_loss == evals[1][1]
+    line = finish_run(tmp_path, 1.0, None)[0]
+    assert line == f"SFT: 6 steps; held-out loss {evals[0][1]:.3f} -> {evals[1][1]:.3f}", line
+
+
+def test_a_single_late_evaluation_is_not_shown_as_before_and_after() -> None:
+    rows = [{"step": 1, "sft/loss": 2.0}, {"step": 6, "sft/loss": 1.0, "sft/eval_loss": 0.779}]
+    p = summarize_phase("SFT", rows, "sft/eval_loss", higher_is_better=False)
+    assert p is not None and p.before is None
+    line = phase_line(p, "held-out loss", None)
+    assert line == "SFT: 6 steps; held-out loss 0.779 (no evaluation before training)", line

@@ -143,14 +143,19 @@ async def run_sft_training(
 ) -> SFTResult:
     """Train on `examples` for `total_sft_steps` steps; eval, log and checkpoint on the way.
 
-    `checkpoint(step)` is called every `checkpoint.every` steps, at the end, and when
-    `should_stop()` turns true (a signal), after which the loop returns.
+    With held-out examples, a fresh run evaluates them first (logged as step 0), then every
+    `eval_every` steps and at the end. `checkpoint(step)` is called every `checkpoint.every`
+    steps, at the end, and when `should_stop()` turns true (a signal), after which the loop
+    returns.
     """
     t = config.training
     total = total_sft_steps(config, len(examples))
     loss = math.nan
     last_eval: float | None = None
     step = start_step
+    if eval_examples and start_step == 0:  # "before", so the summary shows what SFT changed
+        last_eval = await eval_loss(backend, eval_examples, t.sft_batch_size)
+        metrics_logger.log(0, {"sft/eval_loss": last_eval})
     for step in range(start_step + 1, total + 1):
         started = time.monotonic()
         idx = batch_indices(len(examples), t.sft_batch_size, step - 1, config.run.seed)
