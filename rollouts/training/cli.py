@@ -81,11 +81,14 @@ def run(args: argparse.Namespace) -> int:
         os.execv(cmd[0], cmd)
     from rollouts.training.errors import report_error
     from rollouts.training.run import run_training
+    from rollouts.training.run_lock import RunInUse
 
     try:
         return run_training(args.mode, config, resume=args.resume, config_path=args.config)
     except Exception as e:  # an operating error: its message alone (see training/errors.py)
         run_dir = Path(config.run.output_dir) if config.run.output_dir else None
+        if isinstance(e, RunInUse):  # the directory is the other run's: its error.log too
+            run_dir = None
         return report_error(e, run_dir, debug=getattr(args, "debug", False))
 
 

@@ -61,7 +61,11 @@ def truncate_jsonl(path: Path, max_step: int) -> int:
         return 0
     kept = [row for row in read_jsonl_rows(path) if row.get("step", -1) <= max_step]
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+    try:
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+    except OSError as e:  # a full disk on resume: the path, not a bare [Errno 28]
+        tmp.unlink(missing_ok=True)
+        raise write_error(f"{path.name} (cut back to step {max_step}) as", tmp, e) from e
     tmp.replace(path)
     return len(kept)
 

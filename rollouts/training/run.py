@@ -48,6 +48,7 @@ from rollouts.training.loops.rl import RLHooks, run_rl_training
 from rollouts.training.loops.sft import run_sft_training, split_eval, tokenize_all, total_sft_steps
 from rollouts.training.metrics import last_step
 from rollouts.training.placement import cpu_plan, pinned, wants_trainer_process
+from rollouts.training.run_lock import hold_run_locks
 from rollouts.training.run_setup import (
     RL_METRICS,
     SFT_METRICS,
@@ -464,6 +465,11 @@ async def _rl_with_engines(
 async def _main(
     mode: str, config: Config, resume: bool, config_path: str, make_backend: Any
 ) -> int:
+    with hold_run_locks(config):  # one run per directory, for the run's life
+        return await _run(mode, config, resume, config_path, make_backend)
+
+
+async def _run(mode: str, config: Config, resume: bool, config_path: str, make_backend: Any) -> int:
     started = time.monotonic()
     e = config.engines
     on_cpu = resolve_device(config.training.device).type == "cpu" and e.kind == "builtin"

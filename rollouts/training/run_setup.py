@@ -22,7 +22,9 @@ from rollouts.data.sft import tokenize_prompt
 from rollouts.models.sources import download_hub_model, fetch_source, looks_like_hub_id
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model, spec_differences
 from rollouts.plugins import import_object, is_async_callable
+from rollouts.training.disk import write_error
 from rollouts.training.metrics import ConsoleSink, JsonlSink, MetricsLogger, truncate_jsonl
+from rollouts.training.run_lock import LOCK_NAME
 from rollouts.types import PromptItem
 
 SFT_METRICS = "sft_metrics.jsonl"
@@ -54,7 +56,8 @@ async def watch_signals(stop: StopFlag, cancel: trio.CancelScope) -> None:
 
 
 def prepare_run_dir(config: Config, config_path: str, resume: bool) -> Path:
-    """Create (or, with run.overwrite and no --resume, recreate) the run directory."""
+    """Create (or, with run.overwrite and no --resume, empty) the run directory; its lock
+    (`run_lock.LOCK_NAME`, held by this run) stays."""
     run_dir = Path(config.run.output_dir)
     has_state = (run_dir / "checkpoints").exists()
     if has_state and not resume:
@@ -64,10 +67,20 @@ def prepare_run_dir(config: Config, config_path: str, resume: bool) -> Path:
                 "--resume to continue it, set run.overwrite = true to replace it, or choose "
                 "another run.output_dir"
             )
-        shutil.rmtree(run_dir)
+        for old in run_dir.iterdir():
+            if old.name == LOCK_NAME:
+                continue
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old)
+            else:
+                old.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = {"config_path": config_path, "config": config_to_dict(config)}
-    (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
+    path = run_dir / "config.json"
+    try:
+        path.write_text(json.dumps(resolved, indent=2))
+    except OSError as e:  # a full disk (a resume too): the path, not a bare [Errno 28]
+        raise write_error("the resolved config", path, e) from e
     return run_dir
 
 
