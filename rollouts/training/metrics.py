@@ -14,7 +14,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
@@ -213,14 +213,25 @@ class WandbSink:
 
 
 class MetricsLogger:
-    """Fans one step's metrics out to every sink; also writes sampled rollouts per step."""
+    """Fans one step's metrics out to every sink; also writes sampled rollouts per step.
 
-    def __init__(self, sinks: Sequence[MetricsSink], rollouts_path: Path | None = None) -> None:
+    `probes` add their own metrics to every step (`step -> {name: value}`, e.g. the processes'
+    memory: `rollouts.training.memory.MemoryWatch`)."""
+
+    def __init__(
+        self,
+        sinks: Sequence[MetricsSink],
+        rollouts_path: Path | None = None,
+        probes: Sequence[Callable[[int], Mapping[str, float]]] = (),
+    ) -> None:
         self.sinks = list(sinks)
         self.rollouts_path = rollouts_path
+        self.probes = list(probes)
         self.history: list[dict[str, Any]] = []
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        for probe in self.probes:
+            metrics = {**metrics, **probe(step)}
         self.history.append({"step": step, **metrics})
         for sink in self.sinks:
             sink.log(step, metrics)

@@ -42,6 +42,7 @@ from rollouts.training.checkpoint import (
     save_checkpoint,
 )
 from rollouts.training.dist_pool import distributed_sync_for, sync_pool_distributed
+from rollouts.training.empty_steps import EmptySteps
 from rollouts.training.engines import cpu_share, open_engines
 from rollouts.training.evaluation import EvalSpec, evaluate
 from rollouts.training.loops.rl import RLHooks, run_rl_training
@@ -273,6 +274,7 @@ async def rl_phase(
                     stop,
                     loop_state=loop_state,
                     eval_items=eval_items,
+                    trainer_pid=host.pid if host is not None else None,
                 )
     finally:
         if backend is not None:
@@ -325,12 +327,14 @@ async def _rl_with_engines(
     stop: StopFlag,
     loop_state: dict[str, Any] | None = None,
     eval_items: list[Any] | None = None,
+    trainer_pid: int | None = None,
 ) -> dict[str, float]:
     """RL with the engines up; `resumed` = (step, weight version, that step's stored metrics)."""
     root = checkpoint_root(config, run_dir, "rl")
     total = config.training.rl_steps
     start, version, step_metrics = resumed
-    logger = make_logger(config, run_dir / RL_METRICS, total, "rl ", start if start else None)
+    resume_step = start if start else None
+    logger = make_logger(config, run_dir / RL_METRICS, total, "rl ", resume_step, trainer_pid)
     last = last_step(run_dir / RL_METRICS)
     if start and step_metrics and (last is None or last < start):  # killed after the checkpoint
         logger.log(start, step_metrics)  # and before its line: the line comes from the checkpoint
@@ -418,7 +422,10 @@ async def _rl_with_engines(
 
         return deliver
 
+    empty = EmptySteps()  # steps with nothing to train on: said on the console, with why
+
     def log_samples(step: int, batch: Any) -> None:
+        empty.see(step, batch)
         n = config.logging.rollouts_per_step
         decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
         logger.log_samples(step, batch.samples[:n], decode)
@@ -456,6 +463,8 @@ async def _rl_with_engines(
             with trio.CancelScope(shield=True):
                 await distributed.close(pool.engines)
         clean_sync_root(sync_root, configured)
+    updated = int(result.weight_version) != version or stop()
+    empty.check_updated(start, result.steps, updated)  # else a run that trained nothing exits 0
     acc = result.last_metrics.get("eval/accuracy")
     if acc is not None:
         print(f"[train] held-out accuracy after RL: {acc:.3f} (step {result.steps})", flush=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import signal
 from pathlib import Path
@@ -23,6 +24,7 @@ from rollouts.models.sources import download_hub_model, fetch_source, looks_like
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model, spec_differences
 from rollouts.plugins import import_object, is_async_callable
 from rollouts.training.disk import write_error
+from rollouts.training.memory import MemoryWatch
 from rollouts.training.metrics import ConsoleSink, JsonlSink, MetricsLogger, truncate_jsonl
 from rollouts.training.run_lock import LOCK_NAME
 from rollouts.types import PromptItem
@@ -206,9 +208,15 @@ def with_response_text(reward_fn: Any, tokenizer: Any) -> Any:
 
 
 def make_logger(
-    config: Config, path: Path, total: int, prefix: str, resume_step: int | None
+    config: Config,
+    path: Path,
+    total: int,
+    prefix: str,
+    resume_step: int | None,
+    trainer_pid: int | None = None,
 ) -> MetricsLogger:
-    """metrics file + console (+ TensorBoard / wandb when the config asks)."""
+    """metrics file + console (+ TensorBoard / wandb when the config asks); every step also
+    logs the driver's RSS (and the trainer process's, `trainer_pid`) and warns on steady growth."""
     sinks: list[Any] = [JsonlSink(path, resume_step)]
     if config.logging.console:
         sinks.append(ConsoleSink(total, prefix))
@@ -235,4 +243,7 @@ def make_logger(
         truncate_jsonl(rollouts_path, resume_step)
     elif rollouts_path is not None and rollouts_path.exists():
         rollouts_path.unlink()
-    return MetricsLogger(sinks, rollouts_path)
+    processes = {"driver": os.getpid()}
+    if trainer_pid is not None:
+        processes["trainer"] = trainer_pid
+    return MetricsLogger(sinks, rollouts_path, probes=[MemoryWatch(processes=processes)])

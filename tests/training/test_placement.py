@@ -15,6 +15,7 @@ import pytest
 from rollouts.config import config_from_dict
 from rollouts.inference.launch import EngineSpec, engine_process
 from rollouts.training.backends.core import TrainerCore
+from rollouts.training.metrics import read_jsonl_rows
 from rollouts.training.placement import CpuPlan, cpu_plan, plan_cpus
 from rollouts.training.quick_start import quick_start_training
 from rollouts.types import Sample
@@ -145,6 +146,9 @@ def test_an_async_run_keeps_training_driver_and_engine_apart(
     )
     plan = plan_cpus(CORES, 1, pin_driver=True)
     assert plan is not None
+    rows = read_jsonl_rows(tmp_path / "run" / "metrics.jsonl")
+    has_trainer_rss = ["perf/trainer_rss_mb" in row for row in rows if row["step"] > 0]
+    assert has_trainer_rss == [trainer_process == "auto"] * 3  # the trainer process's memory
     if trainer_process == "off":
         assert seen["train"] == {frozenset(plan.trainer)}
     else:  # the child's threads: the training thread and the others, apart (start-up work,

@@ -99,6 +99,7 @@ def test_sft_then_rl_end_to_end(tmp_path: Path) -> None:
         "time/train_s",
         "time/sync_s",
         "policy/version",
+        "perf/driver_rss_mb",
     ):
         assert key in last, key
     assert last["policy/version"] == 3.0

@@ -1,0 +1,65 @@
+"""A run whose every sample fails says so (issue 27 item 11): with every reward timing out and
+rl_steps = 1 it used to exit 0 with a checkpoint and no reason on the console.
+
+train.py's `main` in this process, with the real built-in engine in its own process."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from rollouts.training.cli import main
+from rollouts.training.empty_steps import empty_batch_reason
+from rollouts.types import RolloutBatch
+from tests.training.test_train_e2e import _config
+
+
+def too_slow(sample: object) -> float:
+    """A reward function slower than rollout.reward_timeout_s = 0.2 s."""
+    time.sleep(1.0)
+    return 1.0
+
+
+def test_empty_batch_reason_names_failures_drops_and_the_first_error() -> None:
+    meta = {
+        "failed_samples": 8,
+        "drop_reasons": {"failed": 4, "zero_std": 0},
+        "errors": ["reward_fn x timed out after 0.2 s", "another"],
+    }
+    reason = empty_batch_reason(RolloutBatch(groups=(), metadata=meta))
+    assert reason == (
+        "no trainable sample (8 sample(s) failed, groups dropped by the filters: {'failed': 4}); "
+        "first error: reward_fn x timed out after 0.2 s"
+    )
+    assert empty_batch_reason(RolloutBatch(groups=())) == "no trainable sample (no group was kept)"
+
+
+def test_a_run_where_every_reward_times_out_says_why_and_fails(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"{a}+1=", "label": "x"}) + "\n" for a in "123"))
+    config = _config(
+        tmp_path,
+        model={"path": str(tiny_model_dir)},
+        model__tiny={"enabled": False},
+        data={"prepare": "", "train_path": str(train), "sft_path": "", "eval_path": ""},
+        training={"rl_steps": 1},
+        rollout={
+            "reward_fn": f"{__name__}.too_slow",
+            "reward_timeout_s": 0.2,
+            "max_over_sampling_rounds": 1,
+        },
+        logging={"progress_bar": False},
+    )
+    with pytest.warns(Warning, match="only 0/2 groups kept"):
+        code = main(["--mode", "rl", "--config", str(config)])
+    captured = capsys.readouterr()
+    assert code == 1, captured.out[-2000:] + captured.err[-2000:]  # was: 0, and no word
+    assert "[train] RL step 1: no trainable sample (4 sample(s) failed" in captured.out
+    assert f"first error: reward_fn {__name__}.too_slow timed out after 0.2 s" in captured.out
+    assert "error: RL made no update in 1 step(s) (steps 1-1)" in captured.err, captured.err
+    assert "rollout.reward_timeout_s" in captured.err
