@@ -17,6 +17,7 @@ from pathlib import Path
 
 WINDOW_STEPS = 10  # steps the growth is judged over
 MIN_RISES = 8  # of the WINDOW_STEPS step-to-step changes, at least this many are rises
+RISE_MB = 1.0  # a smaller change is noise (the allocator moves a few pages either way)
 MIN_GROWTH_MB = 100.0
 MIN_GROWTH_RATIO = 0.2
 WARM_UP_STEPS = 2  # the first steps grow anyway (allocator, caches, compiled kernels)
@@ -41,7 +42,7 @@ def steady_growth(history_mb: Sequence[float]) -> float | None:
     if len(judged) < WINDOW_STEPS + 1:
         return None
     window = judged[-(WINDOW_STEPS + 1) :]
-    rises = sum(1 for a, b in itertools.pairwise(window) if b > a)
+    rises = sum(1 for a, b in itertools.pairwise(window) if b - a >= RISE_MB)
     growth = window[-1] - window[0]
     enough = growth >= max(MIN_GROWTH_MB, MIN_GROWTH_RATIO * window[0])
     return growth if rises >= MIN_RISES and enough else None

@@ -29,6 +29,11 @@ GROWER = textwrap.dedent(
 def test_steady_growth_is_told_from_warm_up_and_a_plateau() -> None:
     warm_then_flat = [400.0, 600.0, 700.0] + [700.0 + (i % 2) for i in range(20)]
     assert steady_growth(warm_then_flat) is None
+    # the demo's trainer process (step 0 on): a jump on its first steps, then flat, with rises
+    # of a fraction of a MB (they once made a false warning at step 12)
+    demo = [364.7, 467.0, 434.1, 547.9, 547.91, 548.0, 541.1, 544.0, 544.02, 546.2, 546.23]
+    demo += [544.0, 548.0, 548.01, 548.02, 548.03]
+    assert all(steady_growth(demo[:n]) is None for n in range(len(demo) + 1))
     leak = [427.0 + 34.0 * i for i in range(20)]  # the 427 -> 1101 MB in 20 steps
     assert steady_growth(leak) == pytest.approx(340.0)
     assert steady_growth(leak[:12]) is None  # too few steps to judge
