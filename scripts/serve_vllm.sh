@@ -3,7 +3,8 @@
 #   bash scripts/serve_vllm.sh MODEL_DIR [PORT] [more vLLM arguments...]
 # Dev mode is on (the RL routes: /collective_rpc reload, /pause, /resume, /abort_requests,
 # /update_weight_version, /weight_info); fp32 so the engine's logprobs match the trainer's.
-# Environment: VLLM_CPU_KVCACHE_SPACE (KV cache GiB, default 2), MAX_MODEL_LEN (default 1024),
+# Environment: VLLM_CPU_KVCACHE_SPACE (KV cache GiB, default 2), MAX_MODEL_LEN (default: the
+# model's max_position_embeddings),
 # VLLM_CPU_OMP_THREADS_BIND (the cores of its worker, e.g. "1"; vLLM's default takes one core
 # and reserves another). Builds .venv-vllm first when missing (scripts/vllm_env.sh).
 set -euo pipefail
@@ -16,5 +17,7 @@ shift $(( $# >= 2 ? 2 : 1 ))
 bash "$ROOT/scripts/vllm_env.sh"
 export VLLM_SERVER_DEV_MODE=1
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
+len_args=()
+[ -n "${MAX_MODEL_LEN:-}" ] && len_args=(--max-model-len "$MAX_MODEL_LEN")
 exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$model" \
-  --host 127.0.0.1 --port "$port" --dtype float32 --max-model-len "${MAX_MODEL_LEN:-1024}" "$@"
+  --host 127.0.0.1 --port "$port" --dtype float32 "${len_args[@]}" "$@"
