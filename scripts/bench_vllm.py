@@ -66,7 +66,8 @@ async def builtin_batch(engine: SGLangEngine, reqs: list[GenerateRequest], group
 
     async def one(chunk: list[GenerateRequest]) -> None:
         nonlocal tokens
-        tokens += sum(len(c.output_ids) for c in await engine.generate_many(chunk))
+        done = await engine.generate_many(chunk)  # awaited before `tokens` is read
+        tokens += sum(len(c.output_ids) for c in done)
 
     async with trio.open_nursery() as nursery:
         for i in range(0, len(reqs), group):
@@ -79,7 +80,8 @@ async def vllm_batch(engine: VLLMEngine, reqs: list[GenerateRequest]) -> int:
 
     async def one(r: GenerateRequest) -> None:
         nonlocal tokens
-        tokens += len((await engine.generate(r.input_ids, r.sampling, rid=r.rid)).output_ids)
+        done = await engine.generate(r.input_ids, r.sampling, rid=r.rid)
+        tokens += len(done.output_ids)
 
     async with trio.open_nursery() as nursery:
         for r in reqs:
@@ -154,7 +156,9 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = model_dir(args.model, Path(tmp))
-        proc, url, ready_s = start_vllm(model, Path(tmp) / "vllm.log")
+        log = ROOT / "runs" / f"bench_vllm-{args.model}.log"  # kept: vLLM says why it failed
+        log.parent.mkdir(exist_ok=True)
+        proc, url, ready_s = start_vllm(model, log)
         print(f"vLLM ({args.model}) ready in {ready_s:.1f}s")
         try:
             trio.run(bench, args, model, url)

@@ -19,5 +19,9 @@ export VLLM_SERVER_DEV_MODE=1
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
 len_args=()
 [ -n "${MAX_MODEL_LEN:-}" ] && len_args=(--max-model-len "$MAX_MODEL_LEN")
+# --no-enable-chunked-prefill: with it (vLLM's default) a seeded request whose prefill is split
+# over two steps kills the CPU engine ("CPU Generator does not use offset", vLLM 0.32), and
+# rollouts seeds every request; 128 concurrent RL requests split prefills within seconds
 exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$model" \
-  --host 127.0.0.1 --port "$port" --dtype float32 "${len_args[@]}" "$@"
+  --host 127.0.0.1 --port "$port" --dtype float32 --no-enable-chunked-prefill \
+  "${len_args[@]}" "$@"

@@ -33,7 +33,10 @@ from tests.real_vllm.conftest import VLLMServer
 from tests.training.backend_helpers import tiny_config
 
 FP32_MATCH = 1e-4  # engine vs trainer logprobs on the same weights, fp32
-LONG = SamplingParams(max_new_tokens=1800, temperature=1.0, ignore_eos=True, seed=1)
+# long enough to act on mid-way: ~5 s on SmolLM2 (one core, -O0). Not the tiny model: its
+# batch-of-one decode steps are so short that the box stalls (timers of other processes too)
+# until the request ends, so nothing can pause or abort it mid-way
+LONG = SamplingParams(max_new_tokens=100, temperature=1.0, ignore_eos=True, seed=1)
 
 
 class Trainer:
@@ -122,21 +125,19 @@ async def _running(engine: VLLMEngine, prompt: list[int], rid: str, box: list) -
 
 
 async def _mid_way() -> None:
-    """Give a request just sent time to be mid-way: 1800 tokens take ~5 s on the warm tiny
-    server (`_at_base` warms it after the reload), its first tokens come in tens of ms. (vLLM's
-    Prometheus counter is no progress signal: on these servers /metrics answered only after
-    the running request finished.)"""
+    """Give a request just sent time to be mid-way (SmolLM2 makes ~20 tokens a second here;
+    `_at_base` warmed the server after its reload)."""
     await trio.sleep(1.0)
 
 
 async def test_abort_by_request_id_returns_the_partial_output(
     vllm: dict[str, VLLMServer], trainers: dict[str, Trainer], tmp_path: Path
 ) -> None:
-    engine = await _at_base(vllm["tiny"], trainers["tiny"], tmp_path)
+    engine = await _at_base(vllm["smollm2"], trainers["smollm2"], tmp_path)
     kept, aborted = [], []
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_running, engine, _prompt(trainers["tiny"], 1), "grp-7-0", aborted)
-        nursery.start_soon(_running, engine, _prompt(trainers["tiny"], 2), "grp-8-0", kept)
+        nursery.start_soon(_running, engine, _prompt(trainers["smollm2"], 1), "grp-7-0", aborted)
+        nursery.start_soon(_running, engine, _prompt(trainers["smollm2"], 2), "grp-8-0", kept)
         await _mid_way()
         await engine.abort("grp-7")
     await engine.aclose()
@@ -150,8 +151,8 @@ async def test_abort_by_request_id_returns_the_partial_output(
 async def test_pause_with_a_request_running(
     vllm: dict[str, VLLMServer], trainers: dict[str, Trainer], mode: str, tmp_path: Path
 ) -> None:
-    trainer = trainers["tiny"]
-    engine = await _at_base(vllm["tiny"], trainer, tmp_path)
+    trainer = trainers["smollm2"]
+    engine = await _at_base(vllm["smollm2"], trainer, tmp_path)
     box: list = []
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_running, engine, _prompt(trainer, 3), "pause-0", box)
@@ -223,8 +224,8 @@ async def test_content_check_catches_a_stale_tied_head(
 async def test_partial_rollout_aborted_by_a_sync_continues_on_the_new_weights(
     vllm: dict[str, VLLMServer], trainers: dict[str, Trainer], tmp_path: Path
 ) -> None:
-    trainer = trainers["tiny"]
-    engine = await _at_base(vllm["tiny"], trainer, tmp_path)
+    trainer = trainers["smollm2"]
+    engine = await _at_base(vllm["smollm2"], trainer, tmp_path)
     prompt = _prompt(trainer, 5)
     box: list = []
     trainer.scale(1.02)
@@ -271,3 +272,28 @@ async def test_builtin_engine_matches_vllm(
             assert largest_gap(pa, pb)[0] < FP32_MATCH
         await builtin.aclose()
     await real.aclose()
+
+
+async def test_an_rl_batch_of_seeded_requests_survives(
+    vllm: dict[str, VLLMServer], trainers: dict[str, Trainer]
+) -> None:
+    """An RL batch at once: 16 prompts x 8 seeded samples (a group shares its prompt), 64 new
+    tokens each. With chunked prefill on (vLLM's default) this kills vLLM 0.32's CPU engine
+    within a round ("CPU Generator does not use offset": a seeded request whose sampled token
+    is discarded); scripts/serve_vllm.sh turns it off."""
+    engine = VLLMEngine(vllm["tiny2"].url)  # vLLM's default optimization level
+    vocab = trainers["tiny"].vocab
+    done: list = []
+
+    async def one(group: int, i: int) -> None:
+        prompt = list(probe_ids(vocab, 16 + 2 * group, seed=100 + group))
+        sampling = SamplingParams(max_new_tokens=64, temperature=1.0, ignore_eos=True, seed=i)
+        done.append(await engine.generate(prompt, sampling, rid=f"burst-{group}-{i}"))
+
+    for _ in range(2):
+        async with trio.open_nursery() as nursery:
+            for group in range(16):
+                for i in range(8):
+                    nursery.start_soon(one, group, i)
+    await engine.aclose()
+    assert len(done) == 256 and all(len(c.output_ids) == 64 for c in done)
