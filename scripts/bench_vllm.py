@@ -7,8 +7,9 @@ server one batch request per group (`SGLangEngine.generate_many`), vLLM one requ
 (`VLLMEngine.generate`, all 128 at once). Both servers run with their defaults, as their users
 start them (vLLM: `scripts/serve_vllm.sh`, compiled, its worker on one core with the other
 reserved; built-in: `rollouts serve`, every core), on the same model; rounds alternate between
-them and only one works at a time. Printed: start-up time, each round, the medians and the
-ratio built-in / vLLM of the batch time (above 1: vLLM is faster).
+them, and the engine not being measured is stopped (SIGSTOP: an idle vLLM's polling loops
+would otherwise take CPU from the built-in engine's rounds). Printed: start-up time, each round,
+the medians and the ratio built-in / vLLM of the batch time (above 1: vLLM is faster).
 
     .venv/bin/python scripts/bench_vllm.py                  # the demo's tiny model
     .venv/bin/python scripts/bench_vllm.py --model smollm2  # SmolLM2-135M-Instruct
@@ -113,7 +114,13 @@ def start_vllm(model: Path, log: Path) -> tuple[subprocess.Popen, str, float]:
         time.sleep(1.0)
 
 
-async def bench(args: argparse.Namespace, model: Path, vllm_url: str) -> None:
+def frozen(pid: int, stop: bool, group: bool) -> None:
+    """Stop or continue a server (vLLM: its whole process group; built-in: one process)."""
+    (os.killpg if group else os.kill)(pid, signal.SIGSTOP if stop else signal.SIGCONT)
+    time.sleep(0.5 if not stop else 0.1)
+
+
+async def bench(args: argparse.Namespace, model: Path, vllm_url: str, vllm_pgid: int) -> None:
     from transformers import AutoTokenizer
 
     vocab = min(len(AutoTokenizer.from_pretrained(model)), 2000)
@@ -129,12 +136,15 @@ async def bench(args: argparse.Namespace, model: Path, vllm_url: str) -> None:
         for r in range(args.rounds):
             reqs = requests(vocab, args.prompts, args.group, args.new_tokens, seed=r)
             for name in ("builtin", "vllm") if r % 2 == 0 else ("vllm", "builtin"):
+                idle = (vllm_pgid, True) if name == "builtin" else (proc.process.pid, False)
+                frozen(idle[0], True, idle[1])
                 t = time.monotonic()
                 if name == "builtin":
                     tokens = await builtin_batch(builtin, reqs, args.group)
                 else:
                     tokens = await vllm_batch(real, reqs)
                 times[name].append(time.monotonic() - t)
+                frozen(idle[0], False, idle[1])
                 assert tokens == len(reqs) * args.new_tokens, f"{name}: {tokens} tokens"
                 took = times[name][-1]
                 print(f"round {r} {name:8s} {took:7.2f}s  {tokens / took:8.0f} tok/s")
@@ -161,7 +171,7 @@ def main() -> None:
         proc, url, ready_s = start_vllm(model, log)
         print(f"vLLM ({args.model}) ready in {ready_s:.1f}s")
         try:
-            trio.run(bench, args, model, url)
+            trio.run(bench, args, model, url, os.getpgid(proc.pid))
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(30)
