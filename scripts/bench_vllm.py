@@ -4,11 +4,13 @@ The RL-shaped batch: 16 prompts x 8 samples = 128 sequences, temperature 1 with 
 sample, EOS ignored so every sequence has exactly `--new-tokens` (64) tokens, the logprob of each
 sampled token returned. Each engine gets it the way the rollout manager sends it: the built-in
 server one batch request per group (`SGLangEngine.generate_many`), vLLM one request per sample
-(`VLLMEngine.generate`, all 128 at once). Both servers run with their defaults, as their users
-start them (vLLM: `scripts/serve_vllm.sh`, compiled, its worker on one core with the other
-reserved; built-in: `rollouts serve`, every core), on the same model; rounds alternate between
-them, and the engine not being measured is stopped (SIGSTOP: an idle vLLM's polling loops
-would otherwise take CPU from the built-in engine's rounds). Printed: start-up time, each round,
+(`VLLMEngine.generate`, all 128 at once). Each computes on one core, the same one (`--core`,
+default 1): vLLM as `scripts/serve_vllm.sh` starts it (compiled, its default level; its worker
+bound there, `VLLM_CPU_OMP_THREADS_BIND`), the built-in engine as a run places it
+(`rollouts serve --cpus` with one torch thread; with two threads on a shared 2-core box its
+OpenMP spin-waits make it up to 30x slower whenever anything else runs). Rounds alternate, and
+the engine not being measured is stopped (SIGSTOP: an idle vLLM's polling loops would otherwise
+take CPU from the built-in engine's rounds). Printed: start-up time, each round,
 the medians and the ratio built-in / vLLM of the batch time (above 1: vLLM is faster).
 
     .venv/bin/python scripts/bench_vllm.py                  # the demo's tiny model
@@ -90,10 +92,11 @@ async def vllm_batch(engine: VLLMEngine, reqs: list[GenerateRequest]) -> int:
     return tokens
 
 
-def start_vllm(model: Path, log: Path) -> tuple[subprocess.Popen, str, float]:
+def start_vllm(model: Path, log: Path, core: int) -> tuple[subprocess.Popen, str, float]:
     port = free_port()
     started = time.monotonic()
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
     with log.open("w") as out:
         proc = subprocess.Popen(
             ["bash", str(ROOT / "scripts/serve_vllm.sh"), str(model), str(port)],
@@ -125,7 +128,7 @@ async def bench(args: argparse.Namespace, model: Path, vllm_url: str, vllm_pgid:
 
     vocab = min(len(AutoTokenizer.from_pretrained(model)), 2000)
     started = time.monotonic()
-    async with engine_process(model, max_batch=128) as proc:
+    async with engine_process(model, max_batch=128, torch_threads=1, cpus=(args.core,)) as proc:
         print(f"built-in engine ready in {time.monotonic() - started:.1f}s")
         builtin = SGLangEngine(proc.url, options=OPTIONS)
         real = VLLMEngine(vllm_url, options=OPTIONS)
@@ -163,12 +166,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--core", type=int, default=1, help="the core both engines compute on")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = model_dir(args.model, Path(tmp))
         log = ROOT / "runs" / f"bench_vllm-{args.model}.log"  # kept: vLLM says why it failed
         log.parent.mkdir(exist_ok=True)
-        proc, url, ready_s = start_vllm(model, log)
+        proc, url, ready_s = start_vllm(model, log, args.core)
         print(f"vLLM ({args.model}) ready in {ready_s:.1f}s")
         try:
             trio.run(bench, args, model, url, os.getpgid(proc.pid))

@@ -54,8 +54,10 @@ def main() -> None:
         cost = row["sync/check_s_max"] + row.get("sync/probe_s", 0.0)
         step = row["perf/step_time_s"]
         print(
-            f"step {row['step']:3d}: check {1000 * cost:7.1f} ms of a {step:6.2f} s step "
-            f"({100 * cost / step:5.2f}%), gap {row['sync/content_gap_max']:.1e}"
+            f"step {row['step']:3d}: check {1000 * cost:6.1f} ms (trainer "
+            f"{1000 * row.get('sync/probe_s', 0.0):5.1f}, engine "
+            f"{1000 * row['sync/check_s_max']:5.1f}) of a {step:5.2f} s step "
+            f"({100 * cost / step:4.2f}%), gap {row['sync/content_gap_max']:.1e}"
         )
         if row["step"] >= 2:
             fractions.append(cost / step)

@@ -94,7 +94,7 @@ def input_logprobs_body(input_ids: Sequence[int]) -> dict[str, Any]:
     assert len(input_ids) >= 2, "a prompt-logprobs probe needs two tokens"
     return {
         "input_ids": list(input_ids),
-        "sampling_params": {"max_new_tokens": 1, "temperature": 1.0, "sampling_seed": 0},
+        "sampling_params": {"max_new_tokens": 0},  # score the prompt, generate nothing
         "return_logprob": True,
         "logprob_start_len": 0,
     }

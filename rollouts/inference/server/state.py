@@ -12,9 +12,10 @@ from typing import Any
 import torch
 import trio
 
+from rollouts.inference.protocol import FinishReason
 from rollouts.inference.server.core import EngineCore, PromptLogprob, Sequence
 from rollouts.inference.server.sampling import BadRequest, SamplingSpec
-from rollouts.inference.server.scheduler import allowed_new_tokens
+from rollouts.inference.server.scheduler import Stop, allowed_new_tokens
 from rollouts.inference.server.weights import WeightLoadError
 
 log = logging.getLogger(__name__)
@@ -124,8 +125,10 @@ class ServerState:
         self.check_count(sum(n for *_, n in prompts), "n")
         events: list[trio.Event] = []
         groups = [self._sequences(*prompt, events) for prompt in prompts]
-        seqs = [s for g in groups for s in g]
-        if not self.core.submit(seqs):
+        seqs = [s for g in groups for s in g if s.max_new > 0]
+        for seq in (s for g in groups for s in g if s.max_new == 0):  # nothing to generate:
+            self._finish_now(seq)  # a scoring request (prompt logprobs) skips the batch
+        if seqs and not self.core.submit(seqs):
             running, waiting = self.core.load()
             raise ServiceUnavailable(
                 f"the waiting queue is full: {waiting} sequences wait ({running} running), "
@@ -166,6 +169,12 @@ class ServerState:
                 )
             )
         return group
+
+    def _finish_now(self, seq: Sequence) -> None:
+        """Answer a sequence with no token to generate at once, as the weights served now."""
+        seq.stop = Stop(reason=FinishReason.LENGTH, matched=None)
+        seq.weight_version = self.core.weight_version
+        seq.notify(seq)
 
     def _notifier(self, event: trio.Event) -> Callable[[Sequence], None]:
         def notify(_seq: Sequence) -> None:
