@@ -143,20 +143,26 @@ async def _one_of_refused(out: list[Sample], i: int, ctx: GenerateContext) -> No
 
 
 async def generate_group_single_turn(
-    samples: Sequence[Sample], ctx: GenerateContext, rids: Sequence[str]
+    samples: Sequence[Sample],
+    ctx: GenerateContext,
+    rids: Sequence[str],
+    seeds: Sequence[int | None] | None = None,
 ) -> list[Sample]:
     """`generate_single_turn` for several samples (a group) as ONE batch engine request.
 
     `ctx.engine` must take batches (`batches_requests`); sample i is sent with request id
-    `rids[i]`, so aborting by prefix reaches each. A refused batch (HTTP 4xx: a bad prompt)
-    is sent again sample by sample, so that only the bad sample fails. Any other error of the
-    batch call is raised (the caller fails the samples it sent).
+    `rids[i]`, so aborting by prefix reaches each, and sampling seed `seeds[i]` (default: the
+    seed of `ctx.sampling` for every sample). A refused batch (HTTP 4xx: a bad prompt) is sent
+    again sample by sample, so that only the bad sample fails. Any other error of the batch call
+    is raised (the caller fails the samples it sent).
     """
     assert len(samples) == len(rids), f"{len(samples)=} != {len(rids)=}"
+    seeds = [ctx.sampling.seed] * len(samples) if seeds is None else list(seeds)
+    assert len(seeds) == len(samples), f"{len(seeds)=} != {len(samples)=}"
     out = list(samples)
     todo: list[tuple[int, GenerateRequest]] = []
     encoded: dict[int, tuple[int, ...]] = {}  # id(prompt) -> ids: a group's prompt encoded once
-    for i, (sample, rid) in enumerate(zip(samples, rids, strict=True)):
+    for i, (sample, rid, seed) in enumerate(zip(samples, rids, seeds, strict=True)):
         if sample.status in DONE_STATUSES:
             continue
         if not is_resumable(sample) and id(sample.prompt) not in encoded:
@@ -171,7 +177,7 @@ async def generate_group_single_turn(
         if left == 0:
             out[i] = _nothing_left(sample, input_ids, ctx)
             continue
-        params = dataclasses.replace(ctx.sampling, max_new_tokens=left)
+        params = dataclasses.replace(ctx.sampling, max_new_tokens=left, seed=seed)
         todo.append((i, GenerateRequest(input_ids=input_ids, sampling=params, rid=rid)))
     if not todo:
         return out
@@ -182,9 +188,12 @@ async def generate_group_single_turn(
             raise
         async with trio.open_nursery() as nursery:
             for i, request in todo:
-                nursery.start_soon(
-                    _one_of_refused, out, i, dataclasses.replace(ctx, rid=request.rid or ctx.rid)
+                alone = dataclasses.replace(
+                    ctx,
+                    rid=request.rid or ctx.rid,
+                    sampling=dataclasses.replace(ctx.sampling, seed=request.sampling.seed),
                 )
+                nursery.start_soon(_one_of_refused, out, i, alone)
         return out
     for (i, request), completion in zip(todo, completions, strict=True):
         out[i] = apply_completion(

@@ -19,6 +19,10 @@ With the default single-turn generate function and engines that take batches (SG
 built-in server), a group's samples go to the engine as ONE request (`rollout.batch_groups`):
 one HTTP round trip instead of n, the shared prompt prefilled once; each sample keeps its own
 request id, so aborts, partial resumes and weight versions stay per sample.
+
+Given the run's seed, every request carries a sampling seed derived from the batch number and
+the sample (`seeds.request_seed`), and the kept groups come out in group order, not in the
+order they finished: the same seed gives the same batch, whatever the timing.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ from rollouts.rollout.planning import (
     new_round_state,
 )
 from rollouts.rollout.protocol import GenerateContext, GenerateFn, GroupFilter
+from rollouts.rollout.seeds import request_seed
 from rollouts.types import RolloutBatch, Sample, Status
 
 Group = tuple[Sample, ...]
@@ -93,6 +98,7 @@ class _BatchRun:
 
     state: RoundState
     batch_id: str
+    number: int  # the batch number the sampling seeds derive from
     reward: Callable[..., Any]
     limiter: trio.CapacityLimiter
     send: trio.MemorySendChannel[GroupResult]
@@ -139,8 +145,10 @@ class AsyncRolloutManager:
         reward_fn: str | Callable[..., Any] | None = None,
         filters: Sequence[str | GroupFilter] | None = None,
         env_factory: str | EnvFactory | None = None,
+        seed: int | None = None,
     ) -> None:
         self.buffer = data_buffer
+        self.seed = seed  # the run's seed; None: requests carry no sampling seed
         self.config = config
         self.engines = engines
         self.tokenizer = tokenizer
@@ -168,11 +176,13 @@ class AsyncRolloutManager:
         *,
         policy_version: str | None = None,
         max_staleness: int | None = None,
+        batch_number: int | None = None,
     ) -> RolloutBatch:
         """One batch of `batch_size` kept groups of `n_samples_per_prompt` (see module doc).
 
         With `policy_version` and `max_staleness`, partial groups already staler than the bound
-        are dropped (counted) before any generation is spent on them.
+        are dropped (counted) before any generation is spent on them. `batch_number` (the RL
+        step's batch; default: the batches this manager made) enters the sampling seeds.
         """
         reward = load_function(reward_fn, RewardFn) if reward_fn else self.reward_fn
         if reward is None:
@@ -187,6 +197,7 @@ class AsyncRolloutManager:
         run = _BatchRun(
             state=new_round_state(self.config.batch_size, self.config.over_sampling_factor),
             batch_id=f"b{self.batches_made}-{uuid.uuid4().hex[:8]}",
+            number=self.batches_made if batch_number is None else batch_number,
             reward=reward,
             limiter=trio.CapacityLimiter(self.config.max_concurrency),
             send=send,
@@ -246,11 +257,17 @@ class AsyncRolloutManager:
         async with send:
             await send.send(GroupResult(group=scored, gen_time_s=sum(times), gen_tokens=gen_tokens))
 
+    def _seed(self, run: _BatchRun, sample: Sample, i: int) -> int | None:
+        """Sample i's sampling seed in this batch (None when the run gave no seed)."""
+        if self.seed is None:
+            return None
+        return request_seed(self.seed, run.number, sample.group_index, i, sample.response_length)
+
     def _context(self, run: _BatchRun, sample: Sample, i: int) -> GenerateContext:
         return GenerateContext(
             engine=self.engines,
             tokenizer=self.tokenizer,
-            sampling=self.sampling,
+            sampling=dataclasses.replace(self.sampling, seed=self._seed(run, sample, i)),
             rid=self._rid(run, sample, i),
             max_total_tokens=self.config.max_total_tokens,
             max_turns=self.config.max_turns,
@@ -307,6 +324,7 @@ class AsyncRolloutManager:
                     return  # not started: stays PENDING / ABORTED
                 before = [samples[i] for i in chunk]
                 rids = [self._rid(run, samples[i], i) for i in chunk]
+                seeds = [self._seed(run, samples[i], i) for i in chunk]
                 t0 = time.perf_counter()
                 try:
                     after = await self.threads.call(
@@ -316,6 +334,7 @@ class AsyncRolloutManager:
                         before,
                         self._context(run, before[0], chunk[0]),
                         rids,
+                        seeds,
                     )
                 except CallTimeout as e:
                     after = [fail_sample(s, str(e)) for s in before]
@@ -413,8 +432,9 @@ class AsyncRolloutManager:
         if short:
             warnings.warn(message, ShortBatchWarning, stacklevel=2)
         total = run.gen_time_s["total"]
+        kept = sorted(run.kept, key=lambda g: g[0].group_index)  # not the order they finished
         meta = build_batch_metadata(
-            run.kept,
+            kept,
             dropped=run.dropped,
             elapsed_s=elapsed_s,
             generated_tokens=run.counts["generated_tokens"],
@@ -428,4 +448,4 @@ class AsyncRolloutManager:
             discarded_fraction=run.gen_time_s["discarded"] / total if total > 0 else 0.0,
             **{k: v for k, v in run.counts.items() if k != "generated_tokens"},
         )
-        return convert_to_batch(run.kept, meta)
+        return convert_to_batch(kept, meta)

@@ -339,7 +339,12 @@ async def _rl_with_engines(
     if start and step_metrics and (last is None or last < start):  # killed after the checkpoint
         logger.log(start, step_metrics)  # and before its line: the line comes from the checkpoint
     manager = AsyncRolloutManager(
-        buffer, config.rollout, pool, tokenizer=tokenizer, reward_fn=reward_fn
+        buffer,
+        config.rollout,
+        pool,
+        tokenizer=tokenizer,
+        reward_fn=reward_fn,
+        seed=config.run.seed,  # sampling seeds of every request (reproducible runs)
     )
     evaluate_fn = _eval_hook(config, pool, tokenizer, reward_fn, manager, eval_items or [])
     # weights-only copies for the engines (in /dev/shm when there is one); one root per run,

@@ -104,7 +104,7 @@ class BatchSource:
         started = time.monotonic()
         version, bound = self.staleness(number)
         batch = await self.manager.generate_batch(
-            self.reward_fn, policy_version=version, max_staleness=bound
+            self.reward_fn, policy_version=version, max_staleness=bound, batch_number=number
         )
         return batch, time.monotonic() - started
 
