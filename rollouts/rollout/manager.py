@@ -43,6 +43,7 @@ from rollouts.data.buffer import DataBuffer
 from rollouts.envs import resolve_env_factory
 from rollouts.envs.protocol import EnvFactory
 from rollouts.envs.threads import CallTimeout, ThreadRunner
+from rollouts.inference.http import EngineUnavailable
 from rollouts.inference.protocol import InferenceEngine, batches_requests
 from rollouts.plugins import load_function
 from rollouts.rewards.protocol import RewardFn
@@ -108,6 +109,8 @@ class _BatchRun:
     partial: list[Group] = dataclasses.field(default_factory=list)
     dropped: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     errors: list[str] = dataclasses.field(default_factory=list)
+    lost: EngineUnavailable | None = None  # no engine could generate: the batch is lost
+    scope: trio.CancelScope | None = None  # the batch's nursery (a lost batch cancels it)
     counts: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     gen_time_s: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
@@ -204,6 +207,7 @@ class AsyncRolloutManager:
         )
         run.counts["stale_partial_groups"] = stale
         async with send, recv, trio.open_nursery() as nursery:
+            run.scope = nursery.cancel_scope
             self._submit(run, nursery)
             while run.state.in_flight > 0:
                 result = await recv.receive()
@@ -216,7 +220,10 @@ class AsyncRolloutManager:
                     nursery.start_soon(self._abort_until_cancelled, run.batch_id)
                 else:
                     self._submit(run, nursery)
-            nursery.cancel_scope.cancel()  # stops the abort loop; no sample task is left
+            nursery.cancel_scope.cancel()  # stops the abort loop (and a lost batch's samples)
+        if run.lost is not None:  # nothing kept: the caller gives the prompts back
+            self.batches_made += 1
+            raise run.lost
         return self._finish(run, time.perf_counter() - start)
 
     def _submit(self, run: _BatchRun, nursery: trio.Nursery) -> None:
@@ -305,6 +312,9 @@ class AsyncRolloutManager:
                     )
             except CallTimeout as e:  # says what timed out, and after how long
                 out = fail_sample(sample, str(e))
+            except EngineUnavailable as e:  # no engine is left: not this sample's fault
+                self._lose(run, e)
+                return
             except Exception as e:
                 out = fail_sample(sample, f"generate_fn raised {type(e).__name__}: {e}")
             times[i] = time.perf_counter() - t0
@@ -338,6 +348,9 @@ class AsyncRolloutManager:
                     )
                 except CallTimeout as e:
                     after = [fail_sample(s, str(e)) for s in before]
+                except EngineUnavailable as e:  # no engine is left: the batch is lost
+                    self._lose(run, e)
+                    return
                 except Exception as e:
                     error = f"generate_fn raised {type(e).__name__}: {e}"
                     after = [fail_sample(s, error) for s in before]
@@ -345,6 +358,13 @@ class AsyncRolloutManager:
                 for i, old, new in zip(chunk, before, after, strict=True):
                     times[i], samples[i] = elapsed, new
                     self._count_resume(run, old, new)
+
+    @staticmethod
+    def _lose(run: _BatchRun, error: EngineUnavailable) -> None:
+        """No engine could generate: the whole batch stops now (`generate_batch` raises)."""
+        run.lost = run.lost or error
+        assert run.scope is not None, "a batch's samples run inside its nursery"
+        run.scope.cancel()
 
     @contextlib.asynccontextmanager
     async def _borrow(self, run: _BatchRun, k: int) -> AsyncIterator[None]:
