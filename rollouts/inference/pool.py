@@ -63,6 +63,7 @@ class EnginePool:
         self.wait_for_up_s = wait_for_up_s
         self.failed_checks = [0] * len(self.engines)
         self.up = [True] * len(self.engines)
+        self.gone = [False] * len(self.engines)  # exited for good: no restart will bring it back
         self.in_flight = [0] * len(self.engines)
         # the weights every engine must serve (None: not known yet; any version is fine)
         self.version: str | None = None
@@ -72,6 +73,13 @@ class EnginePool:
     def mark_down(self, index: int) -> None:
         """Stop routing to engine `index` until a health check passes."""
         self.up[index] = False
+
+    def mark_gone(self, url: str) -> None:
+        """Engine `url` exited and will not be restarted: down for good, and a request no
+        longer waits for it to come back (with every engine gone, `wait_for_up` returns)."""
+        index = [e.url for e in self.engines].index(url)
+        self.mark_down(index)
+        self.gone[index] = True
 
     async def generate(
         self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None
@@ -115,9 +123,10 @@ class EnginePool:
         await self.wait_for_up()
 
     async def wait_for_up(self) -> bool:
-        """Wait up to `wait_for_up_s` for an engine to be up (health checks bring them back)."""
+        """Wait up to `wait_for_up_s` for an engine to be up (health checks bring them back);
+        not at all once every engine is gone for good."""
         with trio.move_on_after(self.wait_for_up_s):
-            while not any(self.up):
+            while not any(self.up) and not all(self.gone):
                 await trio.sleep(min(0.2, self.health_interval_s))
         return any(self.up)
 

@@ -22,8 +22,9 @@ from tests.training.test_train_e2e import ROOT, _config, _expected_order, _order
 TRAIN = ROOT / "integration_training" / "train.py"
 
 
-def _run_until_killed(config: Path, run: Path, marker: str, log: Path) -> int:
-    """train.py until step 2 is logged, then SIGKILL its only engine; its exit code."""
+def _run_until_killed(config: Path, run: Path, marker: str, log: Path) -> tuple[int, float]:
+    """train.py until step 2 is logged, then SIGKILL its only engine; its exit code and the
+    seconds from the kill to its exit."""
     with log.open("w") as out:
         train = subprocess.Popen(
             [sys.executable, str(TRAIN), "--mode", "rl", "--config", str(config)],
@@ -41,7 +42,8 @@ def _run_until_killed(config: Path, run: Path, marker: str, log: Path) -> int:
             engines = server_pids(marker)
             assert len(engines) == 1, (engines, log.read_text()[-3000:])
             os.kill(engines[0], signal.SIGKILL)
-            return train.wait(timeout=240)
+            killed = time.monotonic()
+            return train.wait(timeout=240), time.monotonic() - killed
         finally:
             if train.poll() is None:
                 train.kill()
@@ -56,13 +58,15 @@ def test_the_last_trained_step_is_checkpointed_when_the_engines_die(
         data={"eval_size": 2},
         training={"rl_steps": 12},
         rollout={"mode": mode},
-        engines={"max_restarts": 0, "wait_for_up_s": 1.0, "health_interval_s": 0.5},
+        # no restart left: nothing to wait for (the 120 s would show in the time to stop)
+        engines={"max_restarts": 0, "wait_for_up_s": 120.0, "health_interval_s": 0.5},
         checkpoint={"every": 0},  # no periodic checkpoint: only the end (and the rescue)
     )
     run, marker, log = tmp_path / "run", str(tmp_path / "base"), tmp_path / "train.log"
-    code = _run_until_killed(config, run, marker, log)
+    code, stopping_s = _run_until_killed(config, run, marker, log)
     text = log.read_text()
     assert code != 0, text[-3000:]
+    assert stopping_s < 60.0, (stopping_s, text[-3000:])  # at once: not after wait_for_up_s
     # the engine's error, at once (a batch's, or in async mode maybe the weight sync's): not
     # after batches that trained nothing
     lost = "error: no healthy engine could generate" in text
