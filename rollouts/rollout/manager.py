@@ -10,7 +10,10 @@ re-filtered then, no generation). With `partial_rollouts` off, aborted groups go
 their prompts (counted in `restarted_groups`: regenerated from scratch, not dropped) and
 finished surplus groups are dropped (reason "surplus"). Given the policy version and the
 staleness bound, partial groups already too stale to train are dropped before any generation is
-spent on them (`stale_partial_groups`). How many groups to submit, and when the batch is done or
+spent on them (`stale_partial_groups`). What a batch throws away (filtered, surplus dropped,
+restarted, or too stale: generated in this batch or an earlier one) is counted in tokens
+(`discarded_tokens`, and `discarded_fraction` of the tokens generated in the batch; the trainer
+adds what it drops as stale). How many groups to submit, and when the batch is done or
 short, is decided by `planning` (pure).
 
 Generate functions run through a `ThreadRunner`: an async one is awaited, a sync one runs in a
@@ -53,6 +56,8 @@ from rollouts.rollout.batch import (
     ShortBatchError,
     build_batch_metadata,
     convert_to_batch,
+    discarded_fraction,
+    response_tokens,
     short_batch_message,
 )
 from rollouts.rollout.filters import resolve_filters, run_filters
@@ -191,11 +196,7 @@ class AsyncRolloutManager:
         if reward is None:
             raise ValueError("generate_batch needs a reward_fn (argument or rollout.reward_fn)")
         start = time.perf_counter()
-        stale = 0
-        if policy_version is not None and max_staleness is not None:
-            stale = self.buffer.drop_partial_groups(
-                lambda g: is_stale_partial(g, policy_version, max_staleness)
-            )
+        stale = self._drop_stale_partial(policy_version, max_staleness)
         send, recv = trio.open_memory_channel[GroupResult](self.config.max_concurrency)
         run = _BatchRun(
             state=new_round_state(self.config.batch_size, self.config.over_sampling_factor),
@@ -205,7 +206,8 @@ class AsyncRolloutManager:
             limiter=trio.CapacityLimiter(self.config.max_concurrency),
             send=send,
         )
-        run.counts["stale_partial_groups"] = stale
+        run.counts["stale_partial_groups"] = len(stale)
+        run.counts["discarded_tokens"] = sum(map(response_tokens, stale))  # made in earlier batches
         async with send, recv, trio.open_nursery() as nursery:
             run.scope = nursery.cancel_scope
             self._submit(run, nursery)
@@ -225,6 +227,22 @@ class AsyncRolloutManager:
             self.batches_made += 1
             raise run.lost
         return self._finish(run, time.perf_counter() - start)
+
+    def _drop_stale_partial(self, version: str | None, bound: int | None) -> list[Group]:
+        """Take the partial groups already staler than `bound` at `version` out of the buffer
+        (none without both); the groups taken."""
+        stale: list[Group] = []
+        if version is None or bound is None:
+            return stale
+
+        def is_stale(group: Group) -> bool:
+            if is_stale_partial(group, version, bound):
+                stale.append(group)
+                return True
+            return False
+
+        self.buffer.drop_partial_groups(is_stale)
+        return stale
 
     def _submit(self, run: _BatchRun, nursery: trio.Nursery) -> None:
         n = groups_to_submit(
@@ -424,6 +442,7 @@ class AsyncRolloutManager:
             run.counts["unstarted_samples"] += sum(s.status is Status.PENDING for s in group)
             if not self.config.partial_rollouts:  # back to the prompts: regenerated, not dropped
                 run.gen_time_s["discarded"] += result.gen_time_s
+                run.counts["discarded_tokens"] += response_tokens(group)
                 run.counts["restarted_groups"] += 1
                 group = tuple(reset_sample(s) for s in group)
             run.partial.append(group)
@@ -439,6 +458,7 @@ class AsyncRolloutManager:
             return
         run.dropped["surplus" if verdict.keep else verdict.reason] += 1
         run.gen_time_s["discarded"] += result.gen_time_s
+        run.counts["discarded_tokens"] += response_tokens(group)
 
     def _finish(self, run: _BatchRun, elapsed_s: float) -> RolloutBatch:
         self.buffer.add_partial_groups(run.partial)
@@ -465,7 +485,9 @@ class AsyncRolloutManager:
             abandoned_threads=self.threads.abandoned_alive,
             gen_time_s=total,
             discarded_gen_time_s=run.gen_time_s["discarded"],
-            discarded_fraction=run.gen_time_s["discarded"] / total if total > 0 else 0.0,
+            discarded_fraction=discarded_fraction(
+                run.counts["discarded_tokens"], run.counts["generated_tokens"]
+            ),
             **{k: v for k, v in run.counts.items() if k != "generated_tokens"},
         )
         return convert_to_batch(kept, meta)

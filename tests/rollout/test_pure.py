@@ -17,6 +17,7 @@ from rollouts.rollout.batch import (
     build_batch_metadata,
     compute_response_lengths,
     convert_to_batch,
+    discarded_fraction,
     extract_sample_fields,
     generate_rollout_batches,
     length_histogram,
@@ -194,6 +195,15 @@ def test_partial_sample_resumes_from_prompt_plus_partial_tokens(tok, mask_off_po
     assert final.loss_mask == (0, 0, *old, 1, 1)
     assert final.metadata["resumed_at"] == [3]
     assert prepare_request(partial, tok, params, len(partial.tokens) + 2)[1] == 2
+
+
+def test_discarded_fraction_counts_tokens_thrown_away_over_tokens_made() -> None:
+    """Issue 27, item 2: work thrown away in a batch (made in it or before) over work made."""
+    assert discarded_fraction(0, 0) == 0.0
+    assert discarded_fraction(0, 10) == 0.0
+    assert discarded_fraction(5, 10) == 0.5
+    assert discarded_fraction(30, 10) == 1.0  # a backlog of stale work dropped: at most 1
+    assert discarded_fraction(3, 0) == 1.0
 
 
 def test_sync_path_over_samples_until_the_batch_is_full() -> None:

@@ -50,6 +50,11 @@ def test_sync_mode_with_partial_rollouts_trains_nothing_stale(
     assert all(r["rollout/stale_groups_dropped"] == 0.0 for r in rows)  # dropped before: none
     assert sum(r["rollout/stale_partial_groups"] for r in rows) > 0  # saved work was stale
     assert all("rollout/short_batch" in r for r in rows)
+    # that stale work is generation thrown away (issue 27, item 2): counted where it is dropped
+    for r in rows:
+        assert (r["rollout/discarded_tokens"] > 0) == (r["rollout/stale_partial_groups"] > 0), r
+        fraction = min(r["rollout/discarded_tokens"] / r["rollout/generated_tokens"], 1.0)
+        assert r["rollout/discarded_fraction"] == pytest.approx(fraction), r
 
 
 @pytest.mark.filterwarnings("ignore::rollouts.rollout.manager.ShortBatchWarning")

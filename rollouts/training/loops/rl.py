@@ -33,6 +33,7 @@ from rollouts.algorithms.kl import AdaptiveKL
 from rollouts.algorithms.schedule import load_schedule
 from rollouts.config import AlgorithmConfig, Config
 from rollouts.inference.http import EngineError
+from rollouts.rollout.batch import discarded_fraction
 from rollouts.rollout.planning import staleness_bound
 from rollouts.training.loops.rl_batch import (
     PreparedGroups,
@@ -155,10 +156,15 @@ def _batch_metrics(
     metrics = rollout_metrics(prep.groups, rollout.metadata)
     # failed samples of every group the batch saw (a group of FAILED ones is never kept)
     failed = int(rollout.metadata.get("failed_samples", prep.failed_samples))
+    # the groups dropped here as stale are thrown away too (rollout/discarded_fraction)
+    discarded = int(rollout.metadata.get("discarded_tokens", 0)) + prep.stale_tokens
+    generated = int(rollout.metadata.get("generated_tokens", 0))
     metrics |= {
         "rollout/failed_samples": float(failed),
         "rollout/stale_groups_dropped": float(prep.stale_groups),
         "rollout/staleness_max": float(prep.max_staleness_seen),
+        "rollout/discarded_tokens": float(discarded),
+        "rollout/discarded_fraction": discarded_fraction(discarded, generated),
     }
     if is_async:
         metrics["time/generate_overlapped_s"] = gen_s
