@@ -402,8 +402,11 @@ class AsyncRolloutManager:
 
     @staticmethod
     def _count_resume(run: _BatchRun, before: Sample, after: Sample) -> None:
-        """Count an ABORTED sample that was continued (resumed) or started over (restarted)."""
+        """Count an ABORTED sample that was continued (resumed) or started over (restarted); one
+        aborted before its first token had nothing to resume or lose, and is neither."""
         if before.status is not Status.ABORTED or after.status is Status.FAILED:
+            return
+        if not before.tokens:
             return
         resumed = len(after.metadata.get("resumed_at", ())) > len(
             before.metadata.get("resumed_at", ())
