@@ -80,8 +80,8 @@ def test_a_run_whose_filter_drops_everything_names_the_filter(
             },
         )
     messages = " ".join(str(e) for e in _leaves(info.value))
-    assert "3 batches in a row trained nothing (the last step is 0)" in messages
-    assert "the filters dropped {'zero_reward_std': " in messages
+    assert "RL made no update in 3 batches in a row (after step 0)" in messages
+    assert "groups dropped by the filters: {'zero_reward_std': " in messages
     metrics = tmp_path / "run" / "metrics.jsonl"
     assert not metrics.exists() or _rows(tmp_path / "run") == []  # no update: no step
 

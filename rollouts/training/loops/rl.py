@@ -35,6 +35,7 @@ from rollouts.config import AlgorithmConfig, Config
 from rollouts.inference.http import EngineError
 from rollouts.rollout.batch import discarded_fraction
 from rollouts.rollout.planning import staleness_bound
+from rollouts.training.empty_steps import empty_batch_reason, no_update_error
 from rollouts.training.loops.rl_batch import (
     PreparedGroups,
     prefixed,
@@ -48,7 +49,6 @@ from rollouts.training.loops.rl_state import (
     LoopState,
     RLHooks,
     RLResult,
-    empty_batch_message,
     loop_state_from,
     train_version,
 )
@@ -172,19 +172,16 @@ def _batch_metrics(
 
 
 def _count_empty(st: LoopState, number: int, rollout: RolloutBatch, prep: PreparedGroups) -> None:
-    """Batch `number` trained nothing: counted apart, said on the console; the run stops after
-    `MAX_EMPTY_BATCHES` in a row."""
+    """Batch `number` trained nothing: counted apart, said on the console (with why); the run
+    stops after `MAX_EMPTY_BATCHES` in a row (NoUpdateError)."""
     st.empty_batches += 1
     st.empty_in_a_row += 1
     st.empty_since_step += 1
-    failed = int(rollout.metadata.get("failed_samples", prep.failed_samples))
-    why = empty_batch_message(number, failed, prep.stale_groups, rollout.metadata)
+    reason = empty_batch_reason(rollout, prep.stale_groups) or "no trainable sample"
     if st.empty_in_a_row >= MAX_EMPTY_BATCHES:
-        raise RuntimeError(
-            f"{MAX_EMPTY_BATCHES} batches in a row trained nothing (the last step is "
-            f"{st.step}); the last one: {why}"
-        )
-    print(f"[train] {why} ({st.empty_in_a_row}/{MAX_EMPTY_BATCHES} in a row)", flush=True)
+        raise no_update_error(st.empty_in_a_row, st.step, reason)
+    n = f"{st.empty_in_a_row}/{MAX_EMPTY_BATCHES} in a row"
+    print(f"[train] batch {number} trained nothing (not a step, {n}): {reason}", flush=True)
 
 
 async def _one_batch(ctx: _Ctx, st: LoopState) -> dict[str, float] | None:

@@ -109,14 +109,3 @@ def train_version(state: LoopState, number: int) -> int:
     group kept from the batch before is not resumed (or served) only to be dropped as stale by
     the trainer, leaving the step short of groups."""
     return state.version + max(0, number - 1 - state.batches)
-
-
-def empty_batch_message(number: int, failed: int, stale: int, meta: Mapping[str, Any]) -> str:
-    """Why batch `number` trained nothing (the console line, and the stopping error's text)."""
-    drops = dict(meta.get("drop_reasons", {}))
-    errors = list(meta.get("errors", []))[:3]
-    return (
-        f"batch {number} trained nothing (not a step): {failed} sample(s) failed, {stale} "
-        f"group(s) were too stale, and the filters dropped {drops} (group counts by filter "
-        f"reason); first errors: {errors}"
-    )
