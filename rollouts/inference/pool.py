@@ -8,22 +8,27 @@ waiting, bounded, for an engine to come back when none is left); a periodic heal
 200 and it serves the pool's weights: an engine that comes back with other weights (restarted on
 the starting model, or an external server restarted by hand) first reloads the pool's current
 weights (`set_weights`) and proves their version, under `weights_lock` so that it never
-interleaves with a weight sync. An engine that stops answering /health for `stall_timeout_s`
-(hung: SIGSTOPped, deadlocked, swapping) is marked down at once and the requests in flight
-there are cancelled and sent to the other engines (from their prompt, or the partial response
-they were resumed from: a hung engine gives back no tokens), instead of waiting out the
-request timeout while the other engines sit idle. Control calls (pause, resume, weights, abort)
-go to every engine that is up, concurrently.
+interleaves with a weight sync. Each engine has its own health-check loop, so one that waits
+for the weights lock never delays another's. An engine that stops answering /health for
+`stall_timeout_s` (hung: SIGSTOPped, deadlocked, swapping) is marked down at once and its calls
+in flight end (`hung.CallWatch`): a generation goes to the other engines (from its prompt, or
+the partial response it was resumed from: a hung engine gives back no tokens), a weight sync
+given `watched` engines goes on without it, instead of waiting out the request timeout while
+the other engines sit idle; when it answers again it is resumed (a pause it took while hung)
+and reloaded before it gets a request. Control calls (pause, resume, weights, abort) go to
+every engine that is up, concurrently.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
 
 from rollouts.inference.http import EngineError, EngineUnavailable
+from rollouts.inference.hung import CallWatch, WatchedEngine
 from rollouts.inference.protocol import (
     Completion,
     EngineLoad,
@@ -71,7 +76,7 @@ class EnginePool:
         # an engine silent on /health this long is hung: down, its requests sent elsewhere
         self.stall_timeout_s = stall_timeout_s
         self.last_answer: list[float | None] = [None] * len(self.engines)  # trio clock
-        self._calls: list[set[trio.CancelScope]] = [set() for _ in self.engines]  # in flight
+        self.watch = CallWatch([e.url for e in self.engines])  # calls in flight, hung engines
         self.failed_checks = [0] * len(self.engines)
         self.up = [True] * len(self.engines)
         self.gone = [False] * len(self.engines)  # exited for good: no restart will bring it back
@@ -121,22 +126,21 @@ class EnginePool:
         self, index: int, cost: int, call: Callable[[Any], Awaitable[Any]], errors: list[str]
     ) -> tuple[bool, Any]:
         """(True, result) of `call` on engine `index`, or (False, None) when the engine is
-        unreachable (marked down here) or hung (marked down by the health check, which
-        cancelled the call); the error is added to `errors`."""
+        unreachable or hung (marked down); the error is added to `errors`."""
         self.in_flight[index] += cost
-        scope = trio.CancelScope()
-        self._calls[index].add(scope)
         try:
-            with scope:
-                return True, await call(self.engines[index])
-            errors.append(f"{self.engines[index].url}: hung (no /health answer), sent elsewhere")
+            return True, await self.watch.call(index, lambda: call(self.engines[index]))
         except EngineUnavailable as exc:
             self.mark_down(index)
             errors.append(str(exc))
         finally:
             self.in_flight[index] -= cost
-            self._calls[index].discard(scope)
         return False, None
+
+    def watched(self, index: int) -> InferenceEngine:
+        """Engine `index`, whose calls end (EngineUnavailable) once it is found hung: for
+        callers that reach engines one by one (a weight sync)."""
+        return WatchedEngine(self.engines[index], index, self.watch)  # type: ignore[return-value]
 
     @property
     def batch_generate(self) -> bool:
@@ -167,7 +171,7 @@ class EnginePool:
 
         async def one(i: int) -> None:
             try:
-                results[i] = await call(self.engines[i])
+                results[i] = await self.watch.call(i, lambda: call(self.engines[i]))
             except EngineUnavailable:
                 self.mark_down(i)
 
@@ -233,7 +237,7 @@ class EnginePool:
         now = trio.current_time()
         if alive:
             self.last_answer[i] = now
-        elif self.up[i] and now - (self.last_answer[i] or now) >= self.stall_timeout_s:
+        elif not self.watch.hung[i] and now - (self.last_answer[i] or now) >= self.stall_timeout_s:
             self._stalled(i, now - (self.last_answer[i] or now))
             return
         if alive and self.version is not None:
@@ -242,6 +246,10 @@ class EnginePool:
             if not current:  # alive with other weights: never routed to
                 self.up[i] = False
                 return
+        if alive and self.watch.hung[i]:  # back from a hang: undo a pause it took meanwhile
+            with trio.move_on_after(self.stall_timeout_s), contextlib.suppress(EngineError):
+                await self.engines[i].resume()
+            self.watch.clear(i)
         self.failed_checks[i] = 0 if alive else self.failed_checks[i] + 1
         if alive:
             if not self.up[i]:
@@ -252,15 +260,13 @@ class EnginePool:
             self.up[i] = False
 
     def _stalled(self, i: int, silent_s: float) -> None:
-        """Engine `i` is hung: down, and its requests in flight go to the other engines."""
+        """Engine `i` is hung: down, and its calls in flight end (see `hung.CallWatch`)."""
         self.mark_down(i)
-        calls = list(self._calls[i])
-        for scope in calls:
-            scope.cancel()
+        calls = self.watch.mark_hung(i)
         print(
             f"[engines] {self.engines[i].url} has not answered /health for {silent_s:.1f}s "
             f"(engines.stall_timeout_s = {self.stall_timeout_s}): marked down; its "
-            f"{len(calls)} call(s) in flight go to the other engines",
+            f"{calls} call(s) in flight end and go to the other engines",
             flush=True,
         )
 
@@ -286,13 +292,20 @@ class EnginePool:
             return False
 
     async def run_health_checks(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Check every `health_interval_s` until cancelled (start it in the owner's nursery)."""
+        """Check each engine every `health_interval_s` until cancelled (start it in the owner's
+        nursery); one loop per engine, so a check that waits (for the weights lock, or on a
+        hung engine) never delays another engine's."""
         now = trio.current_time()  # silence is counted from here for engines never heard yet
         self.last_answer = [t if t is not None else now for t in self.last_answer]
-        task_status.started()
+        async with trio.open_nursery() as nursery:
+            for i in range(len(self.engines)):
+                nursery.start_soon(self._check_loop, i)
+            task_status.started()
+
+    async def _check_loop(self, i: int) -> None:
         while True:
             await trio.sleep(self.health_interval_s)
-            await self.check_health()
+            await self._check_one(i)
 
     async def aclose(self) -> None:
         """Close every engine's client."""

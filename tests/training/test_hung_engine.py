@@ -1,6 +1,7 @@
 """A hung engine (issue 27, item 9), with real processes and a real SIGSTOP: the pool's health
 check finds it silent for `engines.stall_timeout_s`, marks it down, and the requests already sent
-to it go to the other engine, long before the request timeout; after SIGCONT it comes back."""
+to it go to the other engine, long before the request timeout; a weight sync goes on without
+it; after SIGCONT it comes back, on the pool's weights."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import trio
 
 from rollouts.inference.protocol import GenerateRequest, SamplingParams
 from rollouts.training.engines import open_engines
+from rollouts.training.weight_sync import sync_pool
 from tests.training.test_engine_failover import _config, server_pids
 
 STALL_S = 2.0
@@ -48,6 +50,24 @@ async def test_a_hung_engines_requests_go_to_the_other_engine(tiny_model_dir: Pa
             assert pool.up == [True, False]
         finally:
             os.kill(hung, signal.SIGCONT)
-        with trio.fail_after(60):  # answering again (on the pool's weights): routed again
-            while not pool.up[1]:
-                await trio.sleep(0.2)
+        await _back(pool)
+
+        os.kill(hung, signal.SIGSTOP)  # hung again, now during a weight sync
+        try:
+            with trio.fail_after(30):  # its pause would wait REQUEST_TIMEOUT_S
+                report = await sync_pool(pool, str(tiny_model_dir), "1", attempts=2)
+            assert [r.ok for r in report.results] == [True, False], report
+            assert pool.up == [True, False]
+            assert await pool.engines[0].weight_version() == "1"
+        finally:
+            os.kill(hung, signal.SIGCONT)
+        await _back(pool)
+        assert await pool.engines[1].weight_version() == "1"  # reloaded before it came back
+        completion = await pool.engines[1].generate([4, 5], sampling)  # and not left paused
+        assert completion.completion_tokens > 0
+
+
+async def _back(pool) -> None:
+    with trio.fail_after(60):  # answering again (on the pool's weights): routed again
+        while not all(pool.up):
+            await trio.sleep(0.2)
