@@ -7,9 +7,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
+import torch
 
 from rollouts.inference.launch import EngineProcess
 from rollouts.inference.protocol import SamplingParams
+from rollouts.inference.server.sampling import seeded_draws
 from rollouts.inference.sglang import SGLangEngine, sampling_body
 from rollouts.inference.vllm import completion_body
 from rollouts.rollout.manager import AsyncRolloutManager
@@ -73,3 +75,15 @@ async def test_the_samples_of_a_group_get_seeds_of_their_own(engine, tok) -> Non
     """One prompt, four samples, one seed per sample: four different continuations."""
     tokens = [t for _, t, _ in await _batch(engine, tok, seed=7)][:4]
     assert len(set(tokens)) == 4, tokens
+
+
+def test_the_built_in_engines_seeded_draws_follow_the_probabilities() -> None:
+    """Its seeded rows sample by inverse CDF from one uniform of their own generator."""
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3]).repeat(20000, 1)
+    gens = [torch.Generator().manual_seed(i) for i in range(len(probs))]
+    tokens = seeded_draws(probs, gens)
+    freq = torch.bincount(tokens, minlength=4).double() / len(tokens)
+    assert torch.allclose(freq, probs[0].double(), atol=0.015), freq
+    assert int((tokens == 1).sum()) == 0  # a token without mass never comes
+    again = seeded_draws(probs[:5], [torch.Generator().manual_seed(i) for i in range(5)])
+    assert again.tolist() == tokens[:5].tolist()  # a row's draw: its probabilities and seed only
