@@ -114,12 +114,16 @@ class EnginesConfig(_Section):
     logprobs_from: str = "raw"  # "raw" logits | "scaled" (temperature-scaled)
     device: str = "cpu"
     torch_threads: int = 0  # built-in engines' torch threads; 0 = a share of the cores on CPU
-    request_timeout_s: float = 300.0
+    # every HTTP call (a generation, a weight reload); a hung engine is caught sooner, by
+    # stall_timeout_s. The GPU presets raise it for long generations and big reloads
+    request_timeout_s: float = 120.0
     startup_timeout_s: float = 120.0  # built-in engines' start; /health wait for URLs
     health_interval_s: float = 5.0
     max_retries: int = 3
     max_restarts: int = 3  # a built-in engine that exits is restarted at most this many times
     wait_for_up_s: float = 60.0  # with every engine down, how long a request or a sync waits
+    # silent on /health this long: hung; marked down, its requests go to the other engines
+    stall_timeout_s: float = 15.0
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -143,6 +147,11 @@ class EnginesConfig(_Section):
             p,
             self.health_interval_s > 0,
             f"engines.health_interval_s = {self.health_interval_s}: must be > 0",
+        )
+        _check(
+            p,
+            self.stall_timeout_s > 0,
+            f"engines.stall_timeout_s = {self.stall_timeout_s}: must be > 0",
         )
         _check(
             p,

@@ -30,5 +30,8 @@ def make_pool(config: EnginesConfig, urls: Sequence[str]) -> EnginePool:
     assert urls, "no engine URLs: start built-in engines first or set engines.urls"
     engines = [make_engine(config, url) for url in urls]
     return EnginePool(
-        engines, health_interval_s=config.health_interval_s, wait_for_up_s=config.wait_for_up_s
+        engines,
+        health_interval_s=config.health_interval_s,
+        wait_for_up_s=config.wait_for_up_s,
+        stall_timeout_s=config.stall_timeout_s,
     )

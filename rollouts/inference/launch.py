@@ -274,6 +274,7 @@ async def serve_engines(
     *,
     max_restarts: int = 0,
     restart_from: Callable[[], tuple[str, str] | None] | None = None,
+    on_gone: Callable[[str], None] | None = None,
     cpus_per_engine: Sequence[Sequence[int]] = (),
     task_status: Any = trio.TASK_STATUS_IGNORED,
     **kwargs: Any,
@@ -282,7 +283,8 @@ async def serve_engines(
     that exits (at most `max_restarts` times each, same port, not waited for: the pool's health
     check finds it) on `restart_from()` = (model dir, weight version) when it gives one that
     exists (the weights served now: the starting model may have been rotated away), else on
-    the starting model; runs until cancelled, then stops them all. Engine i runs on cores
+    the starting model; `on_gone(url)` when one exits with no restart left; runs until
+    cancelled, then stops them all. Engine i runs on cores
     `cpus_per_engine[i]` when given. Use with `functools.partial` and `nursery.start`."""
     assert count >= 1, f"{count=}"
     assert max_restarts >= 0, f"{max_restarts=}"
@@ -300,7 +302,7 @@ async def serve_engines(
             for proc in procs:
                 nursery.start_soon(wait_healthy, proc, spec.startup_timeout_s)
         task_status.started([p.url for p in procs])
-        await _restart_exited(procs, specs, max_restarts, restart_from)
+        await _restart_exited(procs, specs, max_restarts, restart_from, on_gone)
     finally:
         with trio.CancelScope(shield=True):
             for proc in procs:
@@ -312,6 +314,7 @@ async def _restart_exited(
     specs: Sequence[EngineSpec],
     max_restarts: int,
     restart_from: Callable[[], tuple[str, str] | None] | None,
+    on_gone: Callable[[str], None] | None = None,
 ) -> None:
     """Until cancelled: replace an exited server in `procs` by a new one on its port."""
     restarts = [0] * len(procs)
@@ -324,6 +327,8 @@ async def _restart_exited(
             restarts[i] += 1
             if restarts[i] > max_restarts:
                 print(f"[engines] {proc.url} exited ({code}); no restart left", flush=True)
+                if on_gone is not None:
+                    on_gone(proc.url)
                 continue
             port = int(proc.url.rsplit(":", 1)[1])
             print(

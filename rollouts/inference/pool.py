@@ -2,23 +2,33 @@
 
 Each request goes to the least-loaded healthy engine (loads counted by the pool itself: its own
 in-flight requests per engine, no extra HTTP). An engine whose call fails with EngineUnavailable
-is marked down and the request is retried on another (at most once per engine); a periodic health
-check (`run_health_checks`, started by the owner in its nursery) brings it back once /health is
+is marked down and the request is retried on another (at most once per engine; once more after
+waiting, bounded, for an engine to come back when none is left); a periodic health check
+(`run_health_checks`, started by the owner in its nursery) brings it back once /health is
 200 and it serves the pool's weights: an engine that comes back with other weights (restarted on
 the starting model, or an external server restarted by hand) first reloads the pool's current
 weights (`set_weights`) and proves their version, under `weights_lock` so that it never
-interleaves with a weight sync. Control calls (pause, resume, weights, abort) go to every engine
-that is up, concurrently.
+interleaves with a weight sync. Each engine has its own health-check loop, so one that waits
+for the weights lock never delays another's. An engine that stops answering /health for
+`stall_timeout_s` (hung: SIGSTOPped, deadlocked, swapping) is marked down at once and its calls
+in flight end (`hung.CallWatch`): a generation goes to the other engines (from its prompt, or
+the partial response it was resumed from: a hung engine gives back no tokens), a weight sync
+given `watched` engines goes on without it, instead of waiting out the request timeout while
+the other engines sit idle; when it answers again it is resumed (a pause it took while hung)
+and reloaded before it gets a request. Control calls (pause, resume, weights, abort) go to
+every engine that is up, concurrently.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
 
 from rollouts.inference.http import EngineError, EngineUnavailable
+from rollouts.inference.hung import CallWatch, WatchedEngine
 from rollouts.inference.protocol import (
     Completion,
     EngineLoad,
@@ -49,11 +59,13 @@ class EnginePool:
         health_interval_s: float = 5.0,
         down_after_failed_checks: int = 3,
         wait_for_up_s: float = 60.0,
+        stall_timeout_s: float = 15.0,
     ):
         assert engines, "an EnginePool needs at least one engine"
         assert health_interval_s > 0, f"{health_interval_s=}"
         assert down_after_failed_checks >= 1, f"{down_after_failed_checks=}"
         assert wait_for_up_s >= 0, f"{wait_for_up_s=}"
+        assert stall_timeout_s > 0, f"{stall_timeout_s=}"
         self.engines = list(engines)
         self.url = ",".join(e.url for e in self.engines)
         self.health_interval_s = health_interval_s
@@ -61,8 +73,13 @@ class EnginePool:
         self.down_after_failed_checks = down_after_failed_checks
         # with every engine down, a request waits (bounded) for a health check to bring one back
         self.wait_for_up_s = wait_for_up_s
+        # an engine silent on /health this long is hung: down, its requests sent elsewhere
+        self.stall_timeout_s = stall_timeout_s
+        self.last_answer: list[float | None] = [None] * len(self.engines)  # trio clock
+        self.watch = CallWatch([e.url for e in self.engines])  # calls in flight, hung engines
         self.failed_checks = [0] * len(self.engines)
         self.up = [True] * len(self.engines)
+        self.gone = [False] * len(self.engines)  # exited for good: no restart will bring it back
         self.in_flight = [0] * len(self.engines)
         # the weights every engine must serve (None: not known yet; any version is fine)
         self.version: str | None = None
@@ -72,6 +89,13 @@ class EnginePool:
     def mark_down(self, index: int) -> None:
         """Stop routing to engine `index` until a health check passes."""
         self.up[index] = False
+
+    def mark_gone(self, url: str) -> None:
+        """Engine `url` exited and will not be restarted: down for good, and a request no
+        longer waits for it to come back (with every engine gone, `wait_for_up` returns)."""
+        index = [e.url for e in self.engines].index(url)
+        self.mark_down(index)
+        self.gone[index] = True
 
     async def generate(
         self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None
@@ -84,21 +108,39 @@ class EnginePool:
 
     async def _on_an_engine(self, cost: int, call: Callable[[Any], Awaitable[Any]]) -> Any:
         """`call` on the least-loaded engine that is up (counting `cost` requests in flight
-        there); an unreachable one is marked down and the next one tried, once each."""
-        tried: set[int] = set()
+        there); an unreachable or hung one is marked down and the next one tried, once each,
+        and once more after waiting (bounded) for one to come back when none is left."""
         errors: list[str] = []
-        await self._wait_for_up()
-        while (index := pick_engine(self.in_flight, self.up, tried)) is not None:
-            tried.add(index)
-            self.in_flight[index] += cost
-            try:
-                return await call(self.engines[index])
-            except EngineUnavailable as exc:
-                self.mark_down(index)
-                errors.append(str(exc))
-            finally:
-                self.in_flight[index] -= cost
+        for _ in range(2):
+            if not await self.wait_for_up():
+                break
+            tried: set[int] = set()
+            while (index := pick_engine(self.in_flight, self.up, tried)) is not None:
+                tried.add(index)
+                done, result = await self._call_on(index, cost, call, errors)
+                if done:
+                    return result
         raise EngineUnavailable(f"no healthy engine could generate: {errors or 'all are down'}")
+
+    async def _call_on(
+        self, index: int, cost: int, call: Callable[[Any], Awaitable[Any]], errors: list[str]
+    ) -> tuple[bool, Any]:
+        """(True, result) of `call` on engine `index`, or (False, None) when the engine is
+        unreachable or hung (marked down); the error is added to `errors`."""
+        self.in_flight[index] += cost
+        try:
+            return True, await self.watch.call(index, lambda: call(self.engines[index]))
+        except EngineUnavailable as exc:
+            self.mark_down(index)
+            errors.append(str(exc))
+        finally:
+            self.in_flight[index] -= cost
+        return False, None
+
+    def watched(self, index: int) -> InferenceEngine:
+        """Engine `index`, whose calls end (EngineUnavailable) once it is found hung: for
+        callers that reach engines one by one (a weight sync)."""
+        return WatchedEngine(self.engines[index], index, self.watch)  # type: ignore[return-value]
 
     @property
     def batch_generate(self) -> bool:
@@ -111,13 +153,11 @@ class EnginePool:
         assert self.batch_generate, "generate_many needs engines that batch (SGLang's API)"
         return await self._on_an_engine(len(requests), lambda e: e.generate_many(requests))
 
-    async def _wait_for_up(self) -> None:
-        await self.wait_for_up()
-
     async def wait_for_up(self) -> bool:
-        """Wait up to `wait_for_up_s` for an engine to be up (health checks bring them back)."""
+        """Wait up to `wait_for_up_s` for an engine to be up (health checks bring them back);
+        not at all once every engine is gone for good."""
         with trio.move_on_after(self.wait_for_up_s):
-            while not any(self.up):
+            while not any(self.up) and not all(self.gone):
                 await trio.sleep(min(0.2, self.health_interval_s))
         return any(self.up)
 
@@ -131,7 +171,7 @@ class EnginePool:
 
         async def one(i: int) -> None:
             try:
-                results[i] = await call(self.engines[i])
+                results[i] = await self.watch.call(i, lambda: call(self.engines[i]))
             except EngineUnavailable:
                 self.mark_down(i)
 
@@ -191,13 +231,25 @@ class EnginePool:
                 nursery.start_soon(self._check_one, i)
 
     async def _check_one(self, i: int) -> None:
-        alive = await self.engines[i].health()
+        alive = False
+        with trio.move_on_after(self.stall_timeout_s):  # a hung engine does not answer at all
+            alive = await self.engines[i].health()
+        now = trio.current_time()
+        if alive:
+            self.last_answer[i] = now
+        elif not self.watch.hung[i] and now - (self.last_answer[i] or now) >= self.stall_timeout_s:
+            self._stalled(i, now - (self.last_answer[i] or now))
+            return
         if alive and self.version is not None:
             async with self.weights_lock:  # a returning engine must prove it; an up one may not say
                 current = await self._serves_current(i, proof_required=not self.up[i])
             if not current:  # alive with other weights: never routed to
                 self.up[i] = False
                 return
+        if alive and self.watch.hung[i]:  # back from a hang: undo a pause it took meanwhile
+            with trio.move_on_after(self.stall_timeout_s), contextlib.suppress(EngineError):
+                await self.engines[i].resume()
+            self.watch.clear(i)
         self.failed_checks[i] = 0 if alive else self.failed_checks[i] + 1
         if alive:
             if not self.up[i]:
@@ -206,6 +258,17 @@ class EnginePool:
             self.up[i] = True
         elif self.failed_checks[i] >= self.down_after_failed_checks:
             self.up[i] = False
+
+    def _stalled(self, i: int, silent_s: float) -> None:
+        """Engine `i` is hung: down, and its calls in flight end (see `hung.CallWatch`)."""
+        self.mark_down(i)
+        calls = self.watch.mark_hung(i)
+        print(
+            f"[engines] {self.engines[i].url} has not answered /health for {silent_s:.1f}s "
+            f"(engines.stall_timeout_s = {self.stall_timeout_s}): marked down; its "
+            f"{calls} call(s) in flight end and go to the other engines",
+            flush=True,
+        )
 
     async def _serves_current(self, i: int, *, proof_required: bool) -> bool:
         """True when engine `i` serves the pool's version, after reloading its weights if not.
@@ -229,11 +292,20 @@ class EnginePool:
             return False
 
     async def run_health_checks(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Check every `health_interval_s` until cancelled (start it in the owner's nursery)."""
-        task_status.started()
+        """Check each engine every `health_interval_s` until cancelled (start it in the owner's
+        nursery); one loop per engine, so a check that waits (for the weights lock, or on a
+        hung engine) never delays another engine's."""
+        now = trio.current_time()  # silence is counted from here for engines never heard yet
+        self.last_answer = [t if t is not None else now for t in self.last_answer]
+        async with trio.open_nursery() as nursery:
+            for i in range(len(self.engines)):
+                nursery.start_soon(self._check_loop, i)
+            task_status.started()
+
+    async def _check_loop(self, i: int) -> None:
         while True:
             await trio.sleep(self.health_interval_s)
-            await self.check_health()
+            await self._check_one(i)
 
     async def aclose(self) -> None:
         """Close every engine's client."""

@@ -59,7 +59,9 @@ class _Trajectory:
         self.mask += [1] * len(completion.output_ids)
         self.logprobs += completion.logprobs
         self.renderer.generated(text)
-        if not self.versions or self.versions[-1] != completion.weight_version:
+        # a version answers for tokens; a turn aborted before its first token made none
+        made = bool(completion.output_ids) or completion.finish_reason is not FinishReason.ABORT
+        if made and (not self.versions or self.versions[-1] != completion.weight_version):
             self.versions.append(completion.weight_version)
 
 

@@ -95,6 +95,25 @@ def apply_sample_transforms(
     return kept, dropped
 
 
+def response_tokens(group: Sequence[Sample]) -> int:
+    """The response tokens a group holds (generated in this batch or earlier ones)."""
+    return sum(s.response_length for s in group)
+
+
+def discarded_fraction(discarded_tokens: int, generated_tokens: int) -> float:
+    """Tokens thrown away in a batch over the tokens generated in it, at most 1.
+
+    Thrown-away work made in an earlier batch (a saved group dropped as too stale) counts in the
+    batch that drops it, so over a run this is the share of generation wasted: with
+    `over_sampling_factor = 2` in sync mode, where every saved surplus group goes stale, about
+    half. At most 1 (a batch may drop more than it made: see the token counts).
+    """
+    assert discarded_tokens >= 0 and generated_tokens >= 0, (discarded_tokens, generated_tokens)
+    if discarded_tokens == 0:
+        return 0.0
+    return min(discarded_tokens / generated_tokens, 1.0) if generated_tokens else 1.0
+
+
 def compute_response_lengths(samples: Sequence[Sample]) -> list[int]:
     """Response tokens per sample (multi-turn: everything after the first prompt)."""
     return [s.response_length for s in samples]

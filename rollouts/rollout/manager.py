@@ -10,7 +10,10 @@ re-filtered then, no generation). With `partial_rollouts` off, aborted groups go
 their prompts (counted in `restarted_groups`: regenerated from scratch, not dropped) and
 finished surplus groups are dropped (reason "surplus"). Given the policy version and the
 staleness bound, partial groups already too stale to train are dropped before any generation is
-spent on them (`stale_partial_groups`). How many groups to submit, and when the batch is done or
+spent on them (`stale_partial_groups`). What a batch throws away (filtered, surplus dropped,
+restarted, or too stale: generated in this batch or an earlier one) is counted in tokens
+(`discarded_tokens`, and `discarded_fraction` of the tokens generated in the batch; the trainer
+adds what it drops as stale). How many groups to submit, and when the batch is done or
 short, is decided by `planning` (pure).
 
 Generate functions run through a `ThreadRunner`: an async one is awaited, a sync one runs in a
@@ -19,6 +22,10 @@ With the default single-turn generate function and engines that take batches (SG
 built-in server), a group's samples go to the engine as ONE request (`rollout.batch_groups`):
 one HTTP round trip instead of n, the shared prompt prefilled once; each sample keeps its own
 request id, so aborts, partial resumes and weight versions stay per sample.
+
+Given the run's seed, every request carries a sampling seed derived from the batch number and
+the sample (`seeds.request_seed`), and the kept groups come out in group order, not in the
+order they finished: the same seed gives the same batch, whatever the timing.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from rollouts.data.buffer import DataBuffer
 from rollouts.envs import resolve_env_factory
 from rollouts.envs.protocol import EnvFactory
 from rollouts.envs.threads import CallTimeout, ThreadRunner
+from rollouts.inference.http import EngineUnavailable
 from rollouts.inference.protocol import InferenceEngine, batches_requests
 from rollouts.plugins import load_function
 from rollouts.rewards.protocol import RewardFn
@@ -48,6 +56,8 @@ from rollouts.rollout.batch import (
     ShortBatchError,
     build_batch_metadata,
     convert_to_batch,
+    discarded_fraction,
+    response_tokens,
     short_batch_message,
 )
 from rollouts.rollout.filters import resolve_filters, run_filters
@@ -67,6 +77,7 @@ from rollouts.rollout.planning import (
     new_round_state,
 )
 from rollouts.rollout.protocol import GenerateContext, GenerateFn, GroupFilter
+from rollouts.rollout.seeds import request_seed
 from rollouts.types import RolloutBatch, Sample, Status
 
 Group = tuple[Sample, ...]
@@ -93,6 +104,7 @@ class _BatchRun:
 
     state: RoundState
     batch_id: str
+    number: int  # the batch number the sampling seeds derive from
     reward: Callable[..., Any]
     limiter: trio.CapacityLimiter
     send: trio.MemorySendChannel[GroupResult]
@@ -102,6 +114,8 @@ class _BatchRun:
     partial: list[Group] = dataclasses.field(default_factory=list)
     dropped: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     errors: list[str] = dataclasses.field(default_factory=list)
+    lost: EngineUnavailable | None = None  # no engine could generate: the batch is lost
+    scope: trio.CancelScope | None = None  # the batch's nursery (a lost batch cancels it)
     counts: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     gen_time_s: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
@@ -139,8 +153,10 @@ class AsyncRolloutManager:
         reward_fn: str | Callable[..., Any] | None = None,
         filters: Sequence[str | GroupFilter] | None = None,
         env_factory: str | EnvFactory | None = None,
+        seed: int | None = None,
     ) -> None:
         self.buffer = data_buffer
+        self.seed = seed  # the run's seed; None: requests carry no sampling seed
         self.config = config
         self.engines = engines
         self.tokenizer = tokenizer
@@ -168,31 +184,32 @@ class AsyncRolloutManager:
         *,
         policy_version: str | None = None,
         max_staleness: int | None = None,
+        batch_number: int | None = None,
     ) -> RolloutBatch:
         """One batch of `batch_size` kept groups of `n_samples_per_prompt` (see module doc).
 
         With `policy_version` and `max_staleness`, partial groups already staler than the bound
-        are dropped (counted) before any generation is spent on them.
+        are dropped (counted) before any generation is spent on them. `batch_number` (the RL
+        step's batch; default: the batches this manager made) enters the sampling seeds.
         """
         reward = load_function(reward_fn, RewardFn) if reward_fn else self.reward_fn
         if reward is None:
             raise ValueError("generate_batch needs a reward_fn (argument or rollout.reward_fn)")
         start = time.perf_counter()
-        stale = 0
-        if policy_version is not None and max_staleness is not None:
-            stale = self.buffer.drop_partial_groups(
-                lambda g: is_stale_partial(g, policy_version, max_staleness)
-            )
+        stale = self._drop_stale_partial(policy_version, max_staleness)
         send, recv = trio.open_memory_channel[GroupResult](self.config.max_concurrency)
         run = _BatchRun(
             state=new_round_state(self.config.batch_size, self.config.over_sampling_factor),
             batch_id=f"b{self.batches_made}-{uuid.uuid4().hex[:8]}",
+            number=self.batches_made if batch_number is None else batch_number,
             reward=reward,
             limiter=trio.CapacityLimiter(self.config.max_concurrency),
             send=send,
         )
-        run.counts["stale_partial_groups"] = stale
+        run.counts["stale_partial_groups"] = len(stale)
+        run.counts["discarded_tokens"] = sum(map(response_tokens, stale))  # made in earlier batches
         async with send, recv, trio.open_nursery() as nursery:
+            run.scope = nursery.cancel_scope
             self._submit(run, nursery)
             while run.state.in_flight > 0:
                 result = await recv.receive()
@@ -205,8 +222,27 @@ class AsyncRolloutManager:
                     nursery.start_soon(self._abort_until_cancelled, run.batch_id)
                 else:
                     self._submit(run, nursery)
-            nursery.cancel_scope.cancel()  # stops the abort loop; no sample task is left
+            nursery.cancel_scope.cancel()  # stops the abort loop (and a lost batch's samples)
+        if run.lost is not None:  # nothing kept: the caller gives the prompts back
+            self.batches_made += 1
+            raise run.lost
         return self._finish(run, time.perf_counter() - start)
+
+    def _drop_stale_partial(self, version: str | None, bound: int | None) -> list[Group]:
+        """Take the partial groups already staler than `bound` at `version` out of the buffer
+        (none without both); the groups taken."""
+        stale: list[Group] = []
+        if version is None or bound is None:
+            return stale
+
+        def is_stale(group: Group) -> bool:
+            if is_stale_partial(group, version, bound):
+                stale.append(group)
+                return True
+            return False
+
+        self.buffer.drop_partial_groups(is_stale)
+        return stale
 
     def _submit(self, run: _BatchRun, nursery: trio.Nursery) -> None:
         n = groups_to_submit(
@@ -246,11 +282,17 @@ class AsyncRolloutManager:
         async with send:
             await send.send(GroupResult(group=scored, gen_time_s=sum(times), gen_tokens=gen_tokens))
 
+    def _seed(self, run: _BatchRun, sample: Sample, i: int) -> int | None:
+        """Sample i's sampling seed in this batch (None when the run gave no seed)."""
+        if self.seed is None:
+            return None
+        return request_seed(self.seed, run.number, sample.group_index, i, sample.response_length)
+
     def _context(self, run: _BatchRun, sample: Sample, i: int) -> GenerateContext:
         return GenerateContext(
             engine=self.engines,
             tokenizer=self.tokenizer,
-            sampling=self.sampling,
+            sampling=dataclasses.replace(self.sampling, seed=self._seed(run, sample, i)),
             rid=self._rid(run, sample, i),
             max_total_tokens=self.config.max_total_tokens,
             max_turns=self.config.max_turns,
@@ -288,6 +330,9 @@ class AsyncRolloutManager:
                     )
             except CallTimeout as e:  # says what timed out, and after how long
                 out = fail_sample(sample, str(e))
+            except EngineUnavailable as e:  # no engine is left: not this sample's fault
+                self._lose(run, e)
+                return
             except Exception as e:
                 out = fail_sample(sample, f"generate_fn raised {type(e).__name__}: {e}")
             times[i] = time.perf_counter() - t0
@@ -307,6 +352,7 @@ class AsyncRolloutManager:
                     return  # not started: stays PENDING / ABORTED
                 before = [samples[i] for i in chunk]
                 rids = [self._rid(run, samples[i], i) for i in chunk]
+                seeds = [self._seed(run, samples[i], i) for i in chunk]
                 t0 = time.perf_counter()
                 try:
                     after = await self.threads.call(
@@ -316,9 +362,13 @@ class AsyncRolloutManager:
                         before,
                         self._context(run, before[0], chunk[0]),
                         rids,
+                        seeds,
                     )
                 except CallTimeout as e:
                     after = [fail_sample(s, str(e)) for s in before]
+                except EngineUnavailable as e:  # no engine is left: the batch is lost
+                    self._lose(run, e)
+                    return
                 except Exception as e:
                     error = f"generate_fn raised {type(e).__name__}: {e}"
                     after = [fail_sample(s, error) for s in before]
@@ -326,6 +376,13 @@ class AsyncRolloutManager:
                 for i, old, new in zip(chunk, before, after, strict=True):
                     times[i], samples[i] = elapsed, new
                     self._count_resume(run, old, new)
+
+    @staticmethod
+    def _lose(run: _BatchRun, error: EngineUnavailable) -> None:
+        """No engine could generate: the whole batch stops now (`generate_batch` raises)."""
+        run.lost = run.lost or error
+        assert run.scope is not None, "a batch's samples run inside its nursery"
+        run.scope.cancel()
 
     @contextlib.asynccontextmanager
     async def _borrow(self, run: _BatchRun, k: int) -> AsyncIterator[None]:
@@ -345,8 +402,11 @@ class AsyncRolloutManager:
 
     @staticmethod
     def _count_resume(run: _BatchRun, before: Sample, after: Sample) -> None:
-        """Count an ABORTED sample that was continued (resumed) or started over (restarted)."""
+        """Count an ABORTED sample that was continued (resumed) or started over (restarted); one
+        aborted before its first token had nothing to resume or lose, and is neither."""
         if before.status is not Status.ABORTED or after.status is Status.FAILED:
+            return
+        if not before.tokens:
             return
         resumed = len(after.metadata.get("resumed_at", ())) > len(
             before.metadata.get("resumed_at", ())
@@ -385,6 +445,7 @@ class AsyncRolloutManager:
             run.counts["unstarted_samples"] += sum(s.status is Status.PENDING for s in group)
             if not self.config.partial_rollouts:  # back to the prompts: regenerated, not dropped
                 run.gen_time_s["discarded"] += result.gen_time_s
+                run.counts["discarded_tokens"] += response_tokens(group)
                 run.counts["restarted_groups"] += 1
                 group = tuple(reset_sample(s) for s in group)
             run.partial.append(group)
@@ -400,6 +461,7 @@ class AsyncRolloutManager:
             return
         run.dropped["surplus" if verdict.keep else verdict.reason] += 1
         run.gen_time_s["discarded"] += result.gen_time_s
+        run.counts["discarded_tokens"] += response_tokens(group)
 
     def _finish(self, run: _BatchRun, elapsed_s: float) -> RolloutBatch:
         self.buffer.add_partial_groups(run.partial)
@@ -413,8 +475,9 @@ class AsyncRolloutManager:
         if short:
             warnings.warn(message, ShortBatchWarning, stacklevel=2)
         total = run.gen_time_s["total"]
+        kept = sorted(run.kept, key=lambda g: g[0].group_index)  # not the order they finished
         meta = build_batch_metadata(
-            run.kept,
+            kept,
             dropped=run.dropped,
             elapsed_s=elapsed_s,
             generated_tokens=run.counts["generated_tokens"],
@@ -425,7 +488,9 @@ class AsyncRolloutManager:
             abandoned_threads=self.threads.abandoned_alive,
             gen_time_s=total,
             discarded_gen_time_s=run.gen_time_s["discarded"],
-            discarded_fraction=run.gen_time_s["discarded"] / total if total > 0 else 0.0,
+            discarded_fraction=discarded_fraction(
+                run.counts["discarded_tokens"], run.counts["generated_tokens"]
+            ),
             **{k: v for k, v in run.counts.items() if k != "generated_tokens"},
         )
-        return convert_to_batch(run.kept, meta)
+        return convert_to_batch(kept, meta)

@@ -4,7 +4,8 @@ Either way the loop gets one `EnginePool` (an InferenceEngine) with periodic hea
 clients use `engines.request_timeout_s` and `engines.max_retries`. Built-in engines are started
 on the given model with the given weight version, die with the trainer (parent-death signal), are
 restarted (at most `engines.max_restarts` times each) when one exits, and are stopped when the
-block exits (also on Ctrl-C or an error); external servers are waited for (up to
+block exits (also on Ctrl-C or an error); one with no restart left is gone for good, and
+no request waits for it (`EnginePool.mark_gone`); external servers are waited for (up to
 `engines.startup_timeout_s`, naming the URLs still loading) and then made to serve the run's
 starting weights with a weight sync. An engine that comes back loads the pool's current weights
 before it gets a request (`EnginePool.check_health`).
@@ -79,6 +80,7 @@ async def open_engines(
                     startup_timeout_s=e.startup_timeout_s,
                     max_restarts=e.max_restarts,
                     restart_from=lambda: current_weights(pool),
+                    on_gone=lambda url: pool.mark_gone(url) if pool is not None else None,
                     cpus_per_engine=cpus_per_engine,
                     weights_roots=tuple(str(Path(r).resolve()) for r in weights_roots),
                 )

@@ -42,7 +42,6 @@ from rollouts.training.checkpoint import (
     save_checkpoint,
 )
 from rollouts.training.dist_pool import distributed_sync_for, sync_pool_distributed
-from rollouts.training.empty_steps import EmptySteps
 from rollouts.training.engines import cpu_share, open_engines
 from rollouts.training.evaluation import EvalSpec, evaluate
 from rollouts.training.loops.rl import RLHooks, run_rl_training
@@ -339,7 +338,12 @@ async def _rl_with_engines(
     if start and step_metrics and (last is None or last < start):  # killed after the checkpoint
         logger.log(start, step_metrics)  # and before its line: the line comes from the checkpoint
     manager = AsyncRolloutManager(
-        buffer, config.rollout, pool, tokenizer=tokenizer, reward_fn=reward_fn
+        buffer,
+        config.rollout,
+        pool,
+        tokenizer=tokenizer,
+        reward_fn=reward_fn,
+        seed=config.run.seed,  # sampling seeds of every request (reproducible runs)
     )
     evaluate_fn = _eval_hook(config, pool, tokenizer, reward_fn, manager, eval_items or [])
     # weights-only copies for the engines (in /dev/shm when there is one); one root per run,
@@ -422,10 +426,7 @@ async def _rl_with_engines(
 
         return deliver
 
-    empty = EmptySteps()  # steps with nothing to train on: said on the console, with why
-
     def log_samples(step: int, batch: Any) -> None:
-        empty.see(step, batch)
         n = config.logging.rollouts_per_step
         decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
         logger.log_samples(step, batch.samples[:n], decode)
@@ -463,8 +464,6 @@ async def _rl_with_engines(
             with trio.CancelScope(shield=True):
                 await distributed.close(pool.engines)
         clean_sync_root(sync_root, configured)
-    updated = int(result.weight_version) != version or stop()
-    empty.check_updated(start, result.steps, updated)  # else a run that trained nothing exits 0
     acc = result.last_metrics.get("eval/accuracy")
     if acc is not None:
         print(f"[train] held-out accuracy after RL: {acc:.3f} (step {result.steps})", flush=True)

@@ -245,7 +245,7 @@ async def sync_pool(
         if not live:
             raise EngineUnavailable(f"weight sync to version {version!r}: every engine is down")
         report = await sync_weights_to_engines(
-            [pool.engines[i] for i in live],
+            [pool.watched(i) for i in live],  # a hung engine's calls end: it fails, not the sync
             checkpoint_path,
             version,
             attempts=attempts,

@@ -17,6 +17,7 @@ from rollouts.rollout.batch import (
     build_batch_metadata,
     compute_response_lengths,
     convert_to_batch,
+    discarded_fraction,
     extract_sample_fields,
     generate_rollout_batches,
     length_histogram,
@@ -26,6 +27,7 @@ from rollouts.rollout.planning import (
     Outcome,
     batch_outcome,
     groups_to_submit,
+    is_stale_partial,
     new_round_state,
     sample_staleness,
     split_stale_groups,
@@ -194,6 +196,34 @@ def test_partial_sample_resumes_from_prompt_plus_partial_tokens(tok, mask_off_po
     assert final.loss_mask == (0, 0, *old, 1, 1)
     assert final.metadata["resumed_at"] == [3]
     assert prepare_request(partial, tok, params, len(partial.tokens) + 2)[1] == 2
+
+
+def test_a_sample_aborted_before_its_first_token_keeps_no_version(tok) -> None:
+    """Issue 27, item 3: nothing generated, so no (old) version: its group is not stale."""
+    params = SamplingParams(max_new_tokens=8)
+    fresh = Sample(index=0, group_index=0, prompt="ab")
+    ids, _ = prepare_request(fresh, tok, params, 1024)
+    aborted = apply_completion(fresh, ids, completion([], FinishReason.ABORT, "1"), False)
+    assert aborted.status is Status.ABORTED
+    assert (aborted.tokens, aborted.weight_versions, aborted.response_length) == ((), (), 0)
+    started = apply_completion(fresh, ids, completion([7], FinishReason.ABORT, "1"), False)
+    assert not is_stale_partial([aborted, aborted], "5", 0)  # nothing in it is old
+    assert is_stale_partial([aborted, started], "5", 0)  # its one token is
+    assert prepare_request(aborted, tok, params, 1024) == (ids, 8)  # from the prompt
+    final = apply_completion(aborted, ids, completion([9], FinishReason.STOP, "5"), False)
+    assert final.weight_versions == ("5",) and "resumed_at" not in final.metadata
+    # a finished sample with no new token keeps its version (staleness needs one)
+    empty_stop = apply_completion(fresh, ids, completion([], FinishReason.STOP, "2"), False)
+    assert empty_stop.weight_versions == ("2",)
+
+
+def test_discarded_fraction_counts_tokens_thrown_away_over_tokens_made() -> None:
+    """Issue 27, item 2: work thrown away in a batch (made in it or before) over work made."""
+    assert discarded_fraction(0, 0) == 0.0
+    assert discarded_fraction(0, 10) == 0.0
+    assert discarded_fraction(5, 10) == 0.5
+    assert discarded_fraction(30, 10) == 1.0  # a backlog of stale work dropped: at most 1
+    assert discarded_fraction(3, 0) == 1.0
 
 
 def test_sync_path_over_samples_until_the_batch_is_full() -> None:

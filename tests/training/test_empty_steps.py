@@ -1,5 +1,6 @@
 """A run whose every sample fails says so (issue 27 item 11): with every reward timing out and
-rl_steps = 1 it used to exit 0 with a checkpoint and no reason on the console.
+rl_steps = 1 it used to exit 0 with a checkpoint and no reason on the console. Such batches are
+not steps (item 1): each says why on the console, and 3 in a row stop the run.
 
 train.py's `main` in this process, with the real built-in engine in its own process."""
 
@@ -13,8 +14,21 @@ import pytest
 
 from rollouts.training.cli import main
 from rollouts.training.empty_steps import empty_batch_reason
-from rollouts.types import RolloutBatch
+from rollouts.types import RolloutBatch, Sample, Status
 from tests.training.test_train_e2e import _config
+
+
+def done() -> Sample:
+    return Sample(
+        index=0,
+        group_index=0,
+        prompt="p",
+        tokens=(1, 2),
+        loss_mask=(0, 1),
+        response_length=1,
+        status=Status.COMPLETED,
+        weight_versions=("0",),
+    )
 
 
 def too_slow(sample: object) -> float:
@@ -35,6 +49,11 @@ def test_empty_batch_reason_names_failures_drops_and_the_first_error() -> None:
         "first error: reward_fn x timed out after 0.2 s"
     )
     assert empty_batch_reason(RolloutBatch(groups=())) == "no trainable sample (no group was kept)"
+    stale = RolloutBatch(groups=((done(),),), metadata={})
+    assert empty_batch_reason(stale) is None  # a group to train
+    assert empty_batch_reason(stale, stale_groups=1) == (
+        "no trainable sample (1 group(s) too stale to train (rollout.max_staleness))"
+    )
 
 
 def test_a_run_where_every_reward_times_out_says_why_and_fails(
@@ -59,7 +78,9 @@ def test_a_run_where_every_reward_times_out_says_why_and_fails(
         code = main(["--mode", "rl", "--config", str(config)])
     captured = capsys.readouterr()
     assert code == 1, captured.out[-2000:] + captured.err[-2000:]  # was: 0, and no word
-    assert "[train] RL step 1: no trainable sample (4 sample(s) failed" in captured.out
+    said = "[train] batch 1 trained nothing (not a step, 1/3 in a row): no trainable sample (4 "
+    assert said + "sample(s) failed" in captured.out, captured.out
     assert f"first error: reward_fn {__name__}.too_slow timed out after 0.2 s" in captured.out
-    assert "error: RL made no update in 1 step(s) (steps 1-1)" in captured.err, captured.err
+    assert "error: RL made no update in 3 batches in a row (after step 0)" in captured.err
     assert "rollout.reward_timeout_s" in captured.err
+    assert not (tmp_path / "run" / "checkpoints" / "rl").exists()  # nothing trained to save

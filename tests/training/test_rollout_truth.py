@@ -50,6 +50,11 @@ def test_sync_mode_with_partial_rollouts_trains_nothing_stale(
     assert all(r["rollout/stale_groups_dropped"] == 0.0 for r in rows)  # dropped before: none
     assert sum(r["rollout/stale_partial_groups"] for r in rows) > 0  # saved work was stale
     assert all("rollout/short_batch" in r for r in rows)
+    # that stale work is generation thrown away (issue 27, item 2): counted where it is dropped
+    for r in rows:
+        assert (r["rollout/discarded_tokens"] > 0) == (r["rollout/stale_partial_groups"] > 0), r
+        fraction = min(r["rollout/discarded_tokens"] / r["rollout/generated_tokens"], 1.0)
+        assert r["rollout/discarded_fraction"] == pytest.approx(fraction), r
 
 
 @pytest.mark.filterwarnings("ignore::rollouts.rollout.manager.ShortBatchWarning")
@@ -75,10 +80,10 @@ def test_a_run_whose_filter_drops_everything_names_the_filter(
             },
         )
     messages = " ".join(str(e) for e in _leaves(info.value))
-    assert "3 RL steps in a row had no trainable sample" in messages
-    assert "the filters dropped {'zero_reward_std': " in messages
-    rows = _rows(tmp_path / "run")
-    assert rows and all(r["rollout/short_batch"] == 1.0 for r in rows)
+    assert "RL made no update in 3 batches in a row (after step 0)" in messages
+    assert "groups dropped by the filters: {'zero_reward_std': " in messages
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or _rows(tmp_path / "run") == []  # no update: no step
 
 
 def _leaves(error: BaseException) -> list[BaseException]:

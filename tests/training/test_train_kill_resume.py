@@ -40,11 +40,16 @@ KILL_AFTER_PUBLISH = textwrap.dedent(
 
 
 def test_kill_right_after_a_checkpoint_then_resume(tmp_path: Path) -> None:
+    """In async mode: the checkpoint also keeps the batch made ahead (batch 3, made while step 2
+    trained, on the older weights), and the resumed run trains that very batch first, as the
+    uninterrupted run would have, not a new one made on the checkpoint's weights (issue 27,
+    item 7)."""
     config = _config(
         tmp_path,
         data={"eval_size": 2},
         training={"rl_steps": 3},
         run={"name": f"killed-{os.getpid()}"},
+        rollout={"mode": "async", "reward_fn": "tests.training.varied_reward.varied_reward"},
     )
     run = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -63,12 +68,22 @@ def test_kill_right_after_a_checkpoint_then_resume(tmp_path: Path) -> None:
     assert wait_gone(marker) == []  # the trainer's engines died with it
     shm = run_sync_root("", f"killed-{os.getpid()}", run)
     assert shm.is_dir()  # left by the kill, under a name the resumed run knows
+    saved = run / "checkpoints" / "rl" / "step_000002" / "extra_state.json"
+    ahead = json.loads(saved.read_text())["rl_loop"]["next_batch"]
+    assert ahead["number"] == 3
+    made = [s for group in ahead["groups"] for s in group]
+    assert all(int(s["weight_versions"][0]) < 2 for s in made), made  # older than step 2's
 
     done = _train("--mode", "rl", "--config", str(config), "--resume", timeout_s=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert _steps(run / "metrics.jsonl") == [0, 1, 2, 3]  # no missing step
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert "reward/mean" in rows[2] and "train/clipfrac" in rows[2], rows[2]
+    logged = map(json.loads, (run / "rollouts.jsonl").read_text().splitlines())
+    trained = [row for row in logged if row["step"] == 3]
+    key = lambda s: (s["group_index"], s["index"], s["reward"], s["weight_versions"])  # noqa: E731
+    assert sorted(map(key, trained)) == sorted(map(key, made))  # that batch, not a new one
+    assert rows[3]["rollout/staleness_max"] >= 1.0  # older than the version it trained at
     assert not shm.exists()  # cleaned on exit
     assert server_pids(marker) == []
 

@@ -1,14 +1,20 @@
 """The RL loop: generate -> rewards -> advantages -> logprobs -> train -> sync, step by step.
 
+A step is one trained batch (`rl_state`): a batch that trains nothing is counted apart, never
+logged as a step, and a batch lost to the engines (EngineUnavailable) stops the run at once,
+its prompts back in the buffer and the last trained step checkpointed.
+
 Two modes (`rollout.mode`):
 - "sync": each step generates its batch with the current weights, then trains on it.
 - "async": a producer task generates the next batch while the trainer trains on the current
   one (a channel of size 0 keeps it exactly one batch ahead); with disk sync the engines load a
-  step's weights while the next step trains (`rl_sources.EngineSync`).
+  step's weights while the next step trains (`rl_sources.EngineSync`). A periodic checkpoint
+  keeps the batch made ahead, so a resumed run trains the same batch, made on the same weights.
 In both modes samples made by a policy more than the staleness bound (`rollout.max_staleness`;
 automatic: what a fresh sample can lag, so sync stays on-policy) behind are dropped and counted,
 and partial groups that would be that stale when their batch trains are dropped before they are
-resumed (`rl_sources.train_version`).
+resumed (`rl_state.train_version`). A checkpoint step also gives the engines its weights, so a
+resumed run's engines serve what the uninterrupted run's would.
 
 The loop never knows which backend or which engine it drives: checkpoints, weight sync and
 evaluation come in as `RLHooks` built by the driver (`rollouts/training/run.py`).
@@ -19,215 +25,38 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 
-from rollouts.algorithms.kl import AdaptiveKL, kl_reward_penalties, sequence_mean_kl
-from rollouts.algorithms.loss_fn import make_loss_fn
-from rollouts.algorithms.pairwise import groups_of, prepare_pairwise_batch
-from rollouts.algorithms.reference import update_reference
+from rollouts.algorithms.kl import AdaptiveKL
 from rollouts.algorithms.schedule import load_schedule
 from rollouts.config import AlgorithmConfig, Config
 from rollouts.inference.http import EngineError
+from rollouts.rollout.batch import discarded_fraction
 from rollouts.rollout.planning import staleness_bound
+from rollouts.training.empty_steps import empty_batch_reason, no_update_error
 from rollouts.training.loops.rl_batch import (
-    epoch_metrics,
-    mini_batches,
-    needs_old_logprobs_pass,
+    PreparedGroups,
     prefixed,
     prepare_groups,
     rollout_metrics,
-    train_batch_of,
-    value_input_batch,
 )
-from rollouts.training.loops.rl_sources import BatchSource, Delivery, EngineSync, train_version
+from rollouts.training.loops.rl_checkpoint import checkpoint, checkpoint_unsaved, rescue_checkpoint
+from rollouts.training.loops.rl_sources import BatchSource, EngineSync
+from rollouts.training.loops.rl_state import (
+    MAX_EMPTY_BATCHES,
+    LoopState,
+    RLHooks,
+    RLResult,
+    loop_state_from,
+    train_version,
+)
+from rollouts.training.loops.rl_train import ReferencePolicy, train_step
 from rollouts.training.metrics import MetricsLogger
-from rollouts.types import RolloutBatch, TrainBatch
+from rollouts.types import RolloutBatch
 
-MAX_EMPTY_STEPS = 3  # steps in a row without a trainable sample before the run stops
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class RLHooks:
-    """What the driver plugs into the loop (all async; each returns quickly or is bounded)."""
-
-    # (step, version, buffer_state, *, metrics, loop_state): metrics = the step's (train + eval),
-    # so the driver can keep the best checkpoint (`checkpoint.best_metric`); loop_state = the
-    # loop's own JSON-safe state (e.g. the adaptive KL coefficient), given back on resume
-    checkpoint: Callable[..., Awaitable[None]]
-    sync_weights: Callable[[str], Awaitable[dict[str, float]]]  # version -> phase times
-    # async mode: write the version's weights where the engines load them (awaited, so the
-    # next optimizer step cannot change them first) and return the delivery (pause, load,
-    # resume, verify), which runs while the next step trains; None = always `sync_weights`
-    publish_weights: Callable[[str], Awaitable[Delivery]] | None = None
-    evaluate: Callable[[], Awaitable[dict[str, float]]] | None = None
-    should_stop: Callable[[], bool] = lambda: False
-    log_samples: Callable[[int, RolloutBatch], None] | None = None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class RLResult:
-    """Where an RL run ended."""
-
-    steps: int
-    weight_version: str
-    last_metrics: dict[str, float]
-
-
-class ReferencePolicy:
-    """The reference model (for KL): a logprob-only backend and its update strategy."""
-
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend
-        self.params = backend.get_weights()
-        self.changed = False  # moved off the base model: checkpointed from then on
-
-    def restore(self, params: Any) -> None:
-        """Load reference parameters saved in a checkpoint (a resumed run)."""
-        self.params, self.changed = params, True
-        self.backend.load_weights(params)
-
-    def params_to_checkpoint(self) -> Any:
-        """The parameters a checkpoint must keep: None while they are the base model's."""
-        return self.params if self.changed else None
-
-    async def logprobs(self, batch: TrainBatch) -> tuple[Any, ...]:
-        return await self.backend.compute_logprobs(batch)
-
-    async def update(self, policy_backend: Any, algo: AlgorithmConfig, step: int) -> None:
-        """Apply `algo.ref_update` after optimizer step `step`."""
-        if algo.ref_update == "none":
-            return
-        policy = await trio.to_thread.run_sync(policy_backend.get_weights)
-        new = update_reference(self.params, policy, algo, step)
-        if new is not self.params:
-            self.params, self.changed = new, True
-            await trio.to_thread.run_sync(self.backend.load_weights, new)
-
-
-async def _logprobs_for(
-    batch: TrainBatch,
-    backend: Any,
-    ref: ReferencePolicy | None,
-    algo: AlgorithmConfig,
-    separate_old: bool,
-) -> tuple[TrainBatch, float]:
-    """Old logprobs when a separate pass is needed (`needs_old_logprobs_pass`) and reference
-    logprobs. Without old logprobs the loss takes them from the training forward (ratio = 1),
-    and the engine/trainer mismatch and TIS too."""
-    started = time.monotonic()
-    if separate_old:
-        old = await backend.compute_logprobs(batch)
-        batch = dataclasses.replace(batch, old_logprobs=tuple(old))
-    if make_loss_fn(algo).needs_ref_logprobs:
-        if ref is None:
-            raise ValueError(
-                "algorithm.kl_coef > 0 or policy_loss = 'pairwise' needs a reference model "
-                "(none was built)"
-            )
-        batch = dataclasses.replace(batch, ref_logprobs=tuple(await ref.logprobs(batch)))
-    return batch, time.monotonic() - started
-
-
-async def _critic_values(
-    backend: Any, groups: Any, algo: AlgorithmConfig
-) -> tuple[Any, ...] | None:
-    """The critic's values before the update (GAE needs them); None for other estimators."""
-    if algo.advantage != "gae":
-        return None
-    if not hasattr(backend, "compute_values"):
-        raise ValueError(
-            "algorithm.advantage = 'gae' needs a critic: the backend has no compute_values"
-        )
-    return tuple(await backend.compute_values(value_input_batch(groups)))
-
-
-async def _kl_in_reward_batch(
-    groups: Any,
-    algo: AlgorithmConfig,
-    config: Config,
-    backend: Any,
-    ref: ReferencePolicy,
-    values: tuple[Any, ...] | None = None,
-) -> tuple[TrainBatch, dict[str, float]]:
-    """KL in the reward: per-token penalties from old vs reference logprobs, then advantages."""
-    max_new = config.rollout.sampling.max_new_tokens
-    plain = train_batch_of(groups, algo, max_new_tokens=max_new, values=values)
-    old = await backend.compute_logprobs(plain)
-    ref_lp = await ref.logprobs(plain)
-    penalties, batch_kl = kl_reward_penalties(old, ref_lp, plain.loss_mask, algo, algo.kl_coef)
-    batch = train_batch_of(
-        groups, algo, max_new_tokens=max_new, kl_penalties=penalties, values=values
-    )
-    batch = dataclasses.replace(batch, old_logprobs=tuple(old), ref_logprobs=tuple(ref_lp))
-    seq_kl = sequence_mean_kl(old, ref_lp, plain.loss_mask, algo)
-    return batch, {
-        "train/reward_kl": batch_kl,
-        "train/reward_kl_seq_mean": seq_kl,
-        "train/kl_coef": algo.kl_coef,
-    }
-
-
-async def train_step(
-    backend: Any, groups: Any, algo: AlgorithmConfig, config: Config, ref: ReferencePolicy | None
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Advantages, logprobs and `ppo_epochs` x mini-batch optimizer steps; (metrics, times)."""
-    max_new = config.rollout.sampling.max_new_tokens
-    times: dict[str, float] = {}
-    extra: dict[str, float] = {}
-    started = time.monotonic()
-    values = await _critic_values(backend, groups, algo)
-    if values is not None:
-        times["values"] = time.monotonic() - started
-    if algo.kl_in == "reward" and algo.kl_coef > 0.0 and ref is not None:
-        started = time.monotonic()
-        batch, extra = await _kl_in_reward_batch(groups, algo, config, backend, ref, values)
-        times["logprobs"] = time.monotonic() - started
-        # the KL is in the reward, not the loss (the controller, if any, already steered it)
-        algo = dataclasses.replace(algo, kl_coef=0.0, kl_target=0.0)
-    else:
-        batch = train_batch_of(groups, algo, max_new_tokens=max_new, values=values)
-        separate = needs_old_logprobs_pass(algo, len(mini_batches(groups, algo.mini_batch_size)))
-        batch, times["logprobs"] = await _logprobs_for(batch, backend, ref, algo, separate)
-    loss_fn = make_loss_fn(algo)
-    started = time.monotonic()
-    summed: dict[str, float] = {}
-    per_epoch: list[dict[str, float]] = []
-    n_updates = 0
-    for _ in range(algo.ppo_epochs):
-        per_epoch.append({"_n": 0.0})
-        for indices in mini_batches(groups, algo.mini_batch_size):
-            mb = batch if len(indices) == len(batch) else _renormalised(batch, indices)
-            if algo.policy_loss == "pairwise":  # per mini-batch: each divides by its own pairs
-                mb = prepare_pairwise_batch(mb, groups_of(groups, indices), algo)
-            fb = await backend.forward_backward(mb, loss_fn, entropy=True)
-            opt = await backend.optim_step()
-            for key, value in {**fb, **opt}.items():
-                summed[key] = summed.get(key, 0.0) + float(value)
-                per_epoch[-1][key] = per_epoch[-1].get(key, 0.0) + float(value)
-            per_epoch[-1]["_n"] += 1.0
-            n_updates += 1
-    times["train"] = time.monotonic() - started
-    metrics = {k: v / n_updates for k, v in summed.items()}  # mean over optimizer updates
-    metrics = prefixed(metrics, "train") | extra
-    if algo.ppo_epochs > 1 or values is not None:
-        metrics |= epoch_metrics(per_epoch)
-    metrics["train/updates"] = float(n_updates)
-    metrics["train/tokens"] = float(sum(len(t) for t in batch.input_ids))
-    return metrics, times
-
-
-def _renormalised(batch: TrainBatch, indices: list[int]) -> TrainBatch:
-    """A mini-batch with ITS OWN global normalisers (each mini-batch is one optimizer step)."""
-    sub = batch.select(indices)
-    masks = sub.loss_mask
-    return dataclasses.replace(
-        sub,
-        num_global_tokens=float(sum(float(m.sum()) for m in masks)),
-        num_global_seqs=float(sum(1 for m in masks if float(m.sum()) > 0)),
-    )
+__all__ = ["RLHooks", "RLResult", "ReferencePolicy", "run_rl_training", "train_step"]
 
 
 async def run_rl_training(
@@ -249,21 +78,10 @@ async def run_rl_training(
 
     `loop_state` is what the checkpoint hook was given last (a resumed run passes it back).
     """
-    schedule = load_schedule(config.algorithm)
     total = config.training.rl_steps
     is_async = config.rollout.mode == "async"
     kl_ctl = AdaptiveKL.from_config(config.algorithm)
-    if loop_state and "kl_ctl" in loop_state:
-        kl_ctl = kl_ctl.load_state_dict(loop_state["kl_ctl"])
-    state = {
-        "version": start_version,
-        "synced": start_version,
-        "trained_through": start_step,  # the last step whose optimizer steps are done
-        "checkpointed": start_step,  # the last step with a checkpoint
-        "in_backend": False,  # training, or writing a checkpoint: no rescue from there
-        "metrics": {},
-        "kl_ctl": kl_ctl,
-    }
+    st = loop_state_from(loop_state, kl_ctl, start_step, start_version)
     bound = staleness_bound(
         config.rollout.max_staleness, config.rollout.mode, config.training.sync_every
     )
@@ -272,170 +90,188 @@ async def run_rl_training(
         rollout_manager,
         reward_fn,
         data_buffer,
-        lambda number: (str(train_version(state, number)), bound),
+        lambda number: (str(train_version(st, number)), bound),
         engine_sync.wait,
     )
-    step = start_step
+    held = batches.restore_held((loop_state or {}).get("next_batch"))
+    assert held is None or held == st.batches + 1, f"{held=} does not follow {st.batches=}"
     async with trio.open_nursery() as nursery:
         if is_async:
-            batches.start_producer(nursery, start_step + 1, total)
-        overlap = (nursery, engine_sync) if is_async and hooks.publish_weights else None
-        for step in range(start_step + 1, total + 1):
+            first = st.batches + 1 + (held is not None)
+            batches.start_producer(nursery, first, st.batches + total - st.step)
+        ctx = _Ctx(
+            backend=backend,
+            batches=batches,
+            config=config,
+            hooks=hooks,
+            ref=ref,
+            schedule=load_schedule(config.algorithm),
+            bound=bound,
+            is_async=is_async,
+            overlap=(nursery, engine_sync) if is_async and hooks.publish_weights else None,
+        )
+        while st.step < total:
             try:
-                metrics = await _one_step(
-                    step,
-                    total,
-                    backend,
-                    batches,
-                    config,
-                    hooks,
-                    ref,
-                    schedule,
-                    state,
-                    is_async,
-                    overlap,
-                )
+                metrics = await _one_batch(ctx, st)
             except Exception as error:
-                await _rescue_checkpoint(error, hooks, batches, state)
+                await rescue_checkpoint(error, hooks, batches, st)
                 raise
-            with trio.move_on_after(5.0):  # the engines' load after the batch (0 = no leftovers)
-                with contextlib.suppress(EngineError):
-                    metrics["engines/load"] = float((await engines.load()).total)
-            metrics_logger.log(step, metrics)
-            state["metrics"] = metrics
-            if hooks.should_stop():
+            if metrics is not None:
+                with trio.move_on_after(5.0):  # the engines' load after the batch
+                    with contextlib.suppress(EngineError):
+                        metrics["engines/load"] = float((await engines.load()).total)
+                metrics_logger.log(st.step, metrics)
+                st.metrics = metrics
+            if hooks.should_stop():  # (a step that saw it first has its checkpoint already)
+                await checkpoint_unsaved(hooks, batches, st)
                 break
         await engine_sync.finish()  # a delivery still in flight: its error is the run's
         nursery.cancel_scope.cancel()
-    return RLResult(steps=step, weight_version=str(state["version"]), last_metrics=state["metrics"])
+    return RLResult(steps=st.step, weight_version=str(st.version), last_metrics=st.metrics)
 
 
-async def _one_step(
-    step: int,
-    total: int,
-    backend: Any,
-    batches: BatchSource,
-    config: Config,
-    hooks: RLHooks,
-    ref: ReferencePolicy | None,
-    schedule: Any,
-    state: dict[str, Any],
-    is_async: bool,
-    overlap: tuple[trio.Nursery, EngineSync] | None = None,
-) -> dict[str, float]:
-    started = time.monotonic()
-    rollout, gen_s = await batches.next(step)
-    wait_s = time.monotonic() - started
-    algo = _with_kl_controller(schedule(step - 1), state["kl_ctl"])
-    bound = staleness_bound(
-        config.rollout.max_staleness, config.rollout.mode, config.training.sync_every
-    )
-    prep = prepare_groups(rollout.groups, str(state["version"]), bound)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Ctx:
+    """What every batch of a run uses (fixed for the run)."""
+
+    backend: Any
+    batches: BatchSource
+    config: Config
+    hooks: RLHooks
+    ref: ReferencePolicy | None
+    schedule: Any
+    bound: int
+    is_async: bool
+    overlap: tuple[trio.Nursery, EngineSync] | None  # async disk sync: deliveries overlap
+
+    @property
+    def total(self) -> int:
+        return self.config.training.rl_steps
+
+
+def _batch_metrics(
+    rollout: RolloutBatch, prep: PreparedGroups, gen_s: float, wait_s: float, is_async: bool
+) -> tuple[dict[str, float], dict[str, float]]:
+    """A batch's rollout metrics and its first phase time."""
     metrics = rollout_metrics(prep.groups, rollout.metadata)
     # failed samples of every group the batch saw (a group of FAILED ones is never kept)
     failed = int(rollout.metadata.get("failed_samples", prep.failed_samples))
+    # the groups dropped here as stale are thrown away too (rollout/discarded_fraction)
+    discarded = int(rollout.metadata.get("discarded_tokens", 0)) + prep.stale_tokens
+    generated = int(rollout.metadata.get("generated_tokens", 0))
     metrics |= {
         "rollout/failed_samples": float(failed),
         "rollout/stale_groups_dropped": float(prep.stale_groups),
         "rollout/staleness_max": float(prep.max_staleness_seen),
+        "rollout/discarded_tokens": float(discarded),
+        "rollout/discarded_fraction": discarded_fraction(discarded, generated),
     }
-    times = {"generate": wait_s if is_async else gen_s}
     if is_async:
         metrics["time/generate_overlapped_s"] = gen_s
-    state["empty_steps"] = 0 if prep.groups else state.get("empty_steps", 0) + 1
-    if state["empty_steps"] >= MAX_EMPTY_STEPS:
-        errors = list(rollout.metadata.get("errors", []))[:3]
-        raise RuntimeError(
-            f"{MAX_EMPTY_STEPS} RL steps in a row had no trainable sample; in the last one "
-            f"{failed} sample(s) failed, {prep.stale_groups} group(s) were too "
-            f"stale, and the filters dropped {dict(rollout.metadata.get('drop_reasons', {}))} "
-            f"(group counts by filter reason); first errors: {errors}"
-        )
-    if prep.groups:
-        state["in_backend"] = True
-        train_metrics, train_times = await train_step(backend, prep.groups, algo, config, ref)
-        metrics |= train_metrics
-        if "train/reward_kl_seq_mean" in train_metrics:  # verl: n_steps = the batch size
-            n_seqs = sum(len(g) for g in prep.groups)
-            kl_ctl = state["kl_ctl"].update(train_metrics["train/reward_kl_seq_mean"], n_seqs)
-            state["kl_ctl"] = kl_ctl
-        times |= train_times
-        state["version"] += 1
-        if ref is not None:
-            await ref.update(backend, algo, step)
-        state["in_backend"] = False
-    state["trained_through"] = step
-    state["step_metrics"] = metrics  # what a rescue checkpoint stores if the step fails from here
-    if hooks.log_samples is not None:
-        hooks.log_samples(step, rollout)
-    stopping = hooks.should_stop()
-    eval_due = hooks.evaluate is not None and (
-        (config.training.eval_every and step % config.training.eval_every == 0) or step == total
+    return metrics, {"generate": wait_s if is_async else gen_s}
+
+
+def _count_empty(st: LoopState, number: int, rollout: RolloutBatch, prep: PreparedGroups) -> None:
+    """Batch `number` trained nothing: counted apart, said on the console (with why); the run
+    stops after `MAX_EMPTY_BATCHES` in a row (NoUpdateError)."""
+    st.empty_batches += 1
+    st.empty_in_a_row += 1
+    st.empty_since_step += 1
+    reason = empty_batch_reason(rollout, prep.stale_groups) or "no trainable sample"
+    if st.empty_in_a_row >= MAX_EMPTY_BATCHES:
+        raise no_update_error(st.empty_in_a_row, st.step, reason)
+    n = f"{st.empty_in_a_row}/{MAX_EMPTY_BATCHES} in a row"
+    print(f"[train] batch {number} trained nothing (not a step, {n}): {reason}", flush=True)
+
+
+async def _one_batch(ctx: _Ctx, st: LoopState) -> dict[str, float] | None:
+    """Take the next batch and train one step on it; None when it trained nothing."""
+    number = st.batches + 1
+    started = time.monotonic()
+    rollout, gen_s = await ctx.batches.next(number)
+    prep = prepare_groups(rollout.groups, str(st.version), ctx.bound)
+    metrics, times = _batch_metrics(rollout, prep, gen_s, time.monotonic() - started, ctx.is_async)
+    if not prep.groups:
+        _count_empty(st, number, rollout, prep)
+        st.batches = number
+        ctx.batches.raise_limit(st.batches + ctx.total - st.step)  # one more batch to make
+        return None
+    step = st.step + 1
+    algo = _with_kl_controller(ctx.schedule(step - 1), st.kl_ctl)
+    st.in_backend = True
+    train_metrics, train_times = await train_step(
+        ctx.backend, prep.groups, algo, ctx.config, ctx.ref
     )
-    sync_due = step % config.training.sync_every == 0 or step == total or eval_due or stopping
-    if sync_due and state["synced"] != state["version"]:
+    metrics |= train_metrics
+    if "train/reward_kl_seq_mean" in train_metrics:  # verl: n_steps = the batch size
+        n_seqs = sum(len(g) for g in prep.groups)
+        st.kl_ctl = st.kl_ctl.update(train_metrics["train/reward_kl_seq_mean"], n_seqs)
+    times |= train_times
+    st.version += 1
+    st.step, st.step_batch, st.batches = step, number, number
+    if ctx.ref is not None:
+        await ctx.ref.update(ctx.backend, algo, step)
+    st.in_backend = False
+    ctx.batches.forget_before(number + 1)
+    metrics["rollout/empty_batches"] = float(st.empty_since_step)
+    st.empty_in_a_row = st.empty_since_step = 0
+    st.step_metrics = metrics  # what a rescue checkpoint stores if the step fails from here
+    if ctx.hooks.log_samples is not None:
+        ctx.hooks.log_samples(step, rollout)
+    times |= await _after_training(ctx, st, metrics)
+    return metrics | _timing(times, time.monotonic() - started, rollout, st.version)
+
+
+async def _after_training(ctx: _Ctx, st: LoopState, metrics: dict[str, float]) -> dict[str, float]:
+    """The step's weight sync, evaluation and checkpoint (each when due); their times."""
+    step, hooks, times = st.step, ctx.hooks, {}
+    stopping = hooks.should_stop()
+    every = ctx.config.checkpoint.every
+    periodic = bool(every) and step % every == 0 and step < ctx.total and not stopping
+    checkpoint_due = periodic or step == ctx.total or stopping
+    eval_every = ctx.config.training.eval_every
+    eval_due = hooks.evaluate is not None and (
+        (eval_every and step % eval_every == 0) or step == ctx.total
+    )
+    sync_due = (
+        step % ctx.config.training.sync_every == 0 or eval_due or checkpoint_due
+    )  # a checkpoint step too: a resumed run's engines start on its weights
+    if sync_due and st.synced != st.version:
         t = time.monotonic()
-        version = str(state["version"])
-        if overlap is None:
-            metrics |= prefixed(await hooks.sync_weights(version), "sync")
-        else:  # the last delivery's figures, then this one's (in the background unless the
-            nursery, engine_sync = overlap  # engines must serve it now: eval, stop, the end)
-            metrics |= await engine_sync.finish()
-            assert hooks.publish_weights is not None
-            deliver = await hooks.publish_weights(version)
-            if eval_due or stopping or step == total:
-                metrics |= prefixed(await deliver(), "sync")
-            else:
-                engine_sync.start(nursery, deliver)
-        state["synced"] = state["version"]
+        urgent = eval_due or stopping or step == ctx.total  # the engines must serve it now
+        metrics |= await _sync(ctx, str(st.version), urgent)
+        st.synced = st.version
         times["sync"] = time.monotonic() - t
     if eval_due:
         t = time.monotonic()
-        if overlap is not None:  # the engines serve the newest weights (no delivery in flight)
-            metrics |= await overlap[1].finish()
+        if ctx.overlap is not None:  # the engines serve the newest weights (none in flight)
+            metrics |= await ctx.overlap[1].finish()
+        assert hooks.evaluate is not None
         metrics |= await hooks.evaluate()
         times["eval"] = time.monotonic() - t
-    every = config.checkpoint.every
-    if (every and step % every == 0) or step == total or stopping:
+    if checkpoint_due:
         t = time.monotonic()
-        resume_state = batches.state_for_resume(step + 1)
-        loop_state = {"kl_ctl": state["kl_ctl"].state_dict()}
-        state["in_backend"] = True
-        await hooks.checkpoint(
-            step, str(state["version"]), resume_state, metrics=metrics, loop_state=loop_state
-        )
-        state["in_backend"] = False
-        state["checkpointed"] = step
+        if periodic and ctx.is_async:  # kept in the checkpoint: see the module docstring
+            await ctx.batches.take_ahead(st.step_batch + 1)
+        await checkpoint(hooks, ctx.batches, st, metrics)
         times["checkpoint"] = time.monotonic() - t
-    return metrics | _timing(times, time.monotonic() - started, rollout, state["version"])
+    return times
 
 
-async def _rescue_checkpoint(
-    error: Exception, hooks: RLHooks, batches: BatchSource, state: dict[str, Any]
-) -> None:
-    """Checkpoint the last trained step before `error` stops the run, when it came from outside
-    the backend (the engines died, a weight sync or evaluation failed, a reward function raised)
-    and that step has no checkpoint yet: the steps since the last periodic checkpoint are kept
-    and `--resume` continues after them. The error gets a note saying which step was saved."""
-    step = state["trained_through"]
-    if state["in_backend"] or step <= state["checkpointed"]:
-        return
-    try:
-        with trio.CancelScope(shield=True):
-            await hooks.checkpoint(
-                step,
-                str(state["version"]),
-                batches.state_for_resume(step + 1),
-                metrics=state.get("step_metrics", {}),
-                loop_state={"kl_ctl": state["kl_ctl"].state_dict()},
-            )
-    except Exception as failed:
-        error.add_note(f"[train] the rescue checkpoint of step {step} failed too: {failed!r}")
-        return
-    state["checkpointed"] = step
-    note = f"[train] step {step} (the last trained one) was checkpointed before the run stopped"
-    print(f"{note}; fix the cause below and continue it with --resume", flush=True)
-    error.add_note(f"{note}: continue it with --resume")
+async def _sync(ctx: _Ctx, version: str, urgent: bool) -> dict[str, float]:
+    """Give the engines `version`: now, or (async disk sync) in the background unless `urgent`;
+    returns the `sync/*` figures known now (the last background delivery's, or this one's)."""
+    hooks = ctx.hooks
+    if ctx.overlap is None:
+        return prefixed(await hooks.sync_weights(version), "sync")
+    nursery, engine_sync = ctx.overlap
+    metrics = await engine_sync.finish()
+    assert hooks.publish_weights is not None
+    deliver = await hooks.publish_weights(version)
+    if urgent:
+        return metrics | prefixed(await deliver(), "sync")
+    engine_sync.start(nursery, deliver)
+    return metrics
 
 
 def _with_kl_controller(algo: AlgorithmConfig, kl_ctl: AdaptiveKL) -> AlgorithmConfig:

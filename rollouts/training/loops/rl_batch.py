@@ -33,6 +33,7 @@ class PreparedGroups:
     failed_samples: int
     stale_groups: int
     max_staleness_seen: int
+    stale_tokens: int = 0  # the response tokens of the stale groups (thrown away)
 
 
 def _version_int(version: str | None) -> int | None:
@@ -72,6 +73,7 @@ def prepare_groups(
         failed_samples=failed,
         stale_groups=len(stale),
         max_staleness_seen=max(lags, default=0),
+        stale_tokens=sum(s.response_length for g in stale for s in g),
     )
 
 

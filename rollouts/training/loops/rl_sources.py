@@ -2,8 +2,13 @@
 
 `BatchSource` makes batch k now (sync mode) or has a producer task make it one batch ahead
 (async mode); it remembers the DataBuffer state from before each batch, for exact resume, and
-tells the manager the version the batch will be trained at (`train_version`), so partial work
-that would be too stale by then is dropped before any generation is spent on it.
+tells the manager the version the batch will be trained at (`rl_state.train_version`), so
+partial work that would be too stale by then is dropped before any generation is spent on it.
+A batch that fails (the engines are gone) gives its prompts back: the buffer returns to its
+state from before the batch. The producer makes no batch past `limit` (the loop raises it for
+each batch that trained nothing). The batch made ahead can be taken early and kept in a
+checkpoint (`held_state`), so a resumed async run trains the very batch the uninterrupted run
+would have (made on the same, older, weights) instead of a new one made on the checkpoint's.
 `EngineSync` runs one weight delivery (engines pause, reload, resume, verify) in the background
 while the next step trains, and hands its figures or its error back to the loop.
 """
@@ -17,18 +22,25 @@ from typing import Any
 import trio
 
 from rollouts.training.loops.rl_batch import prefixed
-from rollouts.types import RolloutBatch
+from rollouts.training.loops.rl_state import Delivery
+from rollouts.types import RolloutBatch, sample_from_dict, sample_to_dict
 
-Delivery = Callable[[], Awaitable[dict[str, float]]]  # engines load published weights
+Made = tuple[RolloutBatch, float]  # a batch and the seconds spent generating it
 
 
-def train_version(state: dict[str, Any], number: int) -> int:
-    """The policy version batch `number` will be trained at: the version now plus one for each
-    earlier step still training (async: the producer makes batch k while step k-1 trains). The
-    manager drops partial work staler than the bound at THAT version, so a surplus or aborted
-    group kept from the batch before is not resumed (or served) only to be dropped as stale by
-    the trainer, leaving the step short of groups."""
-    return int(state["version"]) + max(0, number - 1 - int(state["trained_through"]))
+def batch_to_dict(batch: RolloutBatch, gen_s: float) -> dict[str, Any]:
+    """A JSON-safe form of a made batch (its samples, statistics and generation time)."""
+    return {
+        "groups": [[sample_to_dict(s) for s in group] for group in batch.groups],
+        "metadata": dict(batch.metadata),
+        "gen_s": gen_s,
+    }
+
+
+def batch_from_dict(data: dict[str, Any]) -> Made:
+    """Inverse of `batch_to_dict`."""
+    groups = tuple(tuple(sample_from_dict(s) for s in group) for group in data["groups"])
+    return RolloutBatch(groups=groups, metadata=dict(data["metadata"])), float(data["gen_s"])
 
 
 class EngineSync:
@@ -77,7 +89,7 @@ class BatchSource:
     """Where the next rollout batch comes from: made now (sync) or by a producer task (async).
 
     Remembers the DataBuffer state from just before each batch began, so a checkpoint after step
-    k stores the state from which batch k+1 is generated, even when the producer is ahead.
+    k stores the state from which the next batch is generated, even when the producer is ahead.
     """
 
     def __init__(
@@ -95,40 +107,65 @@ class BatchSource:
         self.staleness = staleness
         self.engines_ready = engines_ready  # awaited before a batch starts (a weight delivery)
         self.states: dict[int, dict[str, Any]] = {}
-        self._recv: trio.MemoryReceiveChannel[tuple[RolloutBatch, float] | Exception] | None = None
+        self.held: dict[int, Made] = {}  # made, taken from the producer, not yet trained
+        self.limit = 0  # the producer makes batches up to this number
+        self._limit_raised = trio.Event()
+        self._recv: trio.MemoryReceiveChannel[Made | Exception] | None = None
 
-    async def _make(self, number: int) -> tuple[RolloutBatch, float]:
+    async def _make(self, number: int) -> Made:
         if self.engines_ready is not None:
             await self.engines_ready()
         self.states[number] = self.buffer.state_dict()
         started = time.monotonic()
         version, bound = self.staleness(number)
-        batch = await self.manager.generate_batch(
-            self.reward_fn, policy_version=version, max_staleness=bound
-        )
+        try:
+            batch = await self.manager.generate_batch(
+                self.reward_fn, policy_version=version, max_staleness=bound, batch_number=number
+            )
+        except Exception as error:  # the batch is lost: its prompts go back to the buffer
+            self.buffer.load_state_dict(self.states[number])
+            note = f"[rollout] batch {number} was lost ({type(error).__name__}); its prompts "
+            print(f"{note}went back to the buffer", flush=True)
+            error.add_note(f"{note}went back to the buffer")
+            raise
         return batch, time.monotonic() - started
 
+    def raise_limit(self, last: int) -> None:
+        """Let the producer make batches up to number `last`."""
+        if last > self.limit:
+            self.limit = last
+            self._limit_raised.set()
+            self._limit_raised = trio.Event()
+
     def start_producer(self, nursery: trio.Nursery, first: int, last: int) -> None:
-        """Make batches `first..last` one ahead of the loop. A batch that fails (engines down, a
-        reward function raising) is handed to the loop as its error, so it is raised between
-        steps, never inside one (the loop can then checkpoint the last trained step)."""
-        send, self._recv = trio.open_memory_channel[tuple[RolloutBatch, float] | Exception](0)
+        """Make batches `first..limit` one ahead of the loop (`limit` = `last` until raised).
+        A batch that fails (engines down, a reward function raising) is handed to the loop as
+        its error, so it is raised between steps, never inside one (the loop can then
+        checkpoint the last trained step)."""
+        send, self._recv = trio.open_memory_channel[Made | Exception](0)
+        self.raise_limit(last)
 
         async def produce() -> None:
+            number = first
             async with send:
-                for number in range(first, last + 1):
+                while True:
+                    while number > self.limit:
+                        await self._limit_raised.wait()
                     try:
-                        made: tuple[RolloutBatch, float] | Exception = await self._make(number)
+                        made: Made | Exception = await self._make(number)
                     except Exception as error:
                         made = error
                     await send.send(made)
                     if isinstance(made, Exception):
                         return
+                    number += 1
 
         nursery.start_soon(produce)
 
-    async def next(self, number: int) -> tuple[RolloutBatch, float]:
+    async def next(self, number: int) -> Made:
         """Batch `number` and the seconds spent generating it (its error, raised)."""
+        if number in self.held:
+            return self.held.pop(number)
         if self._recv is None:
             return await self._make(number)
         made = await self._recv.receive()
@@ -136,9 +173,32 @@ class BatchSource:
             raise made
         return made
 
+    async def take_ahead(self, number: int) -> None:
+        """Wait for batch `number` from the producer and hold it (for `held_state`)."""
+        assert self._recv is not None, "only a producer makes batches ahead"
+        if number not in self.held:
+            self.held[number] = await self.next(number)
+
+    def held_state(self) -> dict[str, Any] | None:
+        """The batch taken ahead, JSON-safe (None when there is none): a checkpoint keeps it."""
+        if not self.held:
+            return None
+        (number, (batch, gen_s)), *rest = self.held.items()
+        assert not rest, f"several batches held: {sorted(self.held)}"
+        return {"number": number} | batch_to_dict(batch, gen_s)
+
+    def restore_held(self, state: dict[str, Any] | None) -> int | None:
+        """Hold a checkpoint's batch again (a resumed run trains it first); its number."""
+        if not state:
+            return None
+        self.held[int(state["number"])] = batch_from_dict(state)
+        return int(state["number"])
+
     def state_for_resume(self, next_number: int) -> dict[str, Any]:
         """The buffer state from which batch `next_number` is (or will be) generated."""
-        state = self.states.get(next_number) or self.buffer.state_dict()
-        for old in [n for n in self.states if n < next_number]:
+        return self.states.get(next_number) or self.buffer.state_dict()
+
+    def forget_before(self, number: int) -> None:
+        """Drop the buffer states of batches before `number` (no checkpoint needs them now)."""
+        for old in [n for n in self.states if n < number]:
             del self.states[old]
-        return state

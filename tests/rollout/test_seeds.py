@@ -1,0 +1,89 @@
+"""Sampling seeds (issue 27, item 7): derived from the run seed, the batch and the sample, sent
+with every request, honoured by the real built-in server, and what makes two managers with the
+same seed make the same batch (in group order, whatever order the groups finished in)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from rollouts.inference.launch import EngineProcess
+from rollouts.inference.protocol import SamplingParams
+from rollouts.inference.server.sampling import seeded_draws
+from rollouts.inference.sglang import SGLangEngine, sampling_body
+from rollouts.inference.vllm import completion_body
+from rollouts.rollout.manager import AsyncRolloutManager
+from rollouts.rollout.seeds import request_seed
+from tests.rollout import manager_cases as cases
+
+
+def test_seeds_name_the_run_the_batch_and_the_sample() -> None:
+    base = request_seed(0, 1, 2, 3, 0)
+    assert base == request_seed(0, 1, 2, 3, 0)  # pure: a resumed run sends the same
+    others = {
+        request_seed(1, 1, 2, 3, 0),  # run seed
+        request_seed(0, 2, 2, 3, 0),  # batch
+        request_seed(0, 1, 3, 3, 0),  # group
+        request_seed(0, 1, 2, 4, 0),  # place in the group
+        request_seed(0, 1, 2, 3, 5),  # a partial rollout resumed after 5 tokens
+    }
+    assert base not in others and len(others) == 5
+    assert all(0 <= s < 2**63 for s in others | {base})  # what every engine takes (int64)
+
+
+def test_every_engine_kind_gets_the_seed() -> None:
+    sampling = SamplingParams(max_new_tokens=4, seed=123)
+    assert sampling_body(sampling)["sampling_seed"] == 123  # SGLang and the built-in server
+    assert completion_body([1, 2], sampling, None, "m")["seed"] == 123  # vLLM
+
+
+@pytest.fixture(params=["batched", "per-sample"])
+async def engine(server: EngineProcess, request) -> AsyncIterator[SGLangEngine]:
+    client = SGLangEngine(server.url)
+    client.batch_generate = request.param == "batched"
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+async def _batch(engine: SGLangEngine, tok, seed: int | None, number: int = 4) -> list:
+    config = cases.make_config(
+        batch_size=3, n_samples_per_prompt=4, over_sampling_factor=1.0, max_new_tokens=12
+    )
+    manager = AsyncRolloutManager(cases.make_buffer(), config, engine, tokenizer=tok, seed=seed)
+    batch = await manager.generate_batch(lambda s: 0.0, batch_number=number)
+    return [(s.group_index, s.tokens, s.rollout_logprobs) for s in batch.samples]
+
+
+async def test_the_same_seed_makes_the_same_batch_on_the_real_server(engine, tok) -> None:
+    first = await _batch(engine, tok, seed=7)
+    again = await _batch(engine, tok, seed=7)
+    assert [g for g, *_ in first] == sorted(g for g, *_ in first)  # in group order
+    assert [t for _, t, _ in first] == [t for _, t, _ in again]  # the same tokens
+    for (_, _, lp1), (_, _, lp2) in zip(first, again, strict=True):  # batch floats only
+        assert lp1 == pytest.approx(lp2, abs=1e-5)
+    other_seed = await _batch(engine, tok, seed=8)
+    other_batch = await _batch(engine, tok, seed=7, number=5)
+    assert [t for _, t, _ in other_seed] != [t for _, t, _ in first]
+    assert [t for _, t, _ in other_batch] != [t for _, t, _ in first]
+
+
+async def test_the_samples_of_a_group_get_seeds_of_their_own(engine, tok) -> None:
+    """One prompt, four samples, one seed per sample: four different continuations."""
+    tokens = [t for _, t, _ in await _batch(engine, tok, seed=7)][:4]
+    assert len(set(tokens)) == 4, tokens
+
+
+def test_the_built_in_engines_seeded_draws_follow_the_probabilities() -> None:
+    """Its seeded rows sample by inverse CDF from one uniform of their own generator."""
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3]).repeat(20000, 1)
+    gens = [torch.Generator().manual_seed(i) for i in range(len(probs))]
+    tokens = seeded_draws(probs, gens)
+    freq = torch.bincount(tokens, minlength=4).double() / len(tokens)
+    assert torch.allclose(freq, probs[0].double(), atol=0.015), freq
+    assert int((tokens == 1).sum()) == 0  # a token without mass never comes
+    again = seeded_draws(probs[:5], [torch.Generator().manual_seed(i) for i in range(5)])
+    assert again.tolist() == tokens[:5].tolist()  # a row's draw: its probabilities and seed only
