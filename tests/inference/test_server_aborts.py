@@ -212,18 +212,14 @@ async def test_vllm_aborts_match_exact_external_ids(fault_servers) -> None:
     async with httpx.AsyncClient(base_url=url) as http, trio.open_nursery() as nursery:
         nursery.start_soon(run, "grp-1-0")
         nursery.start_soon(run, "grp-2-0")
-        await _until(lambda: _running(http, 2))
+        await _until(lambda: _running_is(http, 2))
         bare = await http.post("/abort_requests", json={"request_ids": ["grp-1-0", "cmpl-grp-1"]})
         assert bare.json()["aborted"] == 0
         await engine.abort("grp-1")
-        await _until(lambda: _running(http, 1))
+        await _until(lambda: _running_is(http, 1))
         await http.post("/abort_requests", json={"request_ids": [completion_request_id("grp-2-0")]})
     await engine.aclose()
     finished = dict(box)
     assert finished["grp-1-0"].finish_reason == FinishReason.ABORT
     assert finished["grp-2-0"].finish_reason == FinishReason.ABORT
     assert 0 < len(finished["grp-1-0"].output_ids) < 500
-
-
-async def _running(http: httpx.AsyncClient, count: int) -> bool:
-    return (await _load(http))[0] == count
