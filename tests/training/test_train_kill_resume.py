@@ -94,7 +94,9 @@ def test_an_engine_killed_mid_run_costs_no_step(tmp_path: Path) -> None:
     config = _config(
         tmp_path,
         data={"eval_size": 2},
-        training={"rl_steps": 4},
+        # steps of ~0.15 s: enough of them after the kill for a health check (every 0.5 s) to
+        # find the dead engine and restart it before the run ends
+        training={"rl_steps": 12},
         engines={"num_engines": 2, "health_interval_s": 0.5, "max_retries": 1},
     )
     run = tmp_path / "run"
@@ -121,7 +123,7 @@ def test_an_engine_killed_mid_run_costs_no_step(tmp_path: Path) -> None:
             if train.poll() is None:
                 train.kill()
     text = log.read_text()
-    assert _steps(run / "metrics.jsonl") == [0, 1, 2, 3, 4], text[-3000:]
+    assert _steps(run / "metrics.jsonl") == list(range(13)), text[-3000:]
     assert "restart 1/3" in text, text[-3000:]
-    assert (run / "checkpoints" / "rl" / "step_000004").is_dir()
+    assert (run / "checkpoints" / "rl" / "step_000012").is_dir()
     assert wait_gone(str(tmp_path / "base")) == []
