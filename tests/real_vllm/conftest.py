@@ -35,6 +35,7 @@ class VLLMServer:
     def __init__(
         self, name: str, model: Path, core: int, log_dir: Path, args: tuple[str, ...] = ("-O0",)
     ) -> None:
+        assert (model / "config.json").is_file(), f"{model}: not an HF model directory"
         self.name, self.model = name, model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.real_vllm.conftest import VLLMServer
+from tests.toml_config import write_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "integration_training" / "train.py"
@@ -45,15 +46,7 @@ def _config(tmp: Path, model: Path, urls: list[str], mode: str, **sections: dict
         "engines": {"kind": "vllm", "urls": urls, "startup_timeout_s": 60.0},
         "checkpoint": {"every": 0, "keep_last": 1},
     }
-    for key, value in sections.items():
-        base.setdefault(key.replace("__", "."), {}).update(value)
-    lines = []
-    for section, table in base.items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in table.items()]
-    path = tmp / "config.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_config(tmp / "config.toml", base, sections)
 
 
 def _train(config: Path, timeout_s: float = 400) -> list[dict]:

@@ -14,6 +14,7 @@ import pytest
 
 from rollouts.data.buffer import DataBuffer
 from rollouts.data.loaders import load_prompts
+from tests.toml_config import write_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "integration_training" / "train.py"
@@ -57,15 +58,7 @@ def _config(tmp: Path, **sections: dict) -> Path:
         "checkpoint": {"every": 1, "keep_last": 2},
         "logging": {"rollouts_per_step": 100},
     }
-    for key, value in sections.items():
-        base.setdefault(key.replace("__", "."), {}).update(value)
-    lines = []
-    for section, table in base.items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in table.items()]
-    path = tmp / "config.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_config(tmp / "config.toml", base, sections)
 
 
 def _train(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
