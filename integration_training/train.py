@@ -1,6 +1,6 @@
 """The front door: `python integration_training/train.py --mode sft|rl|sft+rl --config X.toml`.
 
-Everything lives in the `rollouts` package (`rollouts/training/cli.py` and `run.py`); this file
+Everything lives in the `rollouts` package (`rollouts/driver/cli.py` and `run.py`); this file
 only makes the documented command work from a checkout.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollouts.training.cli import main
+from rollouts.driver.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

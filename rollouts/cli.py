@@ -15,8 +15,8 @@ SUBCOMMANDS = {
     "make-tiny-model": ("rollouts.models.cli", "build a tiny local model + tokenizer in DIR"),
     "models": ("rollouts.models.fetch_cli", "fetch a real model: models fetch NAME [DIR]"),
     "serve": ("rollouts.inference.server.cli", "run the built-in engine server"),
-    "train": ("rollouts.training.cli", "train: --mode sft|rl|sft+rl --config X.toml"),
-    "plot": ("rollouts.training.plot", "write PNG plots of a run's metrics.jsonl"),
+    "train": ("rollouts.driver.cli", "train: --mode sft|rl|sft+rl --config X.toml"),
+    "plot": ("rollouts.driver.plot", "write PNG plots of a run's metrics.jsonl"),
 }
 
 

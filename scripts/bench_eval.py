@@ -23,14 +23,14 @@ import trio
 
 from rollouts.config import load_config
 from rollouts.data.loaders import load_prompts
+from rollouts.driver.evaluation import EVAL_BATCH, EvalSpec, evaluate
+from rollouts.driver.setup import prepare_base_model, prepare_data, with_response_text
 from rollouts.inference.launch import engine_process
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.plugins import load_function
 from rollouts.rewards.protocol import RewardFn
 from rollouts.rollout.generate import generate_single_turn
-from rollouts.training.backends.factories import load_tokenizer
-from rollouts.training.evaluation import EVAL_BATCH, EvalSpec, evaluate
-from rollouts.training.run_setup import prepare_base_model, prepare_data, with_response_text
+from rollouts.trainer.factories import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -29,7 +29,7 @@ from bench_micro_batch import (  # scripts/ is on sys.path when run
 
 from rollouts.algorithms.batch import build_train_batch
 from rollouts.algorithms.loss_fn import make_loss_fn
-from rollouts.training.engines import cpu_share
+from rollouts.driver.engines import cpu_share
 
 SETTINGS = ("all", "trained")
 

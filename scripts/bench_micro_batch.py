@@ -26,9 +26,9 @@ from bench_rl_step import bench_config  # scripts/ is on sys.path when run
 from rollouts.algorithms.batch import build_train_batch
 from rollouts.algorithms.loss_fn import make_loss_fn
 from rollouts.config import Config
-from rollouts.training.backends.factories import create_backend
-from rollouts.training.engines import cpu_share
-from rollouts.training.run_setup import prepare_base_model, prepare_data
+from rollouts.driver.engines import cpu_share
+from rollouts.driver.setup import prepare_base_model, prepare_data
+from rollouts.trainer.factories import create_backend
 from rollouts.types import LossFn, Sample, Status, TrainBatch
 
 

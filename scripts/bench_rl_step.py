@@ -40,15 +40,15 @@ from bench_rl_floor import FloorSpec, run_floor  # scripts/ is on sys.path when 
 from rollouts.config import Config, load_config
 from rollouts.data.loaders import load_prompts
 from rollouts.data.sft import tokenize_prompt
-from rollouts.training.backends.factories import load_tokenizer
-from rollouts.training.engines import cpu_share
-from rollouts.training.run import rl_phase
-from rollouts.training.run_setup import (
+from rollouts.driver.engines import cpu_share
+from rollouts.driver.run import rl_phase
+from rollouts.driver.setup import (
     StopFlag,
     prepare_base_model,
     prepare_data,
     prepare_run_dir,
 )
+from rollouts.trainer.factories import load_tokenizer
 
 PHASES = ("generate", "logprobs", "train", "sync", "idle")
 WORKLOAD = [

@@ -32,11 +32,11 @@ from rollouts.config import Config, ModelConfig, OptimConfig, TrainingConfig
 from rollouts.inference.launch import engine_server
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
-from rollouts.training.backends.batching import padding_fraction, plan_micro_batches
-from rollouts.training.backends.factories import create_pytorch_backend
-from rollouts.training.dist_sync import DistributedWeightSync, DistSyncOptions
-from rollouts.training.weight_sync import publish_weights, sync_weights_to_engines
+from rollouts.trainer.batching import padding_fraction, plan_micro_batches
+from rollouts.trainer.factories import create_pytorch_backend
 from rollouts.types import ModelOutputs, TrainBatch
+from rollouts.weights.disk import publish_weights, sync_weights_to_engines
+from rollouts.weights.distributed import DistributedWeightSync, DistSyncOptions
 
 
 def nll_loss(outputs: ModelOutputs, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:

@@ -3,7 +3,7 @@
     python scripts/eval_model.py MODEL_DIR --data runs/smollm2-data/eval.jsonl \
         [--size 60] [--max-new-tokens 12] [--temperature 0.7] [--samples 4]
 
-The same path as training's evaluation (`rollouts.training.evaluation.evaluate`, the exact-match
+The same path as training's evaluation (`rollouts.driver.evaluation.evaluate`, the exact-match
 verifier, the model's chat template); the sampled pass rolls each prompt out `--samples` times.
 """
 
@@ -16,12 +16,12 @@ from pathlib import Path
 import trio
 
 from rollouts.data.loaders import load_prompts
+from rollouts.driver.evaluation import EvalSpec, evaluate
 from rollouts.inference.launch import engine_server
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.rewards.verifiers import make_exact_match_reward, tokenizer_decoder
 from rollouts.rollout.generate import generate_single_turn
-from rollouts.training.backends.factories import load_tokenizer
-from rollouts.training.evaluation import EvalSpec, evaluate
+from rollouts.trainer.factories import load_tokenizer
 
 
 def sampled_at(temperature: float):

@@ -46,7 +46,9 @@ def run(out: Path, config: str, sets: list[str]) -> None:
     if done.returncode != 0:
         sys.exit(f"train.py failed ({done.returncode}); see {out / 'train.log'}")
     rows = {
-        name: [_comparable(json.loads(line)) for line in (out / "run" / name).read_text().splitlines()]
+        name: [
+            _comparable(json.loads(line)) for line in (out / "run" / name).read_text().splitlines()
+        ]
         for name in FILES
     }
     (out / "comparable.json").write_text(json.dumps(rows, indent=1, sort_keys=True))

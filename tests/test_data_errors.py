@@ -12,8 +12,8 @@ import pytest
 
 from rollouts.config import Config, DataConfig, RolloutConfig
 from rollouts.data.loaders import MAX_REPORTED, DatasetError, load_conversations, load_prompts
-from rollouts.training.backends.factories import load_tokenizer
-from rollouts.training.run_setup import load_rl_prompts
+from rollouts.driver.setup import load_rl_prompts
+from rollouts.trainer.factories import load_tokenizer
 
 
 def _chat(*contents: str) -> str:

@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollouts.config import Config, load_config
+from rollouts.driver.setup import prepare_base_model
 from rollouts.models.tiny import TinyModelSpec, build_tiny_model, train_tokenizer
-from rollouts.training.run_setup import prepare_base_model
 
 
 def test_round_trip_same_logits_and_generation(tiny_model_dir: Path, tmp_path: Path) -> None:

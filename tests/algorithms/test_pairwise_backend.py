@@ -13,7 +13,7 @@ from rollouts.algorithms.batch import make_train_batch
 from rollouts.algorithms.loss_fn import make_loss_fn
 from rollouts.algorithms.pairwise import prepare_pairwise_batch
 from rollouts.config import AlgorithmConfig
-from rollouts.training.backends.factories import create_pytorch_backend
+from rollouts.trainer.factories import create_pytorch_backend
 from rollouts.types import Sample, Status
 from tests.training.backend_helpers import tiny_config
 

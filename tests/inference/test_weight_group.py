@@ -9,7 +9,9 @@ from rollouts.config import ConfigError, config_from_dict
 from rollouts.inference.protocol import WeightGroupSpec
 from rollouts.inference.sglang import distributed_update_body, init_group_body
 from rollouts.inference.vllm import transfer_init_info, transfer_update_info
-from rollouts.inference.weight_group import (
+from rollouts.weights.distributed import rank_offsets
+from rollouts.weights.distributed_pool import choose_backend, distributed_sync_for
+from rollouts.weights.group import (
     BucketBuffer,
     TensorSpec,
     flatten,
@@ -18,8 +20,6 @@ from rollouts.inference.weight_group import (
     specs_from_request,
     unflatten,
 )
-from rollouts.training.dist_pool import choose_backend, distributed_sync_for
-from rollouts.training.dist_sync import rank_offsets
 
 # the request fields of SGLang 0.5.21's io_struct (InitWeightsUpdateGroupReqInput,
 # UpdateWeightsFromDistributedReqInput) and vLLM's NCCL init / update infos (0.27 and 0.33)

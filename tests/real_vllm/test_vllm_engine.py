@@ -18,17 +18,17 @@ from rollouts.inference.launch import engine_server
 from rollouts.inference.protocol import FinishReason, SamplingParams
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.vllm import VLLMEngine
-from rollouts.training.backends.factories import create_pytorch_backend
-from rollouts.training.backends.pytorch import save_hf
-from rollouts.training.weight_check import (
+from rollouts.trainer.factories import create_pytorch_backend
+from rollouts.trainer.pytorch import save_hf
+from rollouts.types import TrainBatch
+from rollouts.weights.check import (
     WeightContentError,
     check_engine,
     largest_gap,
     probe_ids,
     trainer_probe,
 )
-from rollouts.training.weight_sync import publish_weights, sync_weights_to_engines
-from rollouts.types import TrainBatch
+from rollouts.weights.disk import publish_weights, sync_weights_to_engines
 from tests.real_vllm.conftest import VLLMServer
 from tests.training.backend_helpers import tiny_config
 

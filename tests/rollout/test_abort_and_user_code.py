@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import trio
 
+from rollouts.driver.evaluation import EvalSpec, evaluate
 from rollouts.envs.threads import ThreadRunner
 from rollouts.envs.tools import Tool, ToolCall, run_tool_call
 from rollouts.inference.launch import EngineProcess
@@ -23,7 +24,6 @@ from rollouts.rollout.agent import generate_multi_turn
 from rollouts.rollout.generate import generate_single_turn
 from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.rollout.protocol import GenerateContext
-from rollouts.training.evaluation import EvalSpec, evaluate
 from rollouts.types import PromptItem, Sample, Status
 from tests.rollout.manager_cases import alternating_reward, make_buffer
 from tests.rollout.manager_cases import make_config as base_config

@@ -14,6 +14,7 @@ import socket
 import httpx
 import trio
 
+from rollouts.driver.evaluation import EvalSpec, evaluate
 from rollouts.inference.http import HttpOptions
 from rollouts.inference.launch import EngineProcess
 from rollouts.inference.pool import EnginePool
@@ -27,7 +28,6 @@ from rollouts.inference.sglang import SGLangEngine, batch_generate_body
 from rollouts.rollout.generate import generate_group_single_turn, generate_single_turn
 from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.rollout.protocol import GenerateContext
-from rollouts.training.evaluation import EvalSpec, evaluate
 from rollouts.types import PromptItem, Sample, Status
 from tests.rollout import manager_cases as cases
 

@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from rollouts.driver.evaluation import EvalSpec, evaluate
 from rollouts.inference.launch import EngineProcess
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.rollout.manager import AsyncRolloutManager, ShortBatchWarning
-from rollouts.training.evaluation import EvalSpec, evaluate
 from rollouts.types import PromptItem, Sample, Status
 from tests.rollout import manager_cases as cases
 

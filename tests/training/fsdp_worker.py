@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from rollouts.training.backends.fsdp import create_fsdp_backend
-from rollouts.training.backends.pytorch import load_hf_weights
-from rollouts.training.checkpoint import load_checkpoint, save_checkpoint
+from rollouts.trainer.checkpoint import load_checkpoint, save_checkpoint
+from rollouts.trainer.fsdp import create_fsdp_backend
+from rollouts.trainer.pytorch import load_hf_weights
 from tests.training.backend_helpers import LENGTHS, make_batch, nll_loss, tiny_config
 
 

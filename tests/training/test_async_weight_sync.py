@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-import rollouts.training.run as run_module
-from rollouts.training.backends.pytorch import PyTorchBackend, load_hf_weights
-from rollouts.training.quick_start import quick_start_training
-from rollouts.training.weight_sync import EngineSyncResult, SyncReport, WeightSyncError
+import rollouts.driver.run as run_module
+from rollouts.driver.quick_start import quick_start_training
+from rollouts.trainer.pytorch import PyTorchBackend, load_hf_weights
 from rollouts.types import Sample
+from rollouts.weights.disk import EngineSyncResult, SyncReport, WeightSyncError
 
 PROMPTS = [f"{a}+{a}=" for a in range(10, 30)]
 

@@ -13,9 +13,7 @@ def _loaded_after(module: str) -> set[str]:
 
 
 def test_fsdp_does_not_import_the_factories_and_building_imports_neither():
-    assert "rollouts.training.backends.factories" not in _loaded_after(
-        "rollouts.training.backends.fsdp"
-    )
-    building = _loaded_after("rollouts.training.backends.building")
-    assert "rollouts.training.backends.factories" not in building
-    assert "rollouts.training.backends.fsdp" not in building
+    assert "rollouts.trainer.factories" not in _loaded_after("rollouts.trainer.fsdp")
+    building = _loaded_after("rollouts.trainer.building")
+    assert "rollouts.trainer.factories" not in building
+    assert "rollouts.trainer.fsdp" not in building

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from rollouts.config import Config
-from rollouts.training.backends.batching import padding_fraction, plan_micro_batches
-from rollouts.training.backends.factories import create_pytorch_backend, warmup_cosine_factor
-from rollouts.training.backends.model import LOGITS_CHUNK_BYTES, auto_chunk_size
-from rollouts.training.backends.protocol import NonFiniteError, TrainingBackend
+from rollouts.trainer.batching import padding_fraction, plan_micro_batches
+from rollouts.trainer.factories import create_pytorch_backend, warmup_cosine_factor
+from rollouts.trainer.model import LOGITS_CHUNK_BYTES, auto_chunk_size
+from rollouts.trainer.protocol import NonFiniteError, TrainingBackend
 from rollouts.types import ModelOutputs, TrainBatch
 from tests.training.backend_helpers import (
     LENGTHS,
@@ -220,6 +220,6 @@ def test_compile_without_a_cxx_compiler_is_a_clear_error(
 ) -> None:
     base = tiny_config(tiny_model_dir)
     compiled = dataclasses.replace(base, model=dataclasses.replace(base.model, compile=True))
-    monkeypatch.setattr("rollouts.training.backends.building.shutil.which", lambda name: None)
+    monkeypatch.setattr("rollouts.trainer.building.shutil.which", lambda name: None)
     with pytest.raises(RuntimeError, match=r"model.compile = true: .* set model.compile = false"):
         create_pytorch_backend(compiled)

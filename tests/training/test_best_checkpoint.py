@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from rollouts.config import CheckpointConfig, ConfigError
-from rollouts.training.backends.factories import create_pytorch_backend
-from rollouts.training.checkpoint import (
+from rollouts.trainer.checkpoint import (
     BEST_FILE,
     BestSpec,
     checkpoint_name,
@@ -21,6 +20,7 @@ from rollouts.training.checkpoint import (
     read_best,
     save_checkpoint,
 )
+from rollouts.trainer.factories import create_pytorch_backend
 from tests.training.backend_helpers import one_torch_thread, tiny_config  # noqa: F401
 
 

@@ -11,13 +11,13 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rollouts.training.backends.factories import create_pytorch_backend
-from rollouts.training.checkpoint import (
+from rollouts.trainer.checkpoint import (
     find_latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
+from rollouts.trainer.factories import create_pytorch_backend
 from tests.training.backend_helpers import (
     make_batch,
     nll_loss,

@@ -12,11 +12,11 @@ import torch
 from rollouts.algorithms.batch import make_train_batch
 from rollouts.algorithms.loss_fn import make_loss_fn
 from rollouts.config import AlgorithmConfig, Config
-from rollouts.training.backends.factories import create_pytorch_backend
-from rollouts.training.backends.model import VALUE_HEAD_FILE
-from rollouts.training.backends.pytorch import MODEL_DIR, load_hf_weights
-from rollouts.training.checkpoint import load_checkpoint, save_checkpoint
-from rollouts.training.loops.rl import train_step
+from rollouts.loop.rl import train_step
+from rollouts.trainer.checkpoint import load_checkpoint, save_checkpoint
+from rollouts.trainer.factories import create_pytorch_backend
+from rollouts.trainer.model import VALUE_HEAD_FILE
+from rollouts.trainer.pytorch import MODEL_DIR, load_hf_weights
 from rollouts.types import Sample, Status
 from tests.training.backend_helpers import one_torch_thread, tiny_config  # noqa: F401
 

@@ -16,9 +16,9 @@ import torch
 
 from rollouts.algorithms.loss_fn import make_loss_fn
 from rollouts.config import AlgorithmConfig, Config
-from rollouts.training.backends.factories import create_backend
-from rollouts.training.backends.pytorch import load_hf_weights
-from rollouts.training.checkpoint import load_checkpoint, save_checkpoint
+from rollouts.trainer.checkpoint import load_checkpoint, save_checkpoint
+from rollouts.trainer.factories import create_backend
+from rollouts.trainer.pytorch import load_hf_weights
 from rollouts.types import TrainBatch
 from tests.training.backend_helpers import LENGTHS, make_batch, one_torch_thread, tiny_config
 

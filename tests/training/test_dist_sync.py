@@ -16,10 +16,10 @@ from rollouts.inference.launch import EngineSpec, spawn, wait_healthy_sync
 from rollouts.inference.pool import EnginePool
 from rollouts.inference.protocol import SamplingParams
 from rollouts.inference.sglang import SGLangEngine, distributed_update_body
-from rollouts.inference.weight_group import broadcast_bucket, flatten, state_specs
-from rollouts.training.dist_pool import sync_pool_distributed
-from rollouts.training.dist_sync import DistributedWeightSync, DistSyncOptions
-from rollouts.training.weight_sync import WeightSyncError
+from rollouts.weights.disk import WeightSyncError
+from rollouts.weights.distributed import DistributedWeightSync, DistSyncOptions
+from rollouts.weights.distributed_pool import sync_pool_distributed
+from rollouts.weights.group import broadcast_bucket, flatten, state_specs
 from tests.training.backend_helpers import one_torch_thread  # noqa: F401 (autouse)
 from tests.training.test_weight_sync import _greedy, _train_to_memorise
 

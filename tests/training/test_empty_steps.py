@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rollouts.training.cli import main
-from rollouts.training.empty_steps import empty_batch_reason
+from rollouts.driver.cli import main
+from rollouts.loop.empty_steps import empty_batch_reason
 from rollouts.types import RolloutBatch, Sample, Status
 from tests.training.test_train_e2e import _config
 

@@ -25,10 +25,10 @@ import pytest
 import trio
 
 from rollouts.config import config_from_dict
+from rollouts.driver.engines import open_engines
 from rollouts.inference.http import EngineUnavailable
 from rollouts.inference.protocol import SamplingParams
-from rollouts.training.engines import open_engines
-from rollouts.training.weight_sync import sync_pool
+from rollouts.weights.disk import sync_pool
 
 ROOT = Path(__file__).resolve().parents[2]
 

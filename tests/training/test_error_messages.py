@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollouts.training.cli import main
+from rollouts.driver.cli import main
 from tests.training.test_train_e2e import _config
 
 

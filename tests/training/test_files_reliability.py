@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from rollouts.training.backends.factories import create_pytorch_backend
-from rollouts.training.checkpoint import list_checkpoints, save_checkpoint
-from rollouts.training.disk import DiskWriteError
-from rollouts.training.metrics import JsonlSink, read_jsonl_rows
+from rollouts.driver.metrics import JsonlSink, read_jsonl_rows
+from rollouts.trainer.checkpoint import list_checkpoints, save_checkpoint
+from rollouts.trainer.disk_errors import DiskWriteError
+from rollouts.trainer.factories import create_pytorch_backend
 from tests.training.backend_helpers import one_torch_thread, tiny_config  # noqa: F401
 
 PAGE = 4096
@@ -125,7 +125,7 @@ KILLED_MID_DELETE = textwrap.dedent(
     """
     import os, shutil, signal, sys
     from pathlib import Path
-    from rollouts.training import checkpoint
+    from rollouts.trainer import checkpoint
     from tests.training.test_files_reliability import FileBackend
 
     root = Path(sys.argv[1])

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollouts.training.backends.factories import create_pytorch_backend
-from rollouts.training.checkpoint import load_checkpoint
+from rollouts.trainer.checkpoint import load_checkpoint
+from rollouts.trainer.factories import create_pytorch_backend
 from tests.training.backend_helpers import (
     LENGTHS,
     make_batch,

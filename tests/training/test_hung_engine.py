@@ -11,9 +11,9 @@ from pathlib import Path
 
 import trio
 
+from rollouts.driver.engines import open_engines
 from rollouts.inference.protocol import GenerateRequest, SamplingParams
-from rollouts.training.engines import open_engines
-from rollouts.training.weight_sync import sync_pool
+from rollouts.weights.disk import sync_pool
 from tests.training.test_engine_failover import _config, server_pids
 
 STALL_S = 2.0

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rollouts.config import Config, ConfigError
-from rollouts.training.backends.batching import build_tensors, plan_micro_batches
-from rollouts.training.backends.factories import create_pytorch_backend
+from rollouts.trainer.batching import build_tensors, plan_micro_batches
+from rollouts.trainer.factories import create_pytorch_backend
 from rollouts.types import ModelOutputs, TrainBatch
 from tests.training.backend_helpers import (  # noqa: F401
     LENGTHS,

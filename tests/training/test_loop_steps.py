@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rollouts.training.loops.rl_batch import prepare_groups
-from rollouts.training.quick_start import quick_start_training
+from rollouts.driver.quick_start import quick_start_training
+from rollouts.loop.batch import prepare_groups
 from rollouts.types import Sample, Status
 from tests.training.test_async_weight_sync import (
     PROMPTS,

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rollouts.training.memory import WINDOW_STEPS, MemoryWatch, rss_mb, steady_growth
-from rollouts.training.metrics import JsonlSink, MetricsLogger, read_jsonl_rows
+from rollouts.driver.memory import WINDOW_STEPS, MemoryWatch, rss_mb, steady_growth
+from rollouts.driver.metrics import JsonlSink, MetricsLogger, read_jsonl_rows
 
 GROWER = textwrap.dedent(
     """

@@ -4,14 +4,14 @@ import io
 import json
 from pathlib import Path
 
-from rollouts.training.metrics import (
+from rollouts.driver.metrics import (
     ConsoleSink,
     JsonlSink,
     MetricsLogger,
     format_eta,
     progress_line,
 )
-from rollouts.training.plot import plot_run
+from rollouts.driver.plot import plot_run
 from rollouts.types import Sample, Status
 
 

@@ -17,9 +17,9 @@ import torch
 from rollouts.algorithms.batch import make_train_batch
 from rollouts.algorithms.loss_fn import make_loss_fn
 from rollouts.config import AlgorithmConfig, Config
-from rollouts.training.backends.factories import create_pytorch_backend
-from rollouts.training.loops.rl import train_step
-from rollouts.training.loops.rl_batch import needs_old_logprobs_pass
+from rollouts.loop.batch import needs_old_logprobs_pass
+from rollouts.loop.rl import train_step
+from rollouts.trainer.factories import create_pytorch_backend
 from rollouts.types import Sample, Status
 from tests.training.backend_helpers import one_torch_thread, tiny_config  # noqa: F401
 

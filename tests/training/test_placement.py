@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 from rollouts.config import config_from_dict
+from rollouts.driver.metrics import read_jsonl_rows
+from rollouts.driver.placement import CpuPlan, cpu_plan, plan_cpus
+from rollouts.driver.quick_start import quick_start_training
 from rollouts.inference.launch import EngineSpec, engine_process
-from rollouts.training.backends.core import TrainerCore
-from rollouts.training.metrics import read_jsonl_rows
-from rollouts.training.placement import CpuPlan, cpu_plan, plan_cpus
-from rollouts.training.quick_start import quick_start_training
+from rollouts.trainer.core import TrainerCore
 from rollouts.types import Sample
 
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -125,7 +125,7 @@ def test_an_async_run_keeps_training_driver_and_engine_apart(
         seen["driver"].add(frozenset(os.sched_getaffinity(0)))  # a driver worker thread
         for pid in set(_child_pids()) - others:
             seen["engine"].add(frozenset(os.sched_getaffinity(pid)))
-        for pid in _child_pids(b"rollouts.training.backends.process_child"):
+        for pid in _child_pids(b"rollouts.trainer.process_child"):
             for tid in os.listdir(f"/proc/{pid}/task"):
                 with contextlib.suppress(OSError):  # a thread that just ended
                     seen["train"].add(frozenset(os.sched_getaffinity(int(tid))))

@@ -21,8 +21,8 @@ from rollouts.inference.protocol import SamplingParams
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.rollout.generate import generate_single_turn
 from rollouts.rollout.protocol import GenerateContext
-from rollouts.training.weight_sync import sync_weights_to_engines
 from rollouts.types import Sample, Status
+from rollouts.weights.disk import sync_weights_to_engines
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "integration_training" / "train.py"

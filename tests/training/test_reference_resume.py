@@ -16,16 +16,16 @@ import torch
 import trio
 
 from rollouts.config import AlgorithmConfig, config_from_dict
-from rollouts.training.backends.factories import create_backend
-from rollouts.training.checkpoint import (
+from rollouts.driver.quick_start import quick_start_training
+from rollouts.driver.run import build_reference, restore_reference, rl_phase
+from rollouts.driver.setup import StopFlag
+from rollouts.trainer.checkpoint import (
     REFERENCE_FILE,
     find_latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from rollouts.training.quick_start import quick_start_training
-from rollouts.training.run import build_reference, restore_reference, rl_phase
-from rollouts.training.run_setup import StopFlag
+from rollouts.trainer.factories import create_backend
 from tests.training.backend_helpers import (
     make_batch,
     nll_loss,

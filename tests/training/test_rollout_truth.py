@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rollouts.training.quick_start import quick_start_training
+from rollouts.driver.quick_start import quick_start_training
 from rollouts.types import Sample
 
 

@@ -22,10 +22,8 @@ import pytest
 
 from rollouts.config import load_config
 from rollouts.data.loaders import write_jsonl
-from rollouts.training.cli import main
-from rollouts.training.disk import DiskWriteError
-from rollouts.training.metrics import JsonlSink
-from rollouts.training.run_lock import (
+from rollouts.driver.cli import main
+from rollouts.driver.lock import (
     LOCK_NAME,
     RunInUse,
     acquire,
@@ -33,7 +31,9 @@ from rollouts.training.run_lock import (
     read_owner,
     remove_orphaned_weight_copies,
 )
-from rollouts.training.run_setup import prepare_run_dir
+from rollouts.driver.metrics import JsonlSink
+from rollouts.driver.setup import prepare_run_dir
+from rollouts.trainer.disk_errors import DiskWriteError
 from tests.training.test_files_reliability import fill, small_disk  # noqa: F401
 from tests.training.test_train_e2e import TRAIN
 
@@ -148,7 +148,7 @@ LOCK_HOLDER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from rollouts.training.run_lock import acquire
+    from rollouts.driver.lock import acquire
     base = Path(sys.argv[1])
     (base / ("rollouts-" + sys.argv[2]) / "v_1").mkdir(parents=True)
     acquire(base / ("rollouts-" + sys.argv[2] + ".lock"), "copies", "")

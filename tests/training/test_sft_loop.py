@@ -10,9 +10,11 @@ from transformers import AutoTokenizer
 from rollouts.config import config_from_dict
 from rollouts.data.limits import TokenLimit, model_context
 from rollouts.data.loaders import write_jsonl
-from rollouts.models.tiny import TinyModelSpec, make_tiny_model
-from rollouts.training.backends.factories import create_pytorch_backend
-from rollouts.training.loops.sft import (
+from rollouts.driver.metrics import JsonlSink, MetricsLogger
+from rollouts.driver.run import sft_phase
+from rollouts.driver.setup import StopFlag
+from rollouts.driver.summary import finish_run, phase_line, summarize_phase
+from rollouts.loop.sft import (
     batch_indices,
     make_sft_batch,
     run_sft_training,
@@ -21,10 +23,8 @@ from rollouts.training.loops.sft import (
     tokenize_all,
     total_sft_steps,
 )
-from rollouts.training.metrics import JsonlSink, MetricsLogger
-from rollouts.training.run import sft_phase
-from rollouts.training.run_setup import StopFlag
-from rollouts.training.summary import finish_run, phase_line, summarize_phase
+from rollouts.models.tiny import TinyModelSpec, make_tiny_model
+from rollouts.trainer.factories import create_pytorch_backend
 from rollouts.types import ModelOutputs
 
 CONVERSATIONS = [

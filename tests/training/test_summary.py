@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rollouts.training.summary import (
+from rollouts.driver.summary import (
     finish_run,
     format_duration,
     phase_line,

@@ -16,14 +16,14 @@ import textwrap
 import time
 from pathlib import Path
 
-from rollouts.training.weight_sync import run_sync_root
+from rollouts.weights.disk import run_sync_root
 from tests.training.test_engine_failover import server_pids, wait_gone
 from tests.training.test_train_e2e import ROOT, _config, _steps, _train
 
 KILL_AFTER_PUBLISH = textwrap.dedent(
     """
     import os, signal, sys
-    from rollouts.training import checkpoint
+    from rollouts.trainer import checkpoint
 
     publish = checkpoint._publish
 
@@ -33,7 +33,7 @@ KILL_AFTER_PUBLISH = textwrap.dedent(
             os.kill(os.getpid(), signal.SIGKILL)
 
     checkpoint._publish = publish_then_die
-    from rollouts.training.cli import main
+    from rollouts.driver.cli import main
     sys.exit(main(sys.argv[1:]))
     """
 )

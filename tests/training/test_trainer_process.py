@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from rollouts.config import config_from_dict
-from rollouts.training.backends.factories import create_pytorch_backend
-from rollouts.training.backends.process import TrainerProcess, TrainerProcessError
-from rollouts.training.backends.process_child import RNG_FILE
-from rollouts.training.backends.process_wire import pack, unpack
-from rollouts.training.backends.protocol import TrainingBackend
-from rollouts.training.backends.pytorch import load_hf_weights
-from rollouts.training.placement import cpu_plan, wants_trainer_process
+from rollouts.driver.placement import cpu_plan, wants_trainer_process
+from rollouts.trainer.factories import create_pytorch_backend
+from rollouts.trainer.process import TrainerProcess, TrainerProcessError
+from rollouts.trainer.process_child import RNG_FILE
+from rollouts.trainer.process_wire import pack, unpack
+from rollouts.trainer.protocol import TrainingBackend
+from rollouts.trainer.pytorch import load_hf_weights
 from tests.training.backend_helpers import (
     LENGTHS,
     make_batch,
@@ -184,7 +184,7 @@ def test_the_trainer_process_ends_when_its_driver_is_killed(tiny_model_dir: Path
             sys.executable,
             "-c",
             "import sys, time\n"
-            "from rollouts.training.backends.process import TrainerProcess\n"
+            "from rollouts.trainer.process import TrainerProcess\n"
             "host = TrainerProcess(threads=1)\n"
             "print(host.pid, flush=True)\n"
             "time.sleep(600)\n",

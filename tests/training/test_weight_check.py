@@ -16,8 +16,8 @@ from rollouts.inference.launch import engine_server
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.vllm import VLLMEngine
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
-from rollouts.training.backends.factories import create_pytorch_backend
-from rollouts.training.weight_check import (
+from rollouts.trainer.factories import create_pytorch_backend
+from rollouts.weights.check import (
     WeightContentError,
     check_engines_at_start,
     largest_gap,
@@ -25,7 +25,7 @@ from rollouts.training.weight_check import (
     tolerance_for,
     trainer_probe,
 )
-from rollouts.training.weight_sync import WeightSyncError, publish_weights, sync_weights_to_engines
+from rollouts.weights.disk import WeightSyncError, publish_weights, sync_weights_to_engines
 from tests.training.backend_helpers import one_torch_thread, tiny_config  # noqa: F401
 
 TIED = TinyModelSpec(

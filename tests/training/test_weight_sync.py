@@ -15,13 +15,13 @@ from rollouts.inference.http import HttpOptions
 from rollouts.inference.launch import engine_server
 from rollouts.inference.protocol import SamplingParams
 from rollouts.inference.sglang import SGLangEngine
-from rollouts.training.backends.factories import create_pytorch_backend, load_tokenizer
-from rollouts.training.weight_sync import (
+from rollouts.trainer.factories import create_pytorch_backend, load_tokenizer
+from rollouts.types import TrainBatch
+from rollouts.weights.disk import (
     WeightSyncError,
     publish_weights,
     sync_weights_to_engines,
 )
-from rollouts.types import TrainBatch
 from tests.training.backend_helpers import (
     nll_loss,
     one_torch_thread,  # noqa: F401 (autouse)

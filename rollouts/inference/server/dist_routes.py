@@ -16,7 +16,7 @@ from starlette.routing import Route
 from rollouts.inference.server.dist_weights import DistWeights, GroupRequest, UpdateRefused
 from rollouts.inference.server.http_util import json_body
 from rollouts.inference.server.sampling import BadRequest
-from rollouts.inference.weight_group import specs_from_request
+from rollouts.weights.group import specs_from_request
 
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import trio
 
 from rollouts.inference.server.state import ServerState
-from rollouts.inference.weight_group import (
+from rollouts.weights.group import (
     BucketBuffer,
     TensorSpec,
     broadcast_bucket,

@@ -1,0 +1,99 @@
+"""`rollouts train` / `integration_training/train.py`: the front door.
+
+    python integration_training/train.py --mode sft|rl|sft+rl --config configs/X.toml \
+        [--set key=value ...] [--resume] [--nproc N] [--debug]
+
+An operating error (bad data, a plugin that cannot load, a reward that always fails, a full
+disk) prints its message alone; the traceback goes to the run directory's error.log (and to the
+terminal with --debug).
+
+With `--nproc N > 1` (or `training.nproc`) and no torchrun around it, the command re-launches
+itself under `torchrun --nproc_per_node N` for the FSDP backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from rollouts.config import ConfigError, load_config
+
+MODES = ("sft", "rl", "sft+rl")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `rollouts train` (and of train.py)."""
+    parser.add_argument("--mode", choices=MODES, required=True)
+    parser.add_argument("--config", required=True, help="a TOML config, e.g. configs/demo-cpu.toml")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set rollout.batch_size=4 (repeatable)",
+    )
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    parser.add_argument("--nproc", type=int, default=0, help="processes (FSDP); 0 = config")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="print an error's full traceback (otherwise it goes to the run dir's error.log)",
+    )
+
+
+def torchrun_command(args: argparse.Namespace, nproc: int) -> list[str]:
+    """The command that re-runs this invocation under torchrun with `nproc` processes.
+
+    It runs `-m rollouts.cli train`, so train.py and the `rollouts train` console script both
+    re-launch the same way.
+    """
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    cmd = [torchrun, "--standalone", f"--nproc_per_node={nproc}", "-m", "rollouts.cli", "train"]
+    cmd += ["--mode", args.mode, "--config", args.config]
+    for override in args.overrides:
+        cmd += ["--set", override]
+    cmd += ["--set", f"training.nproc={nproc}", "--set", "training.backend=fsdp"]
+    if args.resume:
+        cmd.append("--resume")
+    if getattr(args, "debug", False):
+        cmd.append("--debug")
+    return cmd
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the config, re-launch under torchrun if asked, then run the training."""
+    overrides = list(args.overrides)
+    if args.nproc:
+        overrides.append(f"training.nproc={args.nproc}")
+    try:
+        config = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    nproc = config.training.nproc
+    if nproc > 1 and "LOCAL_RANK" not in os.environ:
+        cmd = torchrun_command(args, nproc)
+        print(f"[train] re-launching under torchrun: {' '.join(cmd)}", flush=True)
+        os.execv(cmd[0], cmd)
+    from rollouts.driver.errors import report_error
+    from rollouts.driver.lock import RunInUse
+    from rollouts.driver.run import run_training
+
+    try:
+        return run_training(args.mode, config, resume=args.resume, config_path=args.config)
+    except Exception as e:  # an operating error: its message alone (see training/errors.py)
+        run_dir = Path(config.run.output_dir) if config.run.output_dir else None
+        if isinstance(e, RunInUse):  # the directory is the other run's: its error.log too
+            run_dir = None
+        return report_error(e, run_dir, debug=getattr(args, "debug", False))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of integration_training/train.py."""
+    parser = argparse.ArgumentParser(prog="train.py", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,100 @@
+"""Engines for a run: built-in `rollouts serve` processes, or running SGLang / vLLM servers.
+
+Either way the loop gets one `EnginePool` (an InferenceEngine) with periodic health checks, whose
+clients use `engines.request_timeout_s` and `engines.max_retries`. Built-in engines are started
+on the given model with the given weight version, die with the trainer (parent-death signal), are
+restarted (at most `engines.max_restarts` times each) when one exits, and are stopped when the
+block exits (also on Ctrl-C or an error); one with no restart left is gone for good, and
+no request waits for it (`EnginePool.mark_gone`); external servers are waited for (up to
+`engines.startup_timeout_s`, naming the URLs still loading) and then made to serve the run's
+starting weights with a weight sync. An engine that comes back loads the pool's current weights
+before it gets a request (`EnginePool.check_health`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import trio
+
+from rollouts.config import Config
+from rollouts.inference.factory import make_pool
+from rollouts.inference.launch import serve_engines
+from rollouts.inference.pool import EnginePool
+from rollouts.inference.readiness import wait_until_ready
+from rollouts.weights.disk import sync_pool
+
+
+def cpu_share(threads: int, device: str, num_engines: int) -> int:
+    """Torch threads for a process on CPU: as configured, else an equal share of the cores.
+
+    The trainer and each built-in engine get cores // (engines + 1): on a 2-core laptop that is
+    1 thread each, which avoids OpenMP spin-waits of oversubscribed processes (measured: a step
+    went from 9 s to 0.3 s on a loaded 2-core machine). 0 (torch's default) on GPU.
+    """
+    if threads or device != "cpu":
+        return threads
+    return max(1, (os.cpu_count() or 1) // (num_engines + 1))
+
+
+def current_weights(pool: EnginePool | None) -> tuple[str, str] | None:
+    """(model dir, version) the pool's engines serve now, for restarting a built-in engine."""
+    if pool is None or pool.weights_path is None or pool.version is None:
+        return None
+    return pool.weights_path, pool.version
+
+
+@contextlib.asynccontextmanager
+async def open_engines(
+    config: Config,
+    model_dir: Path,
+    version: str,
+    weights_roots: Sequence[Path] = (),
+    cpus_per_engine: Sequence[Sequence[int]] = (),
+) -> AsyncIterator[EnginePool]:
+    """An EnginePool over built-in engine processes (started here, stopped on exit) or URLs.
+
+    Built-in engines reload weights only from inside `weights_roots` when any is given (the
+    run's starting model and its weight-copy directory), so no other local process can make
+    them serve weights of its choosing."""
+    e = config.engines
+    pool: EnginePool | None = None  # built below; a restart asks it for the current weights
+    async with trio.open_nursery() as nursery:
+        if e.kind == "builtin":
+            urls = await nursery.start(
+                functools.partial(
+                    serve_engines,
+                    model_dir,
+                    e.num_engines,
+                    api_key=e.api_key,
+                    max_batch=e.max_batch,
+                    max_queue=e.max_queue,
+                    logprobs_from=e.logprobs_from,
+                    device=e.device,
+                    torch_threads=cpu_share(e.torch_threads, e.device, e.num_engines),
+                    weight_version=version,
+                    startup_timeout_s=e.startup_timeout_s,
+                    max_restarts=e.max_restarts,
+                    restart_from=lambda: current_weights(pool),
+                    on_gone=lambda url: pool.mark_gone(url) if pool is not None else None,
+                    cpus_per_engine=cpus_per_engine,
+                    weights_roots=tuple(str(Path(r).resolve()) for r in weights_roots),
+                )
+            )
+        else:
+            urls = list(e.urls)
+        pool = make_pool(e, urls)
+        pool.set_weights(str(model_dir), version)  # what a restarted engine must load
+        try:
+            if e.kind != "builtin":  # external servers: wait for them, then our starting weights
+                await wait_until_ready(pool.engines, e.startup_timeout_s)
+                await sync_pool(pool, str(model_dir), version)
+            await nursery.start(pool.run_health_checks)
+            yield pool
+        finally:
+            await pool.aclose()
+            nursery.cancel_scope.cancel()

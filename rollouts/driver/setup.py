@@ -1,0 +1,249 @@
+"""Start-up of a run: the run directory, the resolved config, data files, the base model, signals.
+
+Everything here happens once, before the loops, and fails early with a message that names the
+key or the file to fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from rollouts.config import Config, config_to_dict
+from rollouts.data.limits import drop_overlong_prompts, prompt_limit
+from rollouts.data.loaders import DatasetError, load_prompts
+from rollouts.data.sft import tokenize_prompt
+from rollouts.driver.lock import LOCK_NAME
+from rollouts.driver.memory import MemoryWatch
+from rollouts.driver.metrics import ConsoleSink, JsonlSink, MetricsLogger, truncate_jsonl
+from rollouts.models.sources import download_hub_model, fetch_source, looks_like_hub_id
+from rollouts.models.tiny import TinyModelSpec, make_tiny_model, spec_differences
+from rollouts.plugins import import_object, is_async_callable
+from rollouts.trainer.disk_errors import write_error
+from rollouts.types import PromptItem
+
+SFT_METRICS = "sft_metrics.jsonl"
+RL_METRICS = "metrics.jsonl"
+ROLLOUTS = "rollouts.jsonl"
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM: the loops finish the step, checkpoint, stop the engines, return."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    def __call__(self) -> bool:
+        return self.signal is not None
+
+
+async def watch_signals(stop: StopFlag, cancel: trio.CancelScope) -> None:
+    """First SIGINT/SIGTERM: ask for a clean stop. Second: cancel everything now."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            if stop():
+                print("[train] second signal: stopping now", flush=True)
+                cancel.cancel()
+                return
+            stop.signal = signum
+            name = signal.Signals(signum).name
+            print(f"[train] {name}: finishing this step, writing a checkpoint", flush=True)
+
+
+def prepare_run_dir(config: Config, config_path: str, resume: bool) -> Path:
+    """Create (or, with run.overwrite and no --resume, empty) the run directory; its lock
+    (`run_lock.LOCK_NAME`, held by this run) stays."""
+    run_dir = Path(config.run.output_dir)
+    has_state = (run_dir / "checkpoints").exists()
+    if has_state and not resume:
+        if not config.run.overwrite:
+            raise FileExistsError(
+                f"run.output_dir = {str(run_dir)!r} holds checkpoints of an earlier run: pass "
+                "--resume to continue it, set run.overwrite = true to replace it, or choose "
+                "another run.output_dir"
+            )
+        for old in run_dir.iterdir():
+            if old.name == LOCK_NAME:
+                continue
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old)
+            else:
+                old.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = {"config_path": config_path, "config": config_to_dict(config)}
+    path = run_dir / "config.json"
+    try:
+        path.write_text(json.dumps(resolved, indent=2))
+    except OSError as e:  # a full disk (a resume too): the path, not a bare [Errno 28]
+        raise write_error("the resolved config", path, e) from e
+    return run_dir
+
+
+def prepare_data(config: Config) -> None:
+    """Run the `data.prepare` hook (e.g. the demo's synthetic task) and check the files exist."""
+    if config.data.prepare:
+        import_object(config.data.prepare)(config.data)
+    for key in ("sft_path", "train_path", "eval_path"):
+        path = getattr(config.data, key)
+        if path and not Path(path).is_file():
+            raise FileNotFoundError(f"data.{key} = {path!r}: no such file")
+
+
+def load_rl_prompts(config: Config, key: str, tokenizer: Any, model_dir: Path) -> list[PromptItem]:
+    """The prompts of `data.<key>` ("train_path" or "eval_path") that fit the context: longer
+    ones would fail every sample at generation, so they are dropped here, counted and printed."""
+    d = config.data
+    path = getattr(d, key)
+    items = load_prompts(path, d.prompt_key, d.label_key, d.messages_key)
+    limit = prompt_limit(model_dir, config.rollout.max_total_tokens)
+    found = drop_overlong_prompts(items, lambda i: len(tokenize_prompt(tokenizer, i.prompt)), limit)
+    if found.dropped:
+        line = found.describe(f"data.{key} = {path!r}")
+        if not found.kept:
+            raise DatasetError(f"{line}: no prompt is left; shorten them or raise the limit")
+        print(f"[train] {line}", flush=True)
+    return found.kept
+
+
+def _corpus(config: Config) -> list[str]:
+    if config.model.tiny.corpus_path:
+        return Path(config.model.tiny.corpus_path).read_text().splitlines()
+    lines: list[str] = []
+    for key in ("sft_path", "train_path"):
+        path = getattr(config.data, key)
+        if path:
+            lines += Path(path).read_text().splitlines()
+    return lines
+
+
+def prepare_base_model(config: Config) -> Path:
+    """model.path as a local HF directory: converted from model.source (once, cached), a hub id
+    ("org/name") downloaded to the HF cache, or built with the tiny-model kit when asked."""
+    if config.model.source:
+        return fetch_source(config.model.source, config.model.path or None)
+    path = Path(config.model.path)
+    if not config.model.path:
+        raise ValueError(
+            "model.path is empty: point it at an HF model directory, or set model.source"
+        )
+    tiny = config.model.tiny
+    if (path / "config.json").is_file():
+        if tiny.enabled:
+            _check_tiny_model(path, tiny_spec(config))
+        return path
+    if not tiny.enabled and looks_like_hub_id(config.model.path):
+        return download_hub_model(config.model.path)
+    if not tiny.enabled:
+        raise FileNotFoundError(
+            f"model.path = {str(path)!r} is not an HF model directory (no config.json); "
+            "set model.tiny.enabled = true to build a tiny model there"
+        )
+    corpus = _corpus(config) if tiny.tokenizer == "bpe" else []
+    print(f"[train] building a tiny model in {path}", flush=True)
+    return make_tiny_model(path, tiny_spec(config), corpus)
+
+
+def tiny_spec(config: Config) -> TinyModelSpec:
+    """The TinyModelSpec `[model.tiny]` asks for."""
+    tiny = config.model.tiny
+    return TinyModelSpec(
+        tokenizer=tiny.tokenizer,
+        vocab_size=tiny.vocab_size,
+        hidden_size=tiny.hidden_size,
+        num_layers=tiny.num_layers,
+        num_heads=tiny.num_heads,
+        intermediate_size=tiny.intermediate_size,
+        max_position_embeddings=tiny.max_position_embeddings,
+        tie_embeddings=tiny.tie_embeddings,
+        seed=tiny.seed,
+    )
+
+
+def _check_tiny_model(path: Path, spec: TinyModelSpec) -> None:
+    """A tiny model built earlier at `path` from other `[model.tiny]` values is an error (it
+    would be trained silently in place of the one the config asks for)."""
+    diff = spec_differences(path, spec)
+    if diff:
+        keys = ", ".join(
+            f"model.tiny.{k} = {asked!r} (built: {built!r})" for k, (built, asked) in diff.items()
+        )
+        raise ValueError(
+            f"model.path = {str(path)!r} holds a tiny model built from other [model.tiny] "
+            f"values: {keys}. Delete the directory to rebuild it, or point model.path elsewhere"
+        )
+
+
+def with_response_text(reward_fn: Any, tokenizer: Any) -> Any:
+    """Wrap a reward function so each sample carries `metadata['response_text']` (decoded).
+
+    The wrapper is sync for a sync function and async for an async one, so the time-bounded
+    scorer (`rollouts.rewards.scoring`) still runs a sync one in an abandonable worker thread.
+    """
+
+    def with_text(sample: Any) -> Any:
+        if "response_text" in sample.metadata:
+            return sample
+        text = tokenizer.decode(list(sample.response_tokens), skip_special_tokens=True)
+        return dataclasses.replace(sample, metadata={**sample.metadata, "response_text": text})
+
+    if is_async_callable(reward_fn):
+
+        async def reward(sample: Any) -> Any:
+            return await reward_fn(with_text(sample))
+
+    else:
+
+        def reward(sample: Any) -> Any:
+            return reward_fn(with_text(sample))
+
+    reward.__wrapped__ = reward_fn  # type: ignore[attr-defined]  # errors name the user's function
+    return reward
+
+
+def make_logger(
+    config: Config,
+    path: Path,
+    total: int,
+    prefix: str,
+    resume_step: int | None,
+    trainer_pid: int | None = None,
+) -> MetricsLogger:
+    """metrics file + console (+ TensorBoard / wandb when the config asks); every step also
+    logs the driver's RSS (and the trainer process's, `trainer_pid`) and warns on steady growth."""
+    sinks: list[Any] = [JsonlSink(path, resume_step)]
+    if config.logging.console:
+        sinks.append(ConsoleSink(total, prefix))
+    if config.logging.tensorboard:
+        from rollouts.driver.metrics import TensorBoardSink
+
+        sinks.append(TensorBoardSink(path.parent / "tensorboard"))
+    if config.logging.wandb:
+        from rollouts.config import config_to_dict
+        from rollouts.driver.metrics import WandbSink
+
+        log = config.logging
+        sinks.append(
+            WandbSink(
+                log.wandb_project,
+                config.run.name,
+                path.parent,
+                log.wandb_mode,
+                config_to_dict(config),
+            )
+        )
+    rollouts_path = path.parent / ROLLOUTS if prefix.startswith("rl") else None
+    if rollouts_path is not None and resume_step is not None:
+        truncate_jsonl(rollouts_path, resume_step)
+    elif rollouts_path is not None and rollouts_path.exists():
+        rollouts_path.unlink()
+    processes = {"driver": os.getpid()}
+    if trainer_pid is not None:
+        processes["trainer"] = trainer_pid
+    return MetricsLogger(sinks, rollouts_path, probes=[MemoryWatch(processes=processes)])

@@ -1,0 +1,301 @@
+"""The RL loop: generate -> rewards -> advantages -> logprobs -> train -> sync, step by step.
+
+A step is one trained batch (`rl_state`): a batch that trains nothing is counted apart, never
+logged as a step, and a batch lost to the engines (EngineUnavailable) stops the run at once,
+its prompts back in the buffer and the last trained step checkpointed.
+
+Two modes (`rollout.mode`):
+- "sync": each step generates its batch with the current weights, then trains on it.
+- "async": a producer task generates the next batch while the trainer trains on the current
+  one (a channel of size 0 keeps it exactly one batch ahead); with disk sync the engines load a
+  step's weights while the next step trains (`rl_sources.EngineSync`). A periodic checkpoint
+  keeps the batch made ahead, so a resumed run trains the same batch, made on the same weights.
+In both modes samples made by a policy more than the staleness bound (`rollout.max_staleness`;
+automatic: what a fresh sample can lag, so sync stays on-policy) behind are dropped and counted,
+and partial groups that would be that stale when their batch trains are dropped before they are
+resumed (`rl_state.train_version`). A checkpoint step also gives the engines its weights, so a
+resumed run's engines serve what the uninterrupted run's would.
+
+The loop never knows which backend or which engine it drives: checkpoints, weight sync and
+evaluation come in as `RLHooks` built by the driver (`rollouts/driver/run.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any
+
+import trio
+
+from rollouts.algorithms.kl import AdaptiveKL
+from rollouts.algorithms.schedule import load_schedule
+from rollouts.config import AlgorithmConfig, Config
+from rollouts.driver.metrics import MetricsLogger
+from rollouts.inference.http import EngineError
+from rollouts.loop.batch import (
+    PreparedGroups,
+    prefixed,
+    prepare_groups,
+    rollout_metrics,
+)
+from rollouts.loop.checkpoints import checkpoint, checkpoint_unsaved, rescue_checkpoint
+from rollouts.loop.empty_steps import empty_batch_reason, no_update_error
+from rollouts.loop.sources import BatchSource, EngineSync
+from rollouts.loop.state import (
+    MAX_EMPTY_BATCHES,
+    LoopState,
+    RLHooks,
+    RLResult,
+    loop_state_from,
+    train_version,
+)
+from rollouts.loop.train_step import ReferencePolicy, train_step
+from rollouts.rollout.batch import discarded_fraction
+from rollouts.rollout.planning import staleness_bound
+from rollouts.types import RolloutBatch
+
+__all__ = ["RLHooks", "RLResult", "ReferencePolicy", "run_rl_training", "train_step"]
+
+
+async def run_rl_training(
+    backend: Any,
+    data_buffer: Any,
+    rollout_manager: Any,
+    engines: Any,
+    config: Config,
+    metrics_logger: MetricsLogger,
+    *,
+    hooks: RLHooks,
+    reward_fn: Any = None,
+    ref: ReferencePolicy | None = None,
+    start_step: int = 0,
+    start_version: int = 0,
+    loop_state: dict[str, Any] | None = None,
+) -> RLResult:
+    """Run RL steps `start_step + 1 .. training.rl_steps` (see the module docstring).
+
+    `loop_state` is what the checkpoint hook was given last (a resumed run passes it back).
+    """
+    total = config.training.rl_steps
+    is_async = config.rollout.mode == "async"
+    kl_ctl = AdaptiveKL.from_config(config.algorithm)
+    st = loop_state_from(loop_state, kl_ctl, start_step, start_version)
+    bound = staleness_bound(
+        config.rollout.max_staleness, config.rollout.mode, config.training.sync_every
+    )
+    engine_sync = EngineSync()
+    batches = BatchSource(
+        rollout_manager,
+        reward_fn,
+        data_buffer,
+        lambda number: (str(train_version(st, number)), bound),
+        engine_sync.wait,
+    )
+    held = batches.restore_held((loop_state or {}).get("next_batch"))
+    assert held is None or held == st.batches + 1, f"{held=} does not follow {st.batches=}"
+    async with trio.open_nursery() as nursery:
+        if is_async:
+            first = st.batches + 1 + (held is not None)
+            batches.start_producer(nursery, first, st.batches + total - st.step)
+        ctx = _Ctx(
+            backend=backend,
+            batches=batches,
+            config=config,
+            hooks=hooks,
+            ref=ref,
+            schedule=load_schedule(config.algorithm),
+            bound=bound,
+            is_async=is_async,
+            overlap=(nursery, engine_sync) if is_async and hooks.publish_weights else None,
+        )
+        while st.step < total:
+            try:
+                metrics = await _one_batch(ctx, st)
+            except Exception as error:
+                await rescue_checkpoint(error, hooks, batches, st)
+                raise
+            if metrics is not None:
+                with trio.move_on_after(5.0):  # the engines' load after the batch
+                    with contextlib.suppress(EngineError):
+                        metrics["engines/load"] = float((await engines.load()).total)
+                metrics_logger.log(st.step, metrics)
+                st.metrics = metrics
+            if hooks.should_stop():  # (a step that saw it first has its checkpoint already)
+                await checkpoint_unsaved(hooks, batches, st)
+                break
+        await engine_sync.finish()  # a delivery still in flight: its error is the run's
+        nursery.cancel_scope.cancel()
+    return RLResult(steps=st.step, weight_version=str(st.version), last_metrics=st.metrics)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Ctx:
+    """What every batch of a run uses (fixed for the run)."""
+
+    backend: Any
+    batches: BatchSource
+    config: Config
+    hooks: RLHooks
+    ref: ReferencePolicy | None
+    schedule: Any
+    bound: int
+    is_async: bool
+    overlap: tuple[trio.Nursery, EngineSync] | None  # async disk sync: deliveries overlap
+
+    @property
+    def total(self) -> int:
+        return self.config.training.rl_steps
+
+
+def _batch_metrics(
+    rollout: RolloutBatch, prep: PreparedGroups, gen_s: float, wait_s: float, is_async: bool
+) -> tuple[dict[str, float], dict[str, float]]:
+    """A batch's rollout metrics and its first phase time."""
+    metrics = rollout_metrics(prep.groups, rollout.metadata)
+    # failed samples of every group the batch saw (a group of FAILED ones is never kept)
+    failed = int(rollout.metadata.get("failed_samples", prep.failed_samples))
+    # the groups dropped here as stale are thrown away too (rollout/discarded_fraction)
+    discarded = int(rollout.metadata.get("discarded_tokens", 0)) + prep.stale_tokens
+    generated = int(rollout.metadata.get("generated_tokens", 0))
+    metrics |= {
+        "rollout/failed_samples": float(failed),
+        "rollout/stale_groups_dropped": float(prep.stale_groups),
+        "rollout/staleness_max": float(prep.max_staleness_seen),
+        "rollout/discarded_tokens": float(discarded),
+        "rollout/discarded_fraction": discarded_fraction(discarded, generated),
+    }
+    if is_async:
+        metrics["time/generate_overlapped_s"] = gen_s
+    return metrics, {"generate": wait_s if is_async else gen_s}
+
+
+def _count_empty(st: LoopState, number: int, rollout: RolloutBatch, prep: PreparedGroups) -> None:
+    """Batch `number` trained nothing: counted apart, said on the console (with why); the run
+    stops after `MAX_EMPTY_BATCHES` in a row (NoUpdateError)."""
+    st.empty_batches += 1
+    st.empty_in_a_row += 1
+    st.empty_since_step += 1
+    reason = empty_batch_reason(rollout, prep.stale_groups) or "no trainable sample"
+    if st.empty_in_a_row >= MAX_EMPTY_BATCHES:
+        raise no_update_error(st.empty_in_a_row, st.step, reason)
+    n = f"{st.empty_in_a_row}/{MAX_EMPTY_BATCHES} in a row"
+    print(f"[train] batch {number} trained nothing (not a step, {n}): {reason}", flush=True)
+
+
+async def _one_batch(ctx: _Ctx, st: LoopState) -> dict[str, float] | None:
+    """Take the next batch and train one step on it; None when it trained nothing."""
+    number = st.batches + 1
+    started = time.monotonic()
+    rollout, gen_s = await ctx.batches.next(number)
+    prep = prepare_groups(rollout.groups, str(st.version), ctx.bound)
+    metrics, times = _batch_metrics(rollout, prep, gen_s, time.monotonic() - started, ctx.is_async)
+    if not prep.groups:
+        _count_empty(st, number, rollout, prep)
+        st.batches = number
+        ctx.batches.raise_limit(st.batches + ctx.total - st.step)  # one more batch to make
+        return None
+    step = st.step + 1
+    algo = _with_kl_controller(ctx.schedule(step - 1), st.kl_ctl)
+    st.in_backend = True
+    train_metrics, train_times = await train_step(
+        ctx.backend, prep.groups, algo, ctx.config, ctx.ref
+    )
+    metrics |= train_metrics
+    if "train/reward_kl_seq_mean" in train_metrics:  # verl: n_steps = the batch size
+        n_seqs = sum(len(g) for g in prep.groups)
+        st.kl_ctl = st.kl_ctl.update(train_metrics["train/reward_kl_seq_mean"], n_seqs)
+    times |= train_times
+    st.version += 1
+    st.step, st.step_batch, st.batches = step, number, number
+    if ctx.ref is not None:
+        await ctx.ref.update(ctx.backend, algo, step)
+    st.in_backend = False
+    ctx.batches.forget_before(number + 1)
+    metrics["rollout/empty_batches"] = float(st.empty_since_step)
+    st.empty_in_a_row = st.empty_since_step = 0
+    st.step_metrics = metrics  # what a rescue checkpoint stores if the step fails from here
+    if ctx.hooks.log_samples is not None:
+        ctx.hooks.log_samples(step, rollout)
+    times |= await _after_training(ctx, st, metrics)
+    return metrics | _timing(times, time.monotonic() - started, rollout, st.version)
+
+
+async def _after_training(ctx: _Ctx, st: LoopState, metrics: dict[str, float]) -> dict[str, float]:
+    """The step's weight sync, evaluation and checkpoint (each when due); their times."""
+    step, hooks, times = st.step, ctx.hooks, {}
+    stopping = hooks.should_stop()
+    every = ctx.config.checkpoint.every
+    periodic = bool(every) and step % every == 0 and step < ctx.total and not stopping
+    checkpoint_due = periodic or step == ctx.total or stopping
+    eval_every = ctx.config.training.eval_every
+    eval_due = hooks.evaluate is not None and (
+        (eval_every and step % eval_every == 0) or step == ctx.total
+    )
+    sync_due = (
+        step % ctx.config.training.sync_every == 0 or eval_due or checkpoint_due
+    )  # a checkpoint step too: a resumed run's engines start on its weights
+    if sync_due and st.synced != st.version:
+        t = time.monotonic()
+        urgent = eval_due or stopping or step == ctx.total  # the engines must serve it now
+        metrics |= await _sync(ctx, str(st.version), urgent)
+        st.synced = st.version
+        times["sync"] = time.monotonic() - t
+    if eval_due:
+        t = time.monotonic()
+        if ctx.overlap is not None:  # the engines serve the newest weights (none in flight)
+            metrics |= await ctx.overlap[1].finish()
+        assert hooks.evaluate is not None
+        metrics |= await hooks.evaluate()
+        times["eval"] = time.monotonic() - t
+    if checkpoint_due:
+        t = time.monotonic()
+        if periodic and ctx.is_async:  # kept in the checkpoint: see the module docstring
+            await ctx.batches.take_ahead(st.step_batch + 1)
+        await checkpoint(hooks, ctx.batches, st, metrics)
+        times["checkpoint"] = time.monotonic() - t
+    return times
+
+
+async def _sync(ctx: _Ctx, version: str, urgent: bool) -> dict[str, float]:
+    """Give the engines `version`: now, or (async disk sync) in the background unless `urgent`;
+    returns the `sync/*` figures known now (the last background delivery's, or this one's)."""
+    hooks = ctx.hooks
+    if ctx.overlap is None:
+        return prefixed(await hooks.sync_weights(version), "sync")
+    nursery, engine_sync = ctx.overlap
+    metrics = await engine_sync.finish()
+    assert hooks.publish_weights is not None
+    deliver = await hooks.publish_weights(version)
+    if urgent:
+        return metrics | prefixed(await deliver(), "sync")
+    engine_sync.start(nursery, deliver)
+    return metrics
+
+
+def _with_kl_controller(algo: AlgorithmConfig, kl_ctl: AdaptiveKL) -> AlgorithmConfig:
+    """The step's config with the adaptive controller's coefficient (when it is adaptive)."""
+    if kl_ctl.target <= 0.0:
+        return algo
+    return dataclasses.replace(algo, kl_coef=kl_ctl.coef)
+
+
+def _timing(
+    times: dict[str, float], step_s: float, rollout: RolloutBatch, version: int
+) -> dict[str, float]:
+    out = {f"time/{k}_s": v for k, v in times.items()}
+    out["time/idle_s"] = max(step_s - sum(times.values()), 0.0)
+    n_samples = sum(len(g) for g in rollout.groups)
+    tokens = float(rollout.metadata.get("generated_tokens", 0))
+    out |= {
+        "perf/step_time_s": step_s,
+        "perf/samples_per_s": n_samples / step_s if step_s > 0 else 0.0,
+        "perf/generated_tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+        "perf/compute_fraction": sum(times.get(k, 0.0) for k in ("generate", "logprobs", "train"))
+        / step_s
+        if step_s > 0
+        else 0.0,
+        "policy/version": float(version),
+    }
+    return out

@@ -1,0 +1,187 @@
+"""The pieces every backend is built from: device, HF model and tokenizer, AdamW, LR schedule.
+
+Plain functions over torch objects and the Config, shared by `factories.create_pytorch_backend`
+and `fsdp.create_fsdp_backend` (both import this module; neither imports the other at load
+time). With `algorithm.advantage = "gae"` the RL backend also gets a critic: a zero-initialised
+value head on the policy's last hidden state (`model.make_value_head`), in the same optimizer
+(its own lr `algorithm.value_lr`).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollouts.config import Config, OptimConfig
+from rollouts.trainer.core import BackendSettings
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """ "auto" -> cuda when available, else cpu; "cuda" without a GPU is an error."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("training.device = 'cuda' but no GPU is visible; use 'cpu' or 'auto'")
+    return torch.device(name)
+
+
+def load_hf_model(
+    path: str | Path,
+    *,
+    dtype: str = "float32",
+    attn_implementation: str = "sdpa",
+    gradient_checkpointing: bool = False,
+    compile: bool = False,
+    device: torch.device | None = None,
+) -> torch.nn.Module:
+    """An HF causal LM ready to train: use_cache off, optional activation checkpointing and
+    compiled decoder layers (`compile_decoder_layers`)."""
+    from transformers import AutoModelForCausalLM
+
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"model.path = {str(path)!r}: no config.json (not an HF model)")
+    lm = AutoModelForCausalLM.from_pretrained(
+        path, dtype=DTYPES[dtype], attn_implementation=attn_implementation
+    )
+    lm.config.use_cache = False
+    if gradient_checkpointing:
+        kwargs = {"use_reentrant": False}
+        if hasattr(lm, "activation_checkpointing_enable"):  # transformers >= 5
+            lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if device is not None:
+        lm.to(device)
+    if compile:
+        compile_decoder_layers(lm)
+    return lm
+
+
+def decoder_layers(lm: torch.nn.Module) -> torch.nn.ModuleList:
+    """The repeated blocks of an HF decoder (`lm.get_decoder().layers`)."""
+    get_decoder = getattr(lm, "get_decoder", None)
+    layers = getattr(get_decoder(), "layers", None) if callable(get_decoder) else None
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        raise ValueError(
+            f"model.compile = true: {type(lm).__name__} has no decoder `.layers` to compile "
+            "(get_decoder().layers); set model.compile = false for this model"
+        )
+    return layers
+
+
+def compile_decoder_layers(lm: torch.nn.Module) -> int:
+    """Replace each decoder layer's `forward` with a torch.compile'd one, in place.
+
+    Per layer, like torchtitan and prime-rl: the layers share one graph (same code, same shapes),
+    so the compile is paid once; elementwise work (norms, rotary, the gated MLP) fuses into a few
+    kernels, which is most of the gain on a small model (measured 18-20% per train step on the
+    CPU demo model). Only `forward` changes: parameter names, state dicts and HF saving are the
+    same, and module hooks (FSDP2's all-gathers, activation checkpointing) stay eager around it.
+    Shapes are dynamic, so micro-batches of every size reuse the compiled code.
+    """
+    if not any(shutil.which(cc) for cc in ("g++", "c++", "clang++", "cc", "gcc")):
+        raise RuntimeError(
+            "model.compile = true: torch.compile (inductor) builds its kernels with a C/C++ "
+            "compiler and none is on PATH (g++, c++, clang++, gcc, cc); install one (e.g. "
+            "apt install g++) or set model.compile = false"
+        )
+    layers = decoder_layers(lm)
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+    return len(layers)
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer saved with a model (written into every checkpoint)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def create_adamw_optimizer(
+    params: Iterable[torch.nn.Parameter], optim: OptimConfig, lr: float | None = None
+) -> torch.optim.AdamW:
+    """AdamW from `[optim]` (`lr` overrides optim.lr, e.g. for SFT)."""
+    return torch.optim.AdamW(
+        [p for p in params if p.requires_grad],
+        lr=optim.lr if lr is None else lr,
+        betas=(optim.beta1, optim.beta2),
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+    )
+
+
+def wants_value_head(config: Config, value_head: bool | None) -> bool:
+    """An explicit choice, else a critic exactly when the advantage estimator is GAE."""
+    return config.algorithm.advantage == "gae" if value_head is None else value_head
+
+
+def create_optimizer_with_head(
+    model_params: Iterable[torch.nn.Parameter],
+    head: torch.nn.Module | None,
+    config: Config,
+    lr: float | None = None,
+) -> torch.optim.AdamW:
+    """AdamW over the model (lr or optim.lr) and, as a second group, the value head (value_lr)."""
+    optimizer = create_adamw_optimizer(model_params, config.optim, lr)
+    if head is not None:
+        head_lr = config.algorithm.value_lr or optimizer.param_groups[0]["lr"]
+        optimizer.add_param_group({"params": list(head.parameters()), "lr": head_lr})
+    return optimizer
+
+
+def warmup_cosine_factor(
+    step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float, kind: str = "cosine"
+) -> float:
+    """LR multiplier at `step`: linear warmup to 1, then cosine down to `min_lr_ratio`."""
+    assert total_steps >= 1, f"{total_steps=}"
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if kind == "constant":
+        return 1.0
+    span = max(total_steps - warmup_steps, 1)
+    progress = min((step - warmup_steps) / span, 1.0)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def create_warmup_cosine_scheduler(
+    optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR following `warmup_cosine_factor` over `total_steps` optimizer steps."""
+    total = max(total_steps, 1)
+
+    def factor(step: int) -> float:
+        return warmup_cosine_factor(
+            step, optim.warmup_steps, total, optim.min_lr_ratio, optim.scheduler
+        )
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def backend_settings(config: Config, device: torch.device, pad_id: int = 0) -> BackendSettings:
+    """BackendSettings from `[training]` and `[optim]` (bf16 autocast on GPU)."""
+    t = config.training
+    return BackendSettings(
+        micro_batch_tokens=t.micro_batch_tokens,
+        layout=t.micro_batch_layout,
+        logprob_chunk_size=t.logprob_chunk_size,
+        max_grad_norm=config.optim.max_grad_norm,
+        max_consecutive_nonfinite=t.max_consecutive_nonfinite,
+        autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+        pad_id=pad_id,
+        logprob_positions=t.logprob_positions,
+    )
+
+
+def model_path_of(config: Config, model_path: str | Path | None) -> Path:
+    path = Path(model_path or config.model.path)
+    if not str(path) or not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.path = {str(path)!r}: not an HF model directory")
+    return path

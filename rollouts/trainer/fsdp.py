@@ -1,0 +1,299 @@
+"""FSDPBackend: the TrainingBackend with FSDP2 (`fully_shard`) under torchrun.
+
+Every rank builds the same model, shards each decoder layer and the wrapper, and gets the WHOLE
+batch; the backend picks each rank's sequences (balanced by tokens), keeps ranks in lock-step
+(same number of micro-batches), multiplies the loss by the world size (the gradient reduce
+averages) and sums metrics across ranks. gloo on CPU, nccl on GPU. Checkpoints: HF model files
+gathered on rank 0, optimizer as a distributed (DCP) checkpoint, the critic's value head (if
+any, a child of the root wrapper, outside `lm`) as `value_head.pt` written by rank 0.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+
+from rollouts.config import Config
+from rollouts.trainer import building as f
+from rollouts.trainer.batching import shard_indices
+from rollouts.trainer.core import BackendSettings, TrainerCore
+from rollouts.trainer.model import VALUE_HEAD_FILE, TokenLogprobModel, make_value_head
+from rollouts.trainer.protocol import Metrics
+from rollouts.trainer.pytorch import (
+    MODEL_DIR,
+    engine_state_dict,
+    load_hf_weights,
+    load_value_head,
+    save_hf,
+)
+from rollouts.types import LossFn, TrainBatch, TrainFuture
+
+T = TypeVar("T")
+PREFIX = "lm."  # the wrapper holds the HF model as `lm`
+HEAD_PREFIX = "value_head."  # ... and the critic head (when there is one) as `value_head`
+
+
+class DistCollective:
+    """Reductions over the default process group; FSDP2 gradient-sync switch."""
+
+    def __init__(self, model: Any) -> None:
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self._model = model
+        self._device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def local_indices(self, lengths: Sequence[int]) -> list[int]:
+        return shard_indices(lengths, self.world_size, self.rank)
+
+    def sum(self, values: dict[str, float]) -> dict[str, float]:
+        all_keys: list[Any] = [None] * self.world_size
+        dist.all_gather_object(all_keys, sorted(values))
+        keys = sorted({k for ks in all_keys for k in ks})
+        t = torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64)
+        t = t.to(self._device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return dict(zip(keys, t.cpu().tolist(), strict=True))
+
+    def max_int(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=self._device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def set_grad_sync(self, enabled: bool) -> None:
+        self._model.set_requires_gradient_sync(enabled)
+
+    def gather(self, out: dict[int, torch.Tensor], lengths: list[int]) -> tuple[torch.Tensor, ...]:
+        parts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, out)
+        merged = {i: t for part in parts for i, t in part.items()}
+        assert len(merged) == len(lengths), f"{len(merged)=} != {len(lengths)=}"
+        return tuple(merged[i] for i in range(len(lengths)))
+
+
+def init_distributed() -> torch.device:
+    """Join the torchrun process group (gloo on CPU, nccl on GPU); the device of this rank."""
+    if "RANK" not in os.environ:
+        raise RuntimeError("training.backend = 'fsdp' must run under torchrun (no RANK in env)")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", device_id=device)
+        return device
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+def shard_model(
+    lm: torch.nn.Module, chunk_size: int, value_head: torch.nn.Module | None = None
+) -> TokenLogprobModel:
+    """fully_shard every decoder layer, then the wrapper (embeddings, norm, heads) as the root."""
+    model = TokenLogprobModel(lm, chunk_size, value_head)
+    layers = getattr(lm.get_decoder(), "layers", None)
+    assert layers is not None, f"{type(lm).__name__}: decoder has no `layers` to shard"
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+class FSDPBackend:
+    """A model sharded over the torchrun ranks; see `TrainingBackend`."""
+
+    def __init__(
+        self,
+        *,
+        model: TokenLogprobModel,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        settings: BackendSettings,
+        device: torch.device,
+        tokenizer: Any = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.collective = DistCollective(model)
+        self.rank = self.collective.rank
+        self.world_size = self.collective.world_size
+        self.core = TrainerCore(
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            settings=settings,
+            device=device,
+            collective=self.collective,
+        )
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train")
+
+    def _submit(self, fn: Callable[..., T], *args: Any) -> TrainFuture[T]:
+        return TrainFuture(self._executor.submit(fn, *args))
+
+    def forward_backward(
+        self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False, values: bool = False
+    ) -> TrainFuture[Metrics]:
+        """Every rank passes the whole batch; each trains its share; metrics summed over ranks."""
+        return self._submit(self.core.forward_backward, batch, loss_fn, entropy, values)
+
+    def optim_step(self) -> TrainFuture[Metrics]:
+        """Clip the (global) gradient norm, step AdamW and the schedule, or skip if non-finite."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = self.core.settings.max_grad_norm
+
+        def clip() -> torch.Tensor:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+        return self._submit(self.core.optim_step, clip)
+
+    def compute_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
+        """Logprobs of the whole batch on every rank (each computes its share, then gathers)."""
+        return self._submit(self.core.compute_logprobs, batch, self.collective.gather)
+
+    def compute_values(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
+        """Critic values of the whole batch on every rank, aligned like the logprobs."""
+        return self._submit(self.core.compute_values, batch, self.collective.gather)
+
+    @property
+    def has_value_head(self) -> bool:
+        return self.model.value_head is not None
+
+    def _full_states(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(HF state dict of `lm`, state dict of the value head), full, on CPU (rank 0)."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        sd = get_model_state_dict(self.model, options=options)
+        lm = {k.removeprefix(PREFIX): v for k, v in sd.items() if k.startswith(PREFIX)}
+        head = {k.removeprefix(HEAD_PREFIX): v for k, v in sd.items() if k.startswith(HEAD_PREFIX)}
+        return lm, head
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        return self._full_states()[0]
+
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """The full HF state dict on CPU on rank 0 ({} elsewhere); every rank must call."""
+        return self._submit(self._full_state).result()
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Every rank passes the full HF state dict; each keeps its shard."""
+        self._submit(self._load_weights, weights).result()
+
+    def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        full = {PREFIX + k: v for k, v in weights.items()}
+        options = StateDictOptions(full_state_dict=True, strict=not self.has_value_head)
+        set_model_state_dict(self.model, full, options=options)
+
+    def _load_head(self, head: Mapping[str, torch.Tensor]) -> None:
+        full = {HEAD_PREFIX + k: v for k, v in head.items()}
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(self.model, full, options=options)
+
+    def _save_hf(self, path: Path, for_engine: bool = False) -> None:
+        state = self._full_state()
+        if self.rank == 0:
+            state = engine_state_dict(self.model.lm, state) if for_engine else state
+            save_hf(self.model.lm, self.tokenizer, path, state)
+        dist.barrier()
+
+    def save_weights(self, path: Path) -> TrainFuture[None]:
+        """HF files gathered and written by rank 0 (a tied LM head written out, as engines
+        reload in place); every rank must call."""
+        return self._submit(self._save_hf, Path(path), True)
+
+    def save_checkpoint(self, path: Path) -> TrainFuture[None]:
+        """HF model (rank 0), optimizer (DCP, every rank), scheduler and counters (rank 0)."""
+        return self._submit(self._save_checkpoint, Path(path))
+
+    def _save_checkpoint(self, path: Path) -> None:
+        self._save_hf(path / MODEL_DIR)
+        if self.has_value_head:
+            head = self._full_states()[1]
+            if self.rank == 0:
+                torch.save(head, path / VALUE_HEAD_FILE)
+        optim = get_optimizer_state_dict(self.model, self.core.optimizer)
+        dcp.save({"optim": optim}, checkpoint_id=str(path / "optimizer"))
+        if self.rank == 0:
+            torch.save(self.core.scheduler.state_dict(), path / "scheduler.pt")
+            (path / "backend.json").write_text(json.dumps(self.core.state_dict()))
+        dist.barrier()
+
+    def load_checkpoint(self, path: Path) -> TrainFuture[None]:
+        """Restore what `save_checkpoint` wrote (the world size may differ)."""
+        return self._submit(self._load_checkpoint, Path(path))
+
+    def _load_checkpoint(self, path: Path) -> None:
+        self._load_weights(load_hf_weights(path / MODEL_DIR))
+        if self.has_value_head:
+            self._load_head(load_value_head(path, torch.device("cpu")))
+        state = {"optim": get_optimizer_state_dict(self.model, self.core.optimizer)}
+        dcp.load(state, checkpoint_id=str(path / "optimizer"))
+        set_optimizer_state_dict(self.model, self.core.optimizer, state["optim"])
+        self.core.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+        self.core.load_state_dict(json.loads((path / "backend.json").read_text()))
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        dist.barrier()
+
+    def release(self) -> None:
+        """Finish queued work and stop the worker thread; stay in the process group (so another
+        backend, e.g. RL after SFT or a reference model, can be built in the same run)."""
+        self._executor.shutdown(wait=True)
+
+    def close(self) -> None:
+        """Finish queued work, then leave the process group (after a barrier)."""
+        self.release()
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def create_fsdp_backend(
+    config: Config,
+    *,
+    model_path: str | Path | None = None,
+    total_steps: int | None = None,
+    lr: float | None = None,
+    value_head: bool | None = None,
+) -> FSDPBackend:
+    """An FSDP2 backend for `config`; call on every torchrun rank (value_head: see pytorch)."""
+    device = init_distributed()
+    path = f.model_path_of(config, model_path)
+    m = config.model
+    lm = f.load_hf_model(
+        path,
+        dtype=m.dtype,
+        attn_implementation=m.attn_implementation,
+        gradient_checkpointing=m.gradient_checkpointing,
+        compile=m.compile,
+        device=device,
+    )
+    head = make_value_head(lm) if f.wants_value_head(config, value_head) else None
+    model = shard_model(lm, config.training.logprob_chunk_size, head)
+    tokenizer = f.load_tokenizer(m.tokenizer_path or path)
+    optimizer = f.create_optimizer_with_head(model.lm.parameters(), model.value_head, config, lr)
+    steps = config.training.rl_steps if total_steps is None else total_steps
+    scheduler = f.create_warmup_cosine_scheduler(optimizer, config.optim, steps)
+    return FSDPBackend(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        settings=f.backend_settings(config, device, tokenizer.pad_token_id or 0),
+        device=device,
+        tokenizer=tokenizer,
+    )

@@ -1,0 +1,152 @@
+"""Drive FSDP backends from one process: rank 0 runs the loops, the other ranks mirror its calls.
+
+Under `torchrun --nproc_per_node N`, only rank 0 runs the trio driver (engines, rollouts,
+metrics). Every backend call it makes is first broadcast - (backend id, method, arguments) - on
+a dedicated gloo group, then run locally; ranks 1..N-1 run `BackendHub.follow()`, which receives
+the same calls in the same order and runs them on their own shard, so the FSDP collectives match
+across ranks. All of rank 0's calls go through one control thread, so a control broadcast never
+interleaves with the backend's own collectives. Functions that "every rank calls"
+(`save_checkpoint`, `publish_weights`) work unchanged on a `MirroredBackend`: their backend
+calls (barrier, save) are mirrored one by one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rollouts.config import Config
+from rollouts.types import LossFn, TrainBatch, TrainFuture
+
+EXIT = "exit"
+
+
+class BackendHub:
+    """The per-process registry of mirrored backends and the control channel."""
+
+    def __init__(self) -> None:
+        from rollouts.trainer.fsdp import init_distributed
+
+        init_distributed()
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self._group = dist.new_group(backend="gloo")
+        self._backends: dict[int, Any] = {}
+        self._next_id = 0
+        self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mirror")
+
+    def _broadcast(self, message: Any) -> Any:
+        box = [message]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
+    def _execute(self, message: tuple) -> Any:
+        """Run one control message on this rank (the same on every rank)."""
+        kind = message[0]
+        if kind == "create":
+            _, backend_id, config, kwargs = message
+            from rollouts.trainer.fsdp import create_fsdp_backend
+
+            self._backends[backend_id] = create_fsdp_backend(config, **kwargs)
+            return self._backends[backend_id]
+        if kind == "release":
+            self._backends.pop(message[1]).release()
+            return None
+        assert kind == "call", f"unknown control message {kind!r}"
+        _, backend_id, name, args, kwargs = message
+        result = getattr(self._backends[backend_id], name)(*args, **kwargs)
+        return result.result() if isinstance(result, TrainFuture) else result
+
+    def _lead(self, message: tuple) -> Any:
+        """Rank 0, on the control thread: tell the followers, then do the same."""
+        assert self.rank == 0, "only rank 0 leads"
+        self._broadcast(message)
+        return self._execute(message)
+
+    def submit(self, message: tuple) -> concurrent.futures.Future:
+        return self._control.submit(self._lead, message)
+
+    def create(self, config: Config, **kwargs: Any) -> MirroredBackend:
+        """Build an FSDP backend on every rank; the handle rank 0's driver uses."""
+        backend_id = self._next_id
+        self._next_id += 1
+        self.submit(("create", backend_id, config, kwargs)).result()
+        return MirroredBackend(self, backend_id)
+
+    def follow(self) -> None:
+        """Ranks 1..N-1: run rank 0's calls until it says exit."""
+        assert self.rank != 0, "rank 0 leads; it does not follow"
+        while True:
+            message = self._broadcast(None)
+            if message[0] == EXIT:
+                break
+            self._execute(message)
+        self._finish()
+
+    def shutdown(self) -> None:
+        """Rank 0: release the followers, then leave the process group."""
+        self._control.submit(self._broadcast, (EXIT,)).result()
+        self._control.shutdown(wait=True)
+        self._finish()
+
+    def _finish(self) -> None:
+        for backend in self._backends.values():
+            backend.release()
+        self._backends.clear()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+class MirroredBackend:
+    """A `TrainingBackend` on rank 0 whose every call is mirrored on all ranks."""
+
+    def __init__(self, hub: BackendHub, backend_id: int) -> None:
+        self.hub = hub
+        self.backend_id = backend_id
+        self.rank = 0
+        self.world_size = hub.world_size
+        self.tokenizer = hub._backends[backend_id].tokenizer
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> TrainFuture[Any]:
+        return TrainFuture(self.hub.submit(("call", self.backend_id, name, args, kwargs)))
+
+    def forward_backward(
+        self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False, values: bool = False
+    ) -> TrainFuture[dict[str, float]]:
+        return self._call("forward_backward", batch, loss_fn, entropy=entropy, values=values)
+
+    def optim_step(self) -> TrainFuture[dict[str, float]]:
+        return self._call("optim_step")
+
+    def compute_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
+        return self._call("compute_logprobs", batch)
+
+    def compute_values(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
+        return self._call("compute_values", batch)
+
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        return self._call("get_weights").result()
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self._call("load_weights", dict(weights)).result()
+
+    def save_checkpoint(self, path: Path) -> TrainFuture[None]:
+        return self._call("save_checkpoint", Path(path))
+
+    def load_checkpoint(self, path: Path) -> TrainFuture[None]:
+        return self._call("load_checkpoint", Path(path))
+
+    def save_weights(self, path: Path) -> TrainFuture[None]:
+        return self._call("save_weights", Path(path))
+
+    def barrier(self) -> None:
+        self._call("barrier").result()
+
+    def close(self) -> None:
+        """Stop this backend's worker on every rank (the process group stays for the next)."""
+        self.hub.submit(("release", self.backend_id)).result()

@@ -1,0 +1,185 @@
+"""The module a backend trains: an HF causal LM that returns per-token logprobs, not logits.
+
+`TokenLogprobModel.forward` runs the decoder once, gathers the hidden states that predict each
+target token, and applies the LM head in chunks of `chunk_size` tokens (recomputed in the backward
+pass when there are several chunks), so a large vocabulary never holds [tokens, vocab] logits for
+the whole micro-batch at once. Chunk size 0 (the default) sizes chunks by the vocabulary (512 MiB
+of float32 logits each), so a small vocabulary pays no recompute. An entropy the loss does not
+train on (entropy_coef = 0) is computed without a graph: a metric costs no backward pass.
+The head runs only on the predictions whose target is trained (`MicroBatchTensors.head_idx`,
+`training.logprob_positions = "trained"`, the default): prompt tokens cost no LM head, which on
+a 49k vocabulary is a fifth of a token's compute; the other positions hold 0.
+It is also the FSDP2 root module, so one forward call all-gathers everything it needs.
+
+With a value head (a critic sharing the policy's trunk, PPO with GAE) the same forward also gives
+per-token values, ALIGNED LIKE THE LOGPROBS: `values[t]` = V(tokens < t), the head applied to the
+hidden state that predicts token t (the state in which token t is chosen); position 0 is 0.
+The head is `value_head` on the wrapper, outside `lm`, so HF exports of `lm` never contain it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from rollouts.trainer.batching import MicroBatchTensors
+
+# logprob_chunk_size = 0 (auto): chunks whose float32 [tokens, vocab] logits stay under this
+LOGITS_CHUNK_BYTES = 512 * 2**20
+
+
+def auto_chunk_size(vocab_size: int) -> int:
+    """Tokens per LM-head chunk for `logprob_chunk_size = 0`: 512 MiB of float32 logits
+    (tiny vocabularies: one chunk; 49k (SmolLM2): 2730 tokens; 152k (Qwen2): 883)."""
+    assert vocab_size >= 1, f"{vocab_size=}"
+    return max(1, LOGITS_CHUNK_BYTES // (4 * vocab_size))
+
+
+def _chunk_stats(
+    head: nn.Module,
+    hidden_N_H: torch.Tensor,
+    targets_N: torch.Tensor,
+    want_entropy: bool,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of each target and (optionally) the entropy of its predicting distribution;
+    without `entropy_grad` the entropy is a detached metric (no [N, V] graph kept for it)."""
+    logits_N_V = head(hidden_N_H).float()
+    lse_N = torch.logsumexp(logits_N_V, dim=-1)
+    logprobs_N = logits_N_V.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1) - lse_N
+    if not want_entropy:
+        return logprobs_N, torch.zeros_like(logprobs_N)
+    with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+        probs_N_V = F.softmax(logits_N_V, dim=-1)
+        entropy_N = lse_N - (probs_N_V * logits_N_V).sum(-1)
+    return logprobs_N, entropy_N
+
+
+def token_stats(
+    head: nn.Module,
+    hidden_N_H: torch.Tensor,
+    targets_N: torch.Tensor,
+    chunk_size: int,
+    want_entropy: bool,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_chunk_stats` over chunks of `chunk_size` rows; chunks are recomputed in backward, so
+    one chunk (the auto size, on a small vocabulary) costs no recompute."""
+    assert hidden_N_H.shape[0] == targets_N.shape[0], f"{hidden_N_H.shape=} {targets_N.shape=}"
+    assert chunk_size >= 1, f"{chunk_size=}"
+    n = hidden_N_H.shape[0]
+    if n <= chunk_size:
+        return _chunk_stats(head, hidden_N_H, targets_N, want_entropy, entropy_grad)
+    outs = []
+    for s in range(0, n, chunk_size):
+        h, t = hidden_N_H[s : s + chunk_size], targets_N[s : s + chunk_size]
+        args = (head, h, t, want_entropy, entropy_grad)
+        if torch.is_grad_enabled():
+            outs.append(checkpoint(_chunk_stats, *args, use_reentrant=False))
+        else:
+            outs.append(_chunk_stats(*args))
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+
+VALUE_HEAD_FILE = "value_head.pt"  # a checkpoint's critic weights (never in the HF `model/`)
+
+
+def make_value_head(lm: nn.Module) -> nn.Linear:
+    """A Linear(hidden, 1) critic head, zero-initialised (V = 0 until trained), on lm's device."""
+    hidden = int(lm.config.hidden_size)
+    param = next(lm.parameters())
+    head = nn.Linear(hidden, 1, device=param.device, dtype=torch.float32)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    return head
+
+
+class TokenLogprobModel(nn.Module):
+    """Wraps an HF causal LM (`lm`) to return flat next-token logprobs (entropy, values)."""
+
+    def __init__(self, lm: nn.Module, chunk_size: int, value_head: nn.Module | None = None) -> None:
+        super().__init__()
+        assert chunk_size >= 0, f"{chunk_size=}: tokens per LM-head chunk, or 0 (auto)"
+        self.lm = lm
+        self.chunk_size = chunk_size or auto_chunk_size(int(lm.config.vocab_size))
+        self.value_head = value_head
+
+    def forward(
+        self,
+        mb: MicroBatchTensors,
+        want_entropy: bool = False,
+        want_values: bool = False,
+        entropy_grad: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Flat [N] logprobs, entropies and values of every next-token prediction in `mb`.
+
+        Entropies are zeros unless `want_entropy` (detached unless `entropy_grad`: a metric
+        only); values are empty unless `want_values`.
+        """
+        decoder = self.lm.get_decoder()
+        out = decoder(
+            input_ids=mb.input_ids_R_L,
+            position_ids=mb.position_ids_R_L,
+            attention_mask=None,
+            use_cache=False,
+        )
+        hidden_R_L_H = out.last_hidden_state
+        hidden_N_H = hidden_R_L_H[mb.pred_rows, mb.pred_cols]
+        targets_N = mb.input_ids_R_L[mb.pred_rows, mb.pred_cols + 1]
+        lp_N, ent_N = self._head_stats(mb, hidden_N_H, targets_N, want_entropy, entropy_grad)
+        if not want_values:
+            return lp_N, ent_N, lp_N.new_zeros(0)
+        if self.value_head is None:
+            raise ValueError(
+                "values were asked for but the backend has no value head: build it with "
+                "algorithm.advantage = 'gae' (factories add the critic head then)"
+            )
+        values_N = self.value_head(hidden_N_H.float()).squeeze(-1).float()
+        return lp_N, ent_N, values_N
+
+    def _head_stats(
+        self,
+        mb: MicroBatchTensors,
+        hidden_N_H: torch.Tensor,
+        targets_N: torch.Tensor,
+        want_entropy: bool,
+        entropy_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`token_stats` at the predictions `mb.head_idx` names (all when None); the others
+        hold 0: their targets are not trained, so no loss or metric reads them."""
+        head = self.lm.get_output_embeddings()
+        idx = mb.head_idx
+        if idx is None:
+            return token_stats(
+                head, hidden_N_H, targets_N, self.chunk_size, want_entropy, entropy_grad
+            )
+        lp_M, ent_M = token_stats(
+            head, hidden_N_H[idx], targets_N[idx], self.chunk_size, want_entropy, entropy_grad
+        )
+        n = hidden_N_H.shape[0]
+        lp_N = lp_M.new_zeros(n).index_copy(0, idx, lp_M)
+        return lp_N, ent_M.new_zeros(n).index_copy(0, idx, ent_M)
+
+
+def split_per_sequence(flat_N: torch.Tensor, split_sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    """Flat predictions -> one [T_i] tensor per sequence, position 0 set to 0."""
+    assert flat_N.shape[0] == sum(split_sizes), f"{flat_N.shape=} != {sum(split_sizes)=}"
+    zero = flat_N.new_zeros(1)
+    return [torch.cat([zero, part]) for part in torch.split(flat_N, list(split_sizes))]
+
+
+def move_to(mb: MicroBatchTensors, device: torch.device) -> MicroBatchTensors:
+    """The same micro-batch with its tensors on `device`."""
+    pos = mb.position_ids_R_L
+    return MicroBatchTensors(
+        input_ids_R_L=mb.input_ids_R_L.to(device, non_blocking=True),
+        position_ids_R_L=None if pos is None else pos.to(device, non_blocking=True),
+        pred_rows=mb.pred_rows.to(device, non_blocking=True),
+        pred_cols=mb.pred_cols.to(device, non_blocking=True),
+        split_sizes=mb.split_sizes,
+        head_idx=None if mb.head_idx is None else mb.head_idx.to(device, non_blocking=True),
+    )

@@ -1,0 +1,254 @@
+"""PyTorchBackend: the TrainingBackend on one device (CPU or one GPU).
+
+All model work runs on one worker thread (a single-thread executor), in submission order, and
+comes back as a `TrainFuture`. Checkpoint files: `model/` (HF safetensors + config + tokenizer),
+`optimizer.pt`, `scheduler.pt`, `backend.json`, and `value_head.pt` when the model has a critic
+head (PPO with GAE): the head is outside `model/`, so engines always load a plain HF causal LM.
+It also resumes a checkpoint of the FSDP backend (its optimizer is a DCP directory).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import warnings
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from rollouts.trainer.core import BackendSettings, LocalCollective, TrainerCore
+from rollouts.trainer.model import VALUE_HEAD_FILE, TokenLogprobModel
+from rollouts.trainer.protocol import Metrics
+from rollouts.types import LossFn, TrainBatch, TrainFuture
+
+T = TypeVar("T")
+MODEL_DIR = "model"
+
+
+def gather_local(out: dict[int, torch.Tensor], lengths: list[int]) -> tuple[torch.Tensor, ...]:
+    """One device: every sequence was computed here."""
+    assert len(out) == len(lengths), f"{len(out)=} != {len(lengths)=}"
+    return tuple(out[i] for i in range(len(lengths)))
+
+
+def save_hf(lm: Any, tokenizer: Any, path: Path, state_dict: dict[str, Any] | None) -> None:
+    """HF-format model files (+ tokenizer) that transformers, vLLM and SGLang load."""
+    path.mkdir(parents=True, exist_ok=True)
+    lm.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    assert (path / "config.json").is_file(), f"save_pretrained wrote no config.json in {path}"
+
+
+def engine_state_dict(lm: Any, state_dict: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The state dict an engine reloads: every tensor the model has, a tied LM head included.
+
+    `save_pretrained` leaves `lm_head.weight` out of the files when it shares the embedding's
+    storage (loading a fresh model ties it again), but an in-place reload does not tie: vLLM's
+    `reload_weights` then updated the embedding and kept the old LM head while reporting the new
+    version. Here a tied head is written as its own copy."""
+    state = dict(state_dict) if state_dict is not None else dict(lm.state_dict())
+    if not getattr(lm.config, "tie_word_embeddings", False) or lm.get_output_embeddings() is None:
+        return state
+    embedding = lm.get_input_embeddings().weight
+    names = [n for n, p in lm.named_parameters(remove_duplicate=False) if p is embedding]
+    head = next((n for n in names if n in state and "embed" not in n), "lm_head.weight")
+    source = next(n for n in names if n in state and n != head)
+    state[head] = state[source].detach().clone()
+    return state
+
+
+def load_hf_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the HF safetensors files in `path` (sharded or not), on CPU."""
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files (not an HF model directory)")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(f))
+    return weights
+
+
+def load_value_head(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    """The critic head's weights saved in checkpoint `path` (an error naming the fix if absent)."""
+    file = path / VALUE_HEAD_FILE
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{file}: the backend has a value head (algorithm.advantage = 'gae') but the "
+            "checkpoint has none (it was written without a critic); resume with the algorithm "
+            "it was trained with, or start a new run"
+        )
+    return torch.load(file, map_location=device, weights_only=True)
+
+
+def load_dcp_optimizer(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path
+) -> None:
+    """Load an FSDP run's optimizer (a DCP checkpoint) into a one-process optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = {"optim": get_optimizer_state_dict(model, optimizer)}  # the template, state made
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process, intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(directory))
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
+class PyTorchBackend:
+    """A model, AdamW and its schedule on one device; see `TrainingBackend`."""
+
+    rank = 0
+    world_size = 1
+
+    def __init__(
+        self,
+        *,
+        lm: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        settings: BackendSettings,
+        device: torch.device,
+        tokenizer: Any = None,
+        value_head: torch.nn.Module | None = None,
+    ) -> None:
+        self.lm = lm
+        self.tokenizer = tokenizer
+        self.device = device
+        self.value_head = value_head  # the critic (its params must be in `optimizer` too)
+        model = TokenLogprobModel(lm, settings.logprob_chunk_size, value_head)
+        self.core = TrainerCore(
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            settings=settings,
+            device=device,
+            collective=LocalCollective(),
+        )
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train")
+
+    def pin_thread(self, cores: Collection[int]) -> None:
+        """Run the training thread, and the torch threads it starts, on `cores` (Linux); call it
+        before any other work (`training/placement.py`)."""
+        self._submit(os.sched_setaffinity, 0, set(cores)).result()
+
+    def _submit(self, fn: Callable[..., T], *args: Any) -> TrainFuture[T]:
+        return TrainFuture(self._executor.submit(fn, *args))
+
+    def forward_backward(
+        self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False, values: bool = False
+    ) -> TrainFuture[Metrics]:
+        """Accumulate gradients of `loss_fn` over `batch`; see `TrainingBackend`."""
+        return self._submit(self.core.forward_backward, batch, loss_fn, entropy, values)
+
+    def optim_step(self) -> TrainFuture[Metrics]:
+        """Clip to `max_grad_norm`, step AdamW and the schedule (or skip a non-finite step)."""
+        params = [p for p in self.core.model.parameters() if p.requires_grad]
+        max_norm = self.core.settings.max_grad_norm
+
+        def clip() -> torch.Tensor:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+        return self._submit(self.core.optim_step, clip)
+
+    def compute_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
+        """Per-sequence logprobs under the current weights (no grad)."""
+        return self._submit(self.core.compute_logprobs, batch, gather_local)
+
+    def compute_values(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
+        """Per-sequence critic values (no grad, CPU float32), aligned like the logprobs."""
+        return self._submit(self.core.compute_values, batch, gather_local)
+
+    def copy_weights(self) -> TrainFuture[dict[str, torch.Tensor]]:
+        """A CPU copy of the full HF state dict, taken on the training thread in order after
+        the work submitted before it."""
+
+        def work() -> dict[str, torch.Tensor]:
+            return {k: v.detach().to("cpu", copy=True) for k, v in self.lm.state_dict().items()}
+
+        return self._submit(work)
+
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of the full HF state dict."""
+        return self.copy_weights().result()
+
+    def snapshot_weights(self) -> dict[str, torch.Tensor]:
+        """This step's weights for `write_weights` (here: a `get_weights` copy)."""
+        return self.get_weights()
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copy `weights` into the model in place (optimizer references stay valid)."""
+        self._submit(self._load_weights, weights).result()
+
+    def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        missing, unexpected = self.lm.load_state_dict(dict(weights), strict=False)
+        tied = set(getattr(self.lm, "_tied_weights_keys", None) or {})
+        missing = [k for k in missing if k not in tied]
+        if missing or unexpected:
+            raise KeyError(f"load_weights: {missing=} {unexpected=} (a different model?)")
+
+    def save_weights(self, path: Path) -> TrainFuture[None]:
+        """HF safetensors + config + tokenizer in `path`, for engines to reload."""
+        return self._submit(
+            lambda: save_hf(self.lm, self.tokenizer, Path(path), engine_state_dict(self.lm))
+        )
+
+    def write_weights(self, weights: Mapping[str, torch.Tensor], path: Path) -> None:
+        """`save_weights` of a `snapshot_weights` copy, on the calling thread: the training thread
+        goes on with the next step while the files are written (only the config and the
+        tokenizer are read from the live model)."""
+        save_hf(self.lm, self.tokenizer, Path(path), engine_state_dict(self.lm, weights))
+
+    def save_checkpoint(self, path: Path) -> TrainFuture[None]:
+        """Model, tokenizer, optimizer, scheduler and counters into directory `path`."""
+        return self._submit(self._save_checkpoint, Path(path))
+
+    def _save_checkpoint(self, path: Path) -> None:
+        save_hf(self.lm, self.tokenizer, path / MODEL_DIR, None)
+        torch.save(self.core.optimizer.state_dict(), path / "optimizer.pt")
+        torch.save(self.core.scheduler.state_dict(), path / "scheduler.pt")
+        (path / "backend.json").write_text(json.dumps(self.core.state_dict()))
+        if self.value_head is not None:
+            torch.save(self.value_head.state_dict(), path / VALUE_HEAD_FILE)
+
+    def load_checkpoint(self, path: Path) -> TrainFuture[None]:
+        """Restore model, optimizer, scheduler and counters from `path`."""
+        return self._submit(self._load_checkpoint, Path(path))
+
+    def _load_checkpoint(self, path: Path) -> None:
+        self._load_weights(load_hf_weights(path / MODEL_DIR))
+        if self.value_head is not None:
+            self.value_head.load_state_dict(load_value_head(path, self.device))
+        self._load_optimizer(path)
+        self.core.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+        self.core.load_state_dict(json.loads((path / "backend.json").read_text()))
+
+    def _load_optimizer(self, path: Path) -> None:
+        """`optimizer.pt`, or the DCP `optimizer/` an FSDP run wrote (any world size: the
+        parameter names are the same, so one process takes the whole state)."""
+        if (path / "optimizer.pt").is_file():
+            optim = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
+            self.core.optimizer.load_state_dict(optim)
+            return
+        if not (path / "optimizer").is_dir():
+            raise FileNotFoundError(
+                f"{path}: no optimizer state (neither optimizer.pt of the one-process backend nor "
+                "the optimizer/ DCP directory of the FSDP backend): not a training checkpoint?"
+            )
+        load_dcp_optimizer(self.core.model, self.core.optimizer, path / "optimizer")
+
+    def barrier(self) -> None:
+        """One device: nothing to wait for."""
+        return None
+
+    def close(self) -> None:
+        """Finish queued work and stop the worker thread."""
+        self._executor.shutdown(wait=True)
