@@ -123,3 +123,15 @@ def test_direct_construction_is_validated() -> None:
 def test_engines_need_urls_for_external_servers() -> None:
     with pytest.raises(ConfigError, match="engines.urls: must list the server URLs"):
         config_from_dict({"engines": {"kind": "sglang"}})
+
+
+def test_a_moved_key_works_at_its_old_place_and_names_the_new_one(monkeypatch, capsys) -> None:
+    from rollouts.config import loader
+
+    monkeypatch.setitem(loader.MOVED_KEYS, "training.sync_every_old", "training.sync_every")
+    config = loader.config_from_dict({"training": {"sync_every_old": 3}}, "x.toml")
+    assert config.training.sync_every == 3
+    err = capsys.readouterr().err
+    assert "training.sync_every_old is now training.sync_every" in err and "x.toml" in err
+    with pytest.raises(ConfigError, match="both set"):
+        loader.config_from_dict({"training": {"sync_every_old": 3, "sync_every": 2}})

@@ -4,8 +4,10 @@ EVERY problem into one `ConfigError`; `--set` overrides; back to a plain dict.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import sys
 import tomllib
 import types
 import typing
@@ -102,9 +104,49 @@ def _build(cls: type, table: Mapping[str, Any], prefix: str, problems: list[str]
     return cls()  # a placeholder so that the walk goes on; the error is raised by the caller
 
 
+# Keys that moved: old dotted path -> new one. The old key keeps working for one release; each use
+# prints a line naming the new key. Given both ways, it is an error.
+MOVED_KEYS: dict[str, str] = {}
+
+
+def _pop_path(table: dict[str, Any], path: list[str]) -> tuple[bool, Any]:
+    node: Any = table
+    for part in path[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or path[-1] not in node:
+        return False, None
+    return True, node.pop(path[-1])
+
+
+def move_old_keys(
+    table: Mapping[str, Any], problems: list[str]
+) -> tuple[dict[str, Any], list[str]]:
+    """A copy of `table` with every key of `MOVED_KEYS` at its new place; the notes to print."""
+    out = copy.deepcopy(dict(table))
+    notes: list[str] = []
+    for old, new in MOVED_KEYS.items():
+        found, value = _pop_path(out, old.split("."))
+        if not found:
+            continue
+        *parents, leaf = new.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        if not isinstance(node, dict) or leaf in node:
+            problems.append(f"{old} and {new} are both set: {old} is the old name; keep only {new}")
+            continue
+        node[leaf] = value
+        notes.append(f"[config] {old} is now {new}: the old key works until the next release")
+    return out, notes
+
+
 def config_from_dict(table: Mapping[str, Any], source: str = "") -> Config:
-    """Build and validate a `Config` from a plain dict (parsed TOML)."""
+    """Build and validate a `Config` from a plain dict (parsed TOML); a key that moved
+    (`MOVED_KEYS`) is read at its new place, with a line on stderr naming the new key."""
     problems: list[str] = []
+    table, notes = move_old_keys(table, problems)
+    for note in notes:
+        print(f"{note}{f' ({source})' if source else ''}", file=sys.stderr, flush=True)
     config = _build(Config, table, "", problems)
     if problems:
         raise ConfigError(problems, source)
