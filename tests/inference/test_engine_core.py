@@ -1,19 +1,23 @@
 """The engine core in-process (its worker thread, no HTTP): exact outputs while rows join,
 finish and move between slots and the KV cache shifts and grows; one prefill per distinct
-prompt; seeded sampling that does not depend on the batch."""
+prompt; seeded sampling that does not depend on the batch; running rows prefilled again on
+weights reloaded under them."""
 
 from __future__ import annotations
 
 import random
 import threading
 import time
+import types
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from rollouts.inference.protocol import FinishReason
 from rollouts.inference.server import kv as kvops
 from rollouts.inference.server.core import CoreOptions, EngineCore, Sequence
+from rollouts.inference.server.dist_weights import DistWeights
 from rollouts.inference.server.sampling import SamplingSpec
 from rollouts.inference.server.scheduler import GATHER_GAP_S, GATHER_MAX_S, keep_gathering
 
@@ -254,3 +258,62 @@ def test_stop_strings_see_the_text_built_incrementally(ref_model, tokenizer) -> 
     assert (cut.stop.reason, cut.stop.matched) == (FinishReason.STOP, stop)
     text = tokenizer.decode(cut.output_ids, skip_special_tokens=False)
     assert text.endswith(stop) and full.startswith(text), (text, stop)
+
+
+@pytest.mark.parametrize("route", ["disk", "distributed"])
+def test_a_reload_in_a_keep_pause_prefills_the_running_rows_again(
+    tiny_model_dir, other_model_dir, ref_model, tokenizer, route
+) -> None:
+    """Rows of unequal prompts and output counts (one prompt twice), prefilled again two per
+    forward after the weights change under them (from disk, or a received bucket as
+    `/update_weights_from_distributed` loads it): each row's tokens before the reload are the
+    old model's greedy ones, those after it the new model's given every token before them."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    new_model = AutoModelForCausalLM.from_pretrained(other_model_dir, dtype=torch.float32).eval()
+    spec = SamplingSpec(temperature=0.0, ignore_eos=True)
+    prompts = [[7, 8, 9], [3, 4], [11, 12, 13, 14, 15, 16], [7, 8, 9]]
+    seqs = [make_seq(i, p, 60, spec) for i, p in enumerate(prompts)]
+    core = EngineCore(model, tokenizer, CoreOptions(max_batch=4, max_prefill=2), "v1")
+    done = threading.Semaphore(0)
+    for seq in seqs:
+        seq.notify = lambda _s: done.release()
+    replies: list[object] = []
+    bucket = list(new_model.state_dict().items())
+    state = types.SimpleNamespace(core=core, sglang_pause="retract")  # what the loader reads
+    load_bucket = DistWeights(state)._loader(bucket, "v2", flush_cache=True)  # type: ignore[arg-type]
+
+    def reload_in_keep_pause() -> None:
+        core.paused = True
+        if route == "disk":
+            core.reload(str(other_model_dir), "v2")
+        else:
+            load_bucket(replies.append)
+        core.paused = False
+
+    worker = threading.Thread(target=core.run, daemon=True)
+    worker.start()
+    try:
+        assert core.submit(seqs)
+        deadline = time.monotonic() + WAIT_S
+        while core.load()[0] < len(seqs):  # admitted two per step: unequal output counts
+            assert time.monotonic() < deadline, f"{core.load()=}"
+            time.sleep(0.001)
+        core.post(reload_in_keep_pause)  # runs between two steps
+        for _ in seqs:
+            assert done.acquire(timeout=WAIT_S), "a sequence never finished"
+    finally:
+        core.stop()
+        worker.join(WAIT_S)
+    assert replies == ([] if route == "disk" else [None]), f"{replies=}"
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        spans = seq.version_spans()
+        assert [s["version"] for s in spans] == ["v1", "v2"], f"{seq.rid}: {spans}"
+        cut, out = spans[1]["start"], seq.output_ids
+        assert 1 <= cut < len(out) == 60, f"{seq.rid}: {cut=} {len(out)=}"
+        assert out[:cut] == greedy_no_eos(ref_model, prompt, cut), seq.rid
+        assert out[cut:] == greedy_no_eos(new_model, prompt + out[:cut], 60 - cut), seq.rid
+        old_lp = teacher_forced_logprobs(ref_model, prompt, out)[:cut]
+        new_lp = teacher_forced_logprobs(new_model, prompt, out)[cut:]
+        served = torch.tensor(seq.logprobs)
+        torch.testing.assert_close(served[:cut], old_lp, atol=1e-4, rtol=0)
+        torch.testing.assert_close(served[cut:], new_lp, atol=1e-4, rtol=0)

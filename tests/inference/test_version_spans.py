@@ -1,6 +1,7 @@
 """A weight reload in place (keep-mode pause) during a request: the built-in server reports
 which tokens each version produced, and the clients take the oldest (issue 17: a response
-whose first tokens came from the old weights is not staleness 0)."""
+whose first tokens came from the old weights is not staleness 0); the tokens after the reload
+come from the new weights over the whole sequence, its KV cache rebuilt (issue 27)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 import trio
+from transformers import AutoModelForCausalLM
 
 from rollouts.inference.launch import EngineProcess, engine_server_sync
 from rollouts.inference.protocol import SamplingParams
@@ -26,8 +29,8 @@ def server(tiny_model_dir: Path) -> Iterator[EngineProcess]:
         yield proc
 
 
-async def _reload_in_place_while(server, tiny_model_dir, request) -> tuple[Any, str, str]:
-    """Run `request()` and reload the weights in place while it is running."""
+async def _reload_in_place_while(server, weights_dir, request) -> tuple[Any, str, str]:
+    """Run `request()` and reload the weights (from `weights_dir`) in place while it runs."""
     sync = SGLangEngine(server.url)
     old = await sync.weight_version()
     new = str(int(old) + 1) if old.isdigit() else "1"
@@ -42,7 +45,7 @@ async def _reload_in_place_while(server, tiny_model_dir, request) -> tuple[Any, 
             while (await sync.load()).running < 1:  # admitted: its first token exists
                 await trio.sleep(0.005)
             await sync.pause("keep")
-            await sync.update_weights_from_disk(str(tiny_model_dir), new)
+            await sync.update_weights_from_disk(str(weights_dir), new)
             await sync.resume()
     finally:
         await sync.aclose()
@@ -93,3 +96,74 @@ async def test_clients_take_the_oldest_version(server, tiny_model_dir, client) -
         await engine.aclose()
     assert completion.completion_tokens == LONG.max_new_tokens
     assert completion.weight_version == old != new
+
+
+@torch.no_grad()
+def _logprobs_T_V(model: torch.nn.Module, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Row t: the log-distribution of output token t given prompt + output[:t], one forward."""
+    full = torch.tensor([prompt + output])
+    return model(full).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+
+
+def _check_from(
+    model: torch.nn.Module, prompt: list[int], ids: list[int], lps: list[float], span: slice
+) -> None:
+    """The tokens of `span` are `model`'s greedy choices, with `model`'s logprobs (fp32)."""
+    logprobs_T_V = _logprobs_T_V(model, prompt, ids)[span]
+    want = logprobs_T_V.gather(1, torch.tensor(ids[span])[:, None])[:, 0]
+    gap = (want - torch.tensor(lps[span])).abs()
+    worst = int(gap.argmax())
+    assert float(gap[worst]) < 1e-4, (
+        f"logprob of token {span.start + worst} (of {span.start}:{len(ids)}) is off by "
+        f"{float(gap[worst]):.4f}: {lps[span][worst]:.4f} served, {float(want[worst]):.4f} expected"
+    )
+    assert ids[span] == logprobs_T_V.argmax(-1).tolist()
+
+
+async def test_keep_reload_prefills_running_rows_again_on_the_new_weights(
+    server, tiny_model_dir, other_model_dir, ref_model
+) -> None:
+    """A greedy request whose weights change under a keep pause: its tokens before the reload
+    are the old model's, those after it the new model's given every token before them (the
+    prompt and the old tokens are prefilled again, as SGLang re-prefills retracted requests),
+    each with that model's logprob."""
+    prompt, greedy = [5, 6, 7], SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
+    new_model = AutoModelForCausalLM.from_pretrained(other_model_dir, dtype=torch.float32).eval()
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+
+        async def request() -> Any:
+            body = generate_body(prompt, greedy, "reprefill")
+            return (await http.post("/generate", json=body)).json()
+
+        try:
+            answer, old, new = await _reload_in_place_while(server, other_model_dir, request)
+        finally:  # the other tests here serve the tiny model
+            sync = SGLangEngine(server.url)
+            await sync.update_weights_from_disk(str(tiny_model_dir), "restored")
+            await sync.aclose()
+    ids, meta = answer["output_ids"], answer["meta_info"]
+    lps = [entry[0] for entry in meta["output_token_logprobs"]]
+    _check_spans(meta["weight_versions"], old, new, len(ids))
+    cut = meta["weight_versions"][1]["start"]
+    _check_from(ref_model, prompt, ids, lps, slice(0, cut))
+    _check_from(new_model, prompt, ids, lps, slice(cut, len(ids)))
+
+
+async def test_keep_reload_leaves_a_seeded_request_as_it_was(server, tiny_model_dir) -> None:
+    """Prefilling the running rows again draws nothing from their generators: a seeded request
+    whose (same) weights are reloaded under a keep pause gives the tokens it gives without."""
+    seeded = SamplingParams(max_new_tokens=200, temperature=1.0, ignore_eos=True, seed=11)
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+
+        async def request() -> Any:
+            body = generate_body([5, 6, 7], seeded, None)
+            return (await http.post("/generate", json=body)).json()
+
+        plain = await request()
+        reloaded, old, new = await _reload_in_place_while(server, tiny_model_dir, request)
+    _check_spans(reloaded["meta_info"]["weight_versions"], old, new, len(plain["output_ids"]))
+    assert reloaded["output_ids"] == plain["output_ids"]
+    served = [
+        [entry[0] for entry in a["meta_info"]["output_token_logprobs"]] for a in (plain, reloaded)
+    ]
+    assert torch.allclose(torch.tensor(served[0]), torch.tensor(served[1]), atol=1e-4)

@@ -5,7 +5,9 @@ copied to every slot that asked for it) and samples their first token; `step` de
 for every slot (one forward, one batched sampling call, a few tensor ops to record it);
 finished sequences leave at once and the last slots move into the holes, so the active slots
 stay dense. Outputs become Python lists only for sequences that leave (`output_ids`,
-`logprobs`); the caller then sets their version and notifies them.
+`logprobs`); the caller then sets their version and notifies them. After the weights change
+under running rows (a reload in a keep pause), `weights_changed` makes the next step prefill
+every row again over its tokens so far, so no later token reads the old weights' KV cache.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class BatchOptions:
     """What the running batch needs to know about the model and the requests' defaults."""
 
     max_batch: int
+    max_prefill: int  # rows prefilled in one forward when the running rows are prefilled again
     pad_token_id: int
     eos_token_ids: tuple[int, ...]
     logprobs_from: str
@@ -77,6 +80,7 @@ class RunningBatch:
         self.seqs: list[Sequence] = []
         self._kv: kvops.SlotCache | None = None
         self._table: SlotTable | None = None
+        self._stale = False  # the running rows' KV cache is from weights no longer loaded
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -87,6 +91,8 @@ class RunningBatch:
         Returns (distinct prompts prefilled, sequences that already finished)."""
         assert ready, "nothing to admit"
         assert len(self.seqs) + len(ready) <= self.options.max_batch, f"{len(ready)=}"
+        if self._stale:
+            self._prefill_again()
         distinct: dict[tuple[int, ...], int] = {}
         which = [distinct.setdefault(tuple(s.prompt_ids), len(distinct)) for s in ready]
         cache, mask_U_W, logits_U_V = kvops.prefill(
@@ -118,8 +124,44 @@ class RunningBatch:
     def step(self) -> list[Sequence]:
         """Decode one token for every slot; returns the sequences that finished."""
         assert self._kv is not None and self._table is not None, "a step without a batch"
+        if self._stale:
+            self._prefill_again()
         logits_B_V = kvops.decode(self.model, self._kv, self._table.last_R[: len(self.seqs)])
         return self._leave(self._record(0, logits_B_V))
+
+    def weights_changed(self) -> None:
+        """The model's weights were replaced in place: the running rows' KV cache is the old
+        weights', so it is rebuilt before the next token (as SGLang re-prefills the requests a
+        retract pause took out)."""
+        self._stale = bool(self.seqs)
+
+    def _prefill_again(self) -> None:
+        """Rebuild every running row's KV cache with the weights loaded now, from its prompt and
+        its output but the last token (the next decode input, as after `admit`), `max_prefill`
+        rows per forward. Nothing is sampled: outputs, sampling state and generators stay."""
+        kv, table = self._kv, self._table
+        if not self.seqs or kv is None or table is None:
+            self._stale = False
+            return
+        counts = self.output_counts()
+        assert min(counts) >= 1, f"{counts=}: a running row without its first token"
+        rows = [
+            seq.prompt_ids + table.tok_R_W[slot, : n - 1].tolist()
+            for slot, (seq, n) in enumerate(zip(self.seqs, counts, strict=True))
+        ]
+        kv.move([], [], 0)  # empty: the rows are placed again in slot order
+        step = self.options.max_prefill
+        for first in range(0, len(rows), step):
+            distinct: dict[tuple[int, ...], int] = {}
+            which = [
+                distinct.setdefault(tuple(r), len(distinct)) for r in rows[first : first + step]
+            ]
+            cache, mask_U_W, _ = kvops.prefill(
+                self.model, [list(r) for r in distinct], self.options.pad_token_id
+            )
+            kv.place(cache, mask_U_W, torch.tensor(which, device=mask_U_W.device))
+        assert kv.batch == len(self.seqs), f"{kv.batch=} != {len(self.seqs)=}"
+        self._stale = False
 
     def output_counts(self) -> list[int]:
         """How many tokens each running sequence has produced so far (slot order)."""

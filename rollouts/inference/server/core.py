@@ -81,6 +81,7 @@ class EngineCore:
             tokenizer,
             BatchOptions(
                 max_batch=options.max_batch,
+                max_prefill=options.max_prefill,
                 pad_token_id=options.pad_token_id,
                 eos_token_ids=options.eos_token_ids,
                 logprobs_from=options.logprobs_from,
@@ -263,8 +264,14 @@ class EngineCore:
     def reload(self, path: str, version: str | None) -> None:
         """Load HF safetensors weights from `path` into the model; set the version."""
         load_weights(self.model, path)
+        self.weights_changed()
         if version is not None:
             self.set_version(version)
+
+    def weights_changed(self) -> None:
+        """The model's weights were replaced in place: running rows (a keep pause) are prefilled
+        again on them before their next token."""
+        self._batch.weights_changed()
 
     def set_version(self, version: str) -> None:
         """Serve `version` from now on; running sequences note where it took over."""

@@ -186,6 +186,7 @@ class DistWeights:
                 except UpdateRefused as exc:
                     reply(exc)
                     return
+                core.weights_changed()
                 running, _ = core.load()
                 if flush_cache and self.state.sglang_pause == "in_place" and running:
                     reply(
@@ -196,7 +197,7 @@ class DistWeights:
                     )
                     return
                 if version is not None:
-                    core.weight_version = version
+                    core.set_version(version)  # running rows (keep pause) note where it starts
                 reply(None)
 
             if core.paused:
