@@ -41,7 +41,7 @@ from rollouts.config import Config, load_config
 from rollouts.data.loaders import load_prompts
 from rollouts.data.sft import tokenize_prompt
 from rollouts.driver.engines import cpu_share
-from rollouts.driver.run import rl_phase
+from rollouts.driver.rl_phase import rl_phase
 from rollouts.driver.setup import (
     StopFlag,
     prepare_base_model,

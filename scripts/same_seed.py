@@ -61,6 +61,7 @@ def diff(a: Path, b: Path) -> int:
     ra, rb = (json.loads((d / "comparable.json").read_text()) for d in (a, b))
     other: dict[str, float] = {}
     batch: dict[str, float] = {}
+    first: dict[str, int] = {}  # file -> the step of its first line that differs
     for name in FILES:
         if len(ra[name]) != len(rb[name]):
             print(f"{name}: {len(ra[name])} lines against {len(rb[name])}")
@@ -74,11 +75,16 @@ def diff(a: Path, b: Path) -> int:
                 gap = abs(va - vb) if both_numbers else float("inf")
                 into = batch if key in BATCH_FLOATS else other
                 into[f"{name}:{key}"] = max(into.get(f"{name}:{key}", 0.0), gap)
+                if into is other:
+                    first.setdefault(name, la.get("step", -1))
     lines = sum(len(ra[name]) for name in FILES)
     for key, gap in sorted(batch.items()):
         print(f"batch floats  {key}: max |a-b| = {gap:.3g}")
     for key, gap in sorted(other.items()):
         print(f"DIFFERS       {key}: max |a-b| = {gap:.3g}")
+    for name in FILES:
+        same = f"differ from step {first[name]} on" if name in first else "are the same"
+        print(f"{name}: {len(ra[name])} lines, {same}")
     print(f"{lines} lines compared: {len(other)} keys differ beyond the batch floats")
     too_far = [k for k, g in batch.items() if g > BATCH_FLOATS[k.split(":", 1)[1]]]
     return 1 if other or too_far else 0

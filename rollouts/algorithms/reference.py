@@ -90,3 +90,9 @@ def load_reference_(ref_module: torch.nn.Module, params: Params) -> None:
 def module_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The module's parameters by name (the `Params` the functions above take)."""
     return dict(module.named_parameters())
+
+
+def needs_reference(algo: AlgorithmConfig) -> bool:
+    """Whether a run builds a reference model: KL in the loss or the reward (now, or later by a
+    schedule) or a pairwise loss (its margins are against the reference)."""
+    return algo.kl_coef > 0.0 or bool(algo.schedule) or algo.policy_loss == "pairwise"

@@ -22,8 +22,9 @@ import trio
 
 from rollouts.config import config_from_dict
 from rollouts.data.loaders import write_jsonl
-from rollouts.driver.run import checkpoint_root, rl_phase
+from rollouts.driver.rl_phase import rl_phase
 from rollouts.driver.setup import StopFlag, prepare_run_dir
+from rollouts.driver.trainer_io import checkpoint_root
 from rollouts.trainer.checkpoint import find_latest_checkpoint
 from rollouts.trainer.pytorch import MODEL_DIR
 

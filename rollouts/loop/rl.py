@@ -8,7 +8,7 @@ Two modes (`rollout.mode`):
 - "sync": each step generates its batch with the current weights, then trains on it.
 - "async": a producer task generates the next batch while the trainer trains on the current
   one (a channel of size 0 keeps it exactly one batch ahead); with disk sync the engines load a
-  step's weights while the next step trains (`rl_sources.EngineSync`). A periodic checkpoint
+  step's weights while the next step trains (`weights/publisher.py`). A periodic checkpoint
   keeps the batch made ahead, so a resumed run trains the same batch, made on the same weights.
 In both modes samples made by a policy more than the staleness bound (`rollout.max_staleness`;
 automatic: what a fresh sample can lag, so sync stays on-policy) behind are dropped and counted,
@@ -16,8 +16,9 @@ and partial groups that would be that stale when their batch trains are dropped 
 resumed (`rl_state.train_version`). A checkpoint step also gives the engines its weights, so a
 resumed run's engines serve what the uninterrupted run's would.
 
-The loop never knows which backend or which engine it drives: checkpoints, weight sync and
-evaluation come in as `RLHooks` built by the driver (`rollouts/driver/run.py`).
+The loop never knows which backend, engine or weight delivery it drives: the weights go out
+through the `WeightPublisher` the driver chose once, and checkpoints and evaluation come in as
+`RLHooks` (`rollouts/driver/rl_phase.py`).
 """
 
 from __future__ import annotations
@@ -34,15 +35,15 @@ from rollouts.algorithms.schedule import load_schedule
 from rollouts.config import AlgorithmConfig, Config
 from rollouts.driver.metrics import MetricsLogger
 from rollouts.inference.http import EngineError
+from rollouts.inference.pool import EnginePool
 from rollouts.loop.batch import (
     PreparedGroups,
-    prefixed,
     prepare_groups,
     rollout_metrics,
 )
 from rollouts.loop.checkpoints import checkpoint, checkpoint_unsaved, rescue_checkpoint
 from rollouts.loop.empty_steps import empty_batch_reason, no_update_error
-from rollouts.loop.sources import BatchSource, EngineSync
+from rollouts.loop.sources import BatchSource
 from rollouts.loop.state import (
     MAX_EMPTY_BATCHES,
     LoopState,
@@ -54,19 +55,22 @@ from rollouts.loop.state import (
 from rollouts.loop.train_step import ReferencePolicy, train_step
 from rollouts.rollout.batch import discarded_fraction
 from rollouts.rollout.planning import staleness_bound
+from rollouts.trainer.protocol import TrainingBackend
 from rollouts.types import RolloutBatch
+from rollouts.weights.publisher import WeightPublisher
 
 __all__ = ["RLHooks", "RLResult", "ReferencePolicy", "run_rl_training", "train_step"]
 
 
 async def run_rl_training(
-    backend: Any,
+    backend: TrainingBackend,
     data_buffer: Any,
     rollout_manager: Any,
-    engines: Any,
+    engines: EnginePool,
     config: Config,
     metrics_logger: MetricsLogger,
     *,
+    weights: WeightPublisher,
     hooks: RLHooks,
     reward_fn: Any = None,
     ref: ReferencePolicy | None = None,
@@ -80,69 +84,78 @@ async def run_rl_training(
     """
     total = config.training.rl_steps
     is_async = config.rollout.mode == "async"
-    kl_ctl = AdaptiveKL.from_config(config.algorithm)
-    st = loop_state_from(loop_state, kl_ctl, start_step, start_version)
+    st = loop_state_from(
+        loop_state, AdaptiveKL.from_config(config.algorithm), start_step, start_version
+    )
     bound = staleness_bound(
         config.rollout.max_staleness, config.rollout.mode, config.training.sync_every
     )
-    engine_sync = EngineSync()
     batches = BatchSource(
         rollout_manager,
         reward_fn,
         data_buffer,
         lambda number: (str(train_version(st, number)), bound),
-        engine_sync.wait,
+        weights.idle,
     )
     held = batches.restore_held((loop_state or {}).get("next_batch"))
     assert held is None or held == st.batches + 1, f"{held=} does not follow {st.batches=}"
+    ctx = _Ctx(
+        backend=backend,
+        batches=batches,
+        config=config,
+        hooks=hooks,
+        weights=weights,
+        ref=ref,
+        schedule=load_schedule(config.algorithm),
+        bound=bound,
+        is_async=is_async,
+    )
     async with trio.open_nursery() as nursery:
         if is_async:
             first = st.batches + 1 + (held is not None)
             batches.start_producer(nursery, first, st.batches + total - st.step)
-        ctx = _Ctx(
-            backend=backend,
-            batches=batches,
-            config=config,
-            hooks=hooks,
-            ref=ref,
-            schedule=load_schedule(config.algorithm),
-            bound=bound,
-            is_async=is_async,
-            overlap=(nursery, engine_sync) if is_async and hooks.publish_weights else None,
-        )
         while st.step < total:
-            try:
-                metrics = await _one_batch(ctx, st)
-            except Exception as error:
-                await rescue_checkpoint(error, hooks, batches, st)
-                raise
-            if metrics is not None:
-                with trio.move_on_after(5.0):  # the engines' load after the batch
-                    with contextlib.suppress(EngineError):
-                        metrics["engines/load"] = float((await engines.load()).total)
-                metrics_logger.log(st.step, metrics)
-                st.metrics = metrics
+            await _one_step_or_empty(ctx, st, engines, metrics_logger)
             if hooks.should_stop():  # (a step that saw it first has its checkpoint already)
                 await checkpoint_unsaved(hooks, batches, st)
                 break
-        await engine_sync.finish()  # a delivery still in flight: its error is the run's
+        await weights.settle()  # a delivery still in flight: its error is the run's
         nursery.cancel_scope.cancel()
     return RLResult(steps=st.step, weight_version=str(st.version), last_metrics=st.metrics)
+
+
+async def _one_step_or_empty(
+    ctx: _Ctx, st: LoopState, engines: EnginePool, metrics_logger: MetricsLogger
+) -> None:
+    """One batch: a step, logged (with the engines' load after it), or a batch that trained
+    nothing; an error first checkpoints the last trained step (`rescue_checkpoint`)."""
+    try:
+        metrics = await _one_batch(ctx, st)
+    except Exception as error:
+        await rescue_checkpoint(error, ctx.hooks, ctx.batches, st)
+        raise
+    if metrics is None:
+        return
+    with trio.move_on_after(5.0):  # the engines' load after the batch
+        with contextlib.suppress(EngineError):
+            metrics["engines/load"] = float((await engines.load()).total)
+    metrics_logger.log(st.step, metrics)
+    st.metrics = metrics
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class _Ctx:
     """What every batch of a run uses (fixed for the run)."""
 
-    backend: Any
+    backend: TrainingBackend
     batches: BatchSource
     config: Config
     hooks: RLHooks
+    weights: WeightPublisher
     ref: ReferencePolicy | None
     schedule: Any
-    bound: int
+    bound: int  # the staleness bound, computed once
     is_async: bool
-    overlap: tuple[trio.Nursery, EngineSync] | None  # async disk sync: deliveries overlap
 
     @property
     def total(self) -> int:
@@ -222,56 +235,73 @@ async def _one_batch(ctx: _Ctx, st: LoopState) -> dict[str, float] | None:
     return metrics | _timing(times, time.monotonic() - started, rollout, st.version)
 
 
-async def _after_training(ctx: _Ctx, st: LoopState, metrics: dict[str, float]) -> dict[str, float]:
-    """The step's weight sync, evaluation and checkpoint (each when due); their times."""
-    step, hooks, times = st.step, ctx.hooks, {}
-    stopping = hooks.should_stop()
-    every = ctx.config.checkpoint.every
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Due:
+    """What a step must do after training (each decided once, from the step number)."""
+
+    sync: bool
+    urgent: bool  # the engines must serve the step's weights when the sync returns
+    eval: bool
+    checkpoint: bool
+    periodic: bool  # a periodic checkpoint (not the last step's, not a stop's)
+
+
+def _due(ctx: _Ctx, st: LoopState, stopping: bool) -> _Due:
+    step, c = st.step, ctx.config
+    every = c.checkpoint.every
     periodic = bool(every) and step % every == 0 and step < ctx.total and not stopping
     checkpoint_due = periodic or step == ctx.total or stopping
-    eval_every = ctx.config.training.eval_every
-    eval_due = hooks.evaluate is not None and (
-        (eval_every and step % eval_every == 0) or step == ctx.total
+    eval_every = c.training.eval_every
+    eval_due = ctx.hooks.evaluate is not None and (
+        bool(eval_every and step % eval_every == 0) or step == ctx.total
     )
-    sync_due = (
-        step % ctx.config.training.sync_every == 0 or eval_due or checkpoint_due
-    )  # a checkpoint step too: a resumed run's engines start on its weights
-    if sync_due and st.synced != st.version:
-        t = time.monotonic()
-        urgent = eval_due or stopping or step == ctx.total  # the engines must serve it now
-        metrics |= await _sync(ctx, str(st.version), urgent)
-        st.synced = st.version
-        times["sync"] = time.monotonic() - t
-    if eval_due:
-        t = time.monotonic()
-        if ctx.overlap is not None:  # the engines serve the newest weights (none in flight)
-            metrics |= await ctx.overlap[1].finish()
-        assert hooks.evaluate is not None
-        metrics |= await hooks.evaluate()
-        times["eval"] = time.monotonic() - t
-    if checkpoint_due:
-        t = time.monotonic()
-        if periodic and ctx.is_async:  # kept in the checkpoint: see the module docstring
-            await ctx.batches.take_ahead(st.step_batch + 1)
-        await checkpoint(hooks, ctx.batches, st, metrics)
-        times["checkpoint"] = time.monotonic() - t
+    # a checkpoint step syncs too: a resumed run's engines start on its weights
+    sync_due = step % c.training.sync_every == 0 or eval_due or checkpoint_due
+    return _Due(
+        sync=sync_due and st.synced != st.version,
+        urgent=eval_due or stopping or step == ctx.total,
+        eval=eval_due,
+        checkpoint=checkpoint_due,
+        periodic=periodic,
+    )
+
+
+async def _after_training(ctx: _Ctx, st: LoopState, metrics: dict[str, float]) -> dict[str, float]:
+    """The step's weight sync, evaluation and checkpoint (each when due); their times."""
+    due = _due(ctx, st, ctx.hooks.should_stop())
+    times: dict[str, float] = {}
+    if due.sync:
+        times["sync"] = await _timed(_sync, ctx, st, metrics, due)
+    if due.eval:
+        times["eval"] = await _timed(_evaluate, ctx, st, metrics, due)
+    if due.checkpoint:
+        times["checkpoint"] = await _timed(_checkpoint, ctx, st, metrics, due)
     return times
 
 
-async def _sync(ctx: _Ctx, version: str, urgent: bool) -> dict[str, float]:
-    """Give the engines `version`: now, or (async disk sync) in the background unless `urgent`;
-    returns the `sync/*` figures known now (the last background delivery's, or this one's)."""
-    hooks = ctx.hooks
-    if ctx.overlap is None:
-        return prefixed(await hooks.sync_weights(version), "sync")
-    nursery, engine_sync = ctx.overlap
-    metrics = await engine_sync.finish()
-    assert hooks.publish_weights is not None
-    deliver = await hooks.publish_weights(version)
-    if urgent:
-        return metrics | prefixed(await deliver(), "sync")
-    engine_sync.start(nursery, deliver)
-    return metrics
+async def _timed(phase: Any, ctx: _Ctx, st: LoopState, metrics: dict, due: _Due) -> float:
+    started = time.monotonic()
+    await phase(ctx, st, metrics, due)
+    return time.monotonic() - started
+
+
+async def _sync(ctx: _Ctx, st: LoopState, metrics: dict[str, float], due: _Due) -> None:
+    """Give the engines the step's weights (an overlapped publisher: in the background, unless
+    urgent); the `sync/*` figures known now go on the step's line."""
+    metrics |= await ctx.weights.publish(str(st.version), urgent=due.urgent)
+    st.synced = st.version
+
+
+async def _evaluate(ctx: _Ctx, st: LoopState, metrics: dict[str, float], due: _Due) -> None:
+    metrics |= await ctx.weights.settle()  # the engines serve the newest weights (none in flight)
+    assert ctx.hooks.evaluate is not None
+    metrics |= await ctx.hooks.evaluate()
+
+
+async def _checkpoint(ctx: _Ctx, st: LoopState, metrics: dict[str, float], due: _Due) -> None:
+    if due.periodic and ctx.is_async:  # kept in the checkpoint: see the module docstring
+        await ctx.batches.take_ahead(st.step_batch + 1)
+    await checkpoint(ctx.hooks, ctx.batches, st, metrics)
 
 
 def _with_kl_controller(algo: AlgorithmConfig, kl_ctl: AdaptiveKL) -> AlgorithmConfig:

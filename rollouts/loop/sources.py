@@ -1,16 +1,14 @@
-"""Where the RL loop's batches come from, and the weight delivery that overlaps a step.
+"""Where the RL loop's batches come from.
 
 `BatchSource` makes batch k now (sync mode) or has a producer task make it one batch ahead
 (async mode); it remembers the DataBuffer state from before each batch, for exact resume, and
-tells the manager the version the batch will be trained at (`rl_state.train_version`), so
+tells the manager the version the batch will be trained at (`state.train_version`), so
 partial work that would be too stale by then is dropped before any generation is spent on it.
 A batch that fails (the engines are gone) gives its prompts back: the buffer returns to its
 state from before the batch. The producer makes no batch past `limit` (the loop raises it for
 each batch that trained nothing). The batch made ahead can be taken early and kept in a
 checkpoint (`held_state`), so a resumed async run trains the very batch the uninterrupted run
 would have (made on the same, older, weights) instead of a new one made on the checkpoint's.
-`EngineSync` runs one weight delivery (engines pause, reload, resume, verify) in the background
-while the next step trains, and hands its figures or its error back to the loop.
 """
 
 from __future__ import annotations
@@ -21,8 +19,6 @@ from typing import Any
 
 import trio
 
-from rollouts.loop.batch import prefixed
-from rollouts.loop.state import Delivery
 from rollouts.types import RolloutBatch, sample_from_dict, sample_to_dict
 
 Made = tuple[RolloutBatch, float]  # a batch and the seconds spent generating it
@@ -43,48 +39,6 @@ def batch_from_dict(data: dict[str, Any]) -> Made:
     return RolloutBatch(groups=groups, metadata=dict(data["metadata"])), float(data["gen_s"])
 
 
-class EngineSync:
-    """The weight delivery that runs while the next step trains (async mode, disk sync).
-
-    At most one is in flight. The producer waits for it before it starts a batch, so a batch
-    is generated with weights at least as new as without overlap (the staleness bound holds);
-    the loop collects its result (`finish`) before the next sync, an evaluation or the end,
-    and a failed delivery raises there, in the loop (which first checkpoints the trained step).
-    """
-
-    def __init__(self) -> None:
-        self._done = trio.Event()
-        self._done.set()
-        self._result: dict[str, float] | Exception | None = None
-
-    def start(self, nursery: trio.Nursery, deliver: Delivery) -> None:
-        assert self._done.is_set() and self._result is None, "a delivery is still pending"
-        done = self._done = trio.Event()
-
-        async def run() -> None:
-            try:
-                self._result = await deliver()
-            except Exception as error:  # re-raised by `finish`, in the loop
-                self._result = error
-            finally:
-                done.set()
-
-        nursery.start_soon(run)
-
-    async def wait(self) -> None:
-        """Until no delivery is in flight (the engines serve the last published version, or
-        the delivery failed and `finish` will say so)."""
-        await self._done.wait()
-
-    async def finish(self) -> dict[str, float]:
-        """The last delivery's `sync/*` metrics ({} when there was none); its error, raised."""
-        await self._done.wait()
-        result, self._result = self._result, None
-        if isinstance(result, Exception):
-            raise result
-        return prefixed(result, "sync") if result else {}
-
-
 class BatchSource:
     """Where the next rollout batch comes from: made now (sync) or by a producer task (async).
 
@@ -98,7 +52,7 @@ class BatchSource:
         reward_fn: Any,
         buffer: Any,
         staleness: Callable[[int], tuple[str, int]],
-        engines_ready: Callable[[], Awaitable[None]] | None = None,
+        engines_ready: Callable[[], Awaitable[None]] | None = None,  # no delivery in flight
     ) -> None:
         self.manager = manager
         self.reward_fn = reward_fn

@@ -18,8 +18,6 @@ from typing import Any
 from rollouts.algorithms.kl import AdaptiveKL
 from rollouts.types import RolloutBatch
 
-Delivery = Callable[[], Awaitable[dict[str, float]]]  # engines load published weights
-
 MAX_EMPTY_BATCHES = 3  # batches in a row that train nothing before the run stops
 
 
@@ -31,11 +29,6 @@ class RLHooks:
     # so the driver can keep the best checkpoint (`checkpoint.best_metric`); loop_state = the
     # loop's own JSON-safe state (e.g. the adaptive KL coefficient), given back on resume
     checkpoint: Callable[..., Awaitable[None]]
-    sync_weights: Callable[[str], Awaitable[dict[str, float]]]  # version -> phase times
-    # async mode: write the version's weights where the engines load them (awaited, so the
-    # next optimizer step cannot change them first) and return the delivery (pause, load,
-    # resume, verify), which runs while the next step trains; None = always `sync_weights`
-    publish_weights: Callable[[str], Awaitable[Delivery]] | None = None
     evaluate: Callable[[], Awaitable[dict[str, float]]] | None = None
     should_stop: Callable[[], bool] = lambda: False
     log_samples: Callable[[int, RolloutBatch], None] | None = None

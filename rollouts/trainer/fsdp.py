@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -245,6 +245,14 @@ class FSDPBackend:
         set_optimizer_state_dict(self.model, self.core.optimizer, state["optim"])
         self.core.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
         self.core.load_state_dict(json.loads((path / "backend.json").read_text()))
+
+    def weight_snapshots(self) -> None:
+        """No snapshots: weights are gathered and written when published."""
+        return None
+
+    def pin_thread(self, cores: Collection[int]) -> None:
+        """Nothing to pin: torchrun places the ranks."""
+        return None
 
     def barrier(self) -> None:
         """Wait for every rank."""

@@ -13,7 +13,7 @@ calls (barrier, save) are mirrored one by one.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +143,14 @@ class MirroredBackend:
 
     def save_weights(self, path: Path) -> TrainFuture[None]:
         return self._call("save_weights", Path(path))
+
+    def weight_snapshots(self) -> None:
+        """No snapshots: weights are gathered and written when published."""
+        return None
+
+    def pin_thread(self, cores: Collection[int]) -> None:
+        """Nothing to pin: torchrun places the ranks."""
+        return None
 
     def barrier(self) -> None:
         self._call("barrier").result()

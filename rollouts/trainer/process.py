@@ -233,6 +233,10 @@ class ProcessBackend:
         waited for: it runs before the backend's next call)."""
         self.host.call_unchecked(self.backend_id, "pin_thread", tuple(cores))
 
+    def weight_snapshots(self) -> ProcessBackend:
+        """This backend: it takes snapshots (`snapshot_weights`, `write_weights`)."""
+        return self
+
     def barrier(self) -> None:
         """One device: nothing to wait for."""
         return None

@@ -7,7 +7,7 @@ calls the same methods, in the same order, with the same (whole) batch; the back
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -20,6 +20,21 @@ Metrics = dict[str, float]
 
 class NonFiniteError(RuntimeError):
     """Too many optimizer steps in a row had a NaN/inf loss or gradient."""
+
+
+@runtime_checkable
+class WeightSnapshots(Protocol):
+    """A backend that can fix a step's weights at once and write them later, on another thread,
+    while the next step trains (the one-device backend, in this process or in a trainer
+    process). The overlapped disk sync uses it (`weights/publisher.py`)."""
+
+    def snapshot_weights(self) -> object:
+        """This step's weights, taken in order after the submitted work (opaque)."""
+        ...
+
+    def write_weights(self, snapshot: object, path: Path) -> None:
+        """Write a snapshot as an engine's weight files in `path` (blocks the calling thread)."""
+        ...
 
 
 @runtime_checkable
@@ -43,6 +58,10 @@ class TrainingBackend(Protocol):
         """Per-sequence logprobs (no grad, CPU float32), aligned with `batch.input_ids`."""
         ...
 
+    def compute_values(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
+        """Per-sequence critic values (no grad, CPU float32), aligned like the logprobs."""
+        ...
+
     def get_weights(self) -> dict[str, torch.Tensor]:
         """The full HF state dict on CPU (on rank 0; other ranks get {})."""
         ...
@@ -61,6 +80,14 @@ class TrainingBackend(Protocol):
 
     def save_weights(self, path: Path) -> TrainFuture[None]:
         """Write only what an engine needs to reload (HF safetensors + config + tokenizer)."""
+        ...
+
+    def weight_snapshots(self) -> WeightSnapshots | None:
+        """The backend's snapshot capability, or None (weights are written when published)."""
+        ...
+
+    def pin_thread(self, cores: Collection[int]) -> None:
+        """Run the training thread on `cores` (a no-op where torchrun places the ranks)."""
         ...
 
     def barrier(self) -> None:

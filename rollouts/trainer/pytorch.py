@@ -245,6 +245,10 @@ class PyTorchBackend:
             )
         load_dcp_optimizer(self.core.model, self.core.optimizer, path / "optimizer")
 
+    def weight_snapshots(self) -> PyTorchBackend:
+        """This backend: it takes snapshots (`snapshot_weights`, `write_weights`)."""
+        return self
+
     def barrier(self) -> None:
         """One device: nothing to wait for."""
         return None

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-import rollouts.driver.run as run_module
+import rollouts.weights.publisher as publisher_module
 from rollouts.driver.quick_start import quick_start_training
 from rollouts.trainer.pytorch import PyTorchBackend, load_hf_weights
 from rollouts.types import Sample
@@ -78,7 +78,7 @@ def test_async_engines_load_weights_while_the_next_step_trains(
 def test_a_failed_background_delivery_stops_the_run_after_a_rescue_checkpoint(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_sync_pool = run_module.sync_pool
+    real_sync_pool = publisher_module.sync_pool
 
     async def sync_pool(pool: Any, path: Any, version: str, **kwargs: Any) -> SyncReport:
         if version == "2":  # the engines refuse step 2's weights
@@ -88,7 +88,7 @@ def test_a_failed_background_delivery_stops_the_run_after_a_rescue_checkpoint(
             )
         return await real_sync_pool(pool, path, version, **kwargs)
 
-    monkeypatch.setattr(run_module, "sync_pool", sync_pool)
+    monkeypatch.setattr(publisher_module, "sync_pool", sync_pool)
     with pytest.raises(BaseException) as info:
         quick_start_training(
             tiny_model_dir,

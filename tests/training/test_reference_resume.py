@@ -17,7 +17,7 @@ import trio
 
 from rollouts.config import AlgorithmConfig, config_from_dict
 from rollouts.driver.quick_start import quick_start_training
-from rollouts.driver.run import build_reference, restore_reference, rl_phase
+from rollouts.driver.rl_phase import build_reference, restore_reference, rl_phase
 from rollouts.driver.setup import StopFlag
 from rollouts.trainer.checkpoint import (
     REFERENCE_FILE,

@@ -11,8 +11,8 @@ from rollouts.config import config_from_dict
 from rollouts.data.limits import TokenLimit, model_context
 from rollouts.data.loaders import write_jsonl
 from rollouts.driver.metrics import JsonlSink, MetricsLogger
-from rollouts.driver.run import sft_phase
 from rollouts.driver.setup import StopFlag
+from rollouts.driver.sft_phase import sft_phase
 from rollouts.driver.summary import finish_run, phase_line, summarize_phase
 from rollouts.loop.sft import (
     batch_indices,

@@ -1,0 +1,365 @@
+"""The RL phase of a run: build the trainer, the reference, the engines and the weight publisher
+once, then hand them to the loop (`rollouts/loop/rl.py`).
+
+    trainer (here or in its own process) -> resume state -> reference model
+      -> the engines' starting weights -> engines up (EnginePool)
+      -> manager, evaluation, checkpoint hook -> WeightPublisher (chosen once)
+      -> run_rl_training -> engines stopped, weight copies removed (also on an error)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+from rollouts.algorithms.reference import needs_reference
+from rollouts.config import Config
+from rollouts.data.buffer import DataBuffer
+from rollouts.driver.engines import open_engines
+from rollouts.driver.evaluation import EvalSpec, evaluate
+from rollouts.driver.metrics import MetricsLogger, last_step
+from rollouts.driver.placement import CpuPlan, cpu_plan, pinned, wants_trainer_process
+from rollouts.driver.setup import (
+    RL_METRICS,
+    StopFlag,
+    load_rl_prompts,
+    make_logger,
+    with_response_text,
+)
+from rollouts.driver.trainer_io import BackendFactory, checkpoint_root, save
+from rollouts.inference.pool import EnginePool
+from rollouts.loop.rl import RLHooks, run_rl_training
+from rollouts.loop.train_step import ReferencePolicy
+from rollouts.plugins import load_function
+from rollouts.rewards.protocol import RewardFn
+from rollouts.rollout.manager import AsyncRolloutManager
+from rollouts.trainer.checkpoint import (
+    BestSpec,
+    clean_leftovers,
+    find_latest_checkpoint,
+    load_checkpoint,
+    load_reference_params,
+)
+from rollouts.trainer.factories import create_backend, load_tokenizer
+from rollouts.trainer.process import TrainerProcess
+from rollouts.trainer.protocol import TrainingBackend
+from rollouts.trainer.pytorch import MODEL_DIR
+from rollouts.types import PromptItem, RolloutBatch
+from rollouts.weights.disk import clean_sync_root, publish_weights, run_sync_root
+from rollouts.weights.publisher import open_publisher
+
+JSON_SCALAR = (int, float, str, bool)  # what a checkpoint stores of a step's metrics
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Resumed:
+    """Where the phase starts: step 0 of a new run, or a checkpoint's step."""
+
+    step: int = 0
+    version: int = 0
+    metrics: dict[str, Any] | None = None  # the checkpointed step's metrics line
+    loop_state: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RLRun:
+    """Everything the RL phase built, for the loop's run with the engines up."""
+
+    config: Config
+    run_dir: Path
+    backend: TrainingBackend
+    buffer: DataBuffer
+    pool: EnginePool
+    tokenizer: Any
+    reward_fn: RewardFn
+    ref: ReferencePolicy | None
+    resumed: Resumed
+    stop: StopFlag
+    eval_items: list[PromptItem]
+    sync_root: Path  # the run's weight copies for the engines
+    trainer_pid: int | None  # the trainer process, when training runs in one
+
+
+async def rl_phase(
+    config: Config,
+    run_dir: Path,
+    model_dir: Path,
+    resume: bool,
+    stop: StopFlag,
+    reward_fn: Any = None,
+    make_backend: BackendFactory | None = None,
+) -> dict[str, float]:
+    """RL from `model_dir` (or from the latest RL checkpoint); returns the last step's metrics.
+
+    `make_backend`: None builds the trainer as `training.backend` says, in this process or in
+    a trainer process (`placement.wants_trainer_process`); a factory (the torchrun hub, a
+    test's) is used as it is.
+    """
+    root = checkpoint_root(config, run_dir, "rl")
+    clean_leftovers(root)
+    latest = find_latest_checkpoint(root) if resume else None
+    tokenizer = load_tokenizer(model_dir)
+    buffer, eval_items, reward = _rl_inputs(config, tokenizer, model_dir, reward_fn)
+    plan = cpu_plan(config)
+    host = _trainer_host(config, plan) if make_backend is None else None
+    make = host.create if host is not None else make_backend or create_backend
+    backend = ref = None
+    try:
+        backend = make(config, model_path=model_dir, total_steps=config.training.rl_steps)
+        if plan is not None:
+            print(f"[train] CPU placement: {plan.describe()}", flush=True)
+            backend.pin_thread(plan.trainer)
+        resumed = await _resume(backend, buffer, latest)
+        ref = await _reference(config, model_dir, make, plan, latest)
+        sync_root, engine_model = await _engines_start_weights(
+            config, run_dir, backend, model_dir, latest, resumed.version
+        )
+        cores = plan.engines if plan is not None else ()
+        start = (engine_model, sync_root)
+        async with open_engines(
+            config, engine_model, str(resumed.version), start, cpus_per_engine=cores
+        ) as pool:
+            with pinned(plan.driver if plan is not None else ()):
+                run = RLRun(
+                    config=config,
+                    run_dir=run_dir,
+                    backend=backend,
+                    buffer=buffer,
+                    pool=pool,
+                    tokenizer=tokenizer,
+                    reward_fn=reward,
+                    ref=ref,
+                    resumed=resumed,
+                    stop=stop,
+                    eval_items=eval_items,
+                    sync_root=sync_root,
+                    trainer_pid=host.pid if host is not None else None,
+                )
+                return await _rl_with_engines(run)
+    finally:
+        for opened in (backend, ref.backend if ref is not None else None, host):
+            if opened is not None:
+                opened.close()
+
+
+def _rl_inputs(
+    config: Config, tokenizer: Any, model_dir: Path, reward_fn: Any
+) -> tuple[DataBuffer, list[PromptItem], RewardFn]:
+    """The prompts (a DataBuffer), the held-out prompts and the reward function."""
+    d = config.data
+    buffer = DataBuffer(
+        load_rl_prompts(config, "train_path", tokenizer, model_dir),
+        seed=config.run.seed,
+        shuffle=d.shuffle,
+    )
+    eval_items = load_rl_prompts(config, "eval_path", tokenizer, model_dir) if d.eval_path else []
+    if reward_fn is None and not config.rollout.reward_fn:
+        raise ValueError("rollout.reward_fn is empty: name a reward function by dotted path")
+    reward = load_function(reward_fn or config.rollout.reward_fn, RewardFn)
+    return buffer, eval_items, with_response_text(reward, tokenizer)
+
+
+def _trainer_host(config: Config, plan: CpuPlan | None) -> TrainerProcess | None:
+    """A trainer process when placement asks for one (`placement.wants_trainer_process`)."""
+    if not wants_trainer_process(config, plan):
+        return None
+    host = TrainerProcess(
+        threads=torch.get_num_threads(), other_cores=plan.driver if plan is not None else ()
+    )
+    print(f"[train] training in its own process (pid {host.pid})", flush=True)
+    return host
+
+
+async def _resume(backend: TrainingBackend, buffer: DataBuffer, latest: Path | None) -> Resumed:
+    """Load the latest checkpoint into the backend and the buffer (nothing for a new run)."""
+    if latest is None:
+        return Resumed()
+    state = await trio.to_thread.run_sync(load_checkpoint, backend, latest)
+    buffer.load_state_dict(state.extra_state["data_buffer"])
+    return Resumed(
+        step=state.step,
+        version=int(state.weight_version),
+        metrics=state.extra_state.get("metrics"),
+        loop_state=state.extra_state.get("rl_loop", {}),
+    )
+
+
+async def _reference(
+    config: Config,
+    model_dir: Path,
+    make: BackendFactory,
+    plan: CpuPlan | None,
+    latest: Path | None,
+) -> ReferencePolicy | None:
+    """The reference policy when the algorithm needs one, restored from `latest` if it moved."""
+    ref = build_reference(config, model_dir, make)
+    if ref is None:
+        return None
+    if plan is not None:
+        ref.backend.pin_thread(plan.trainer)
+    if latest is not None:
+        await trio.to_thread.run_sync(restore_reference, ref, latest)
+    return ref
+
+
+def build_reference(
+    config: Config, model_dir: Path, make_backend: BackendFactory = create_backend
+) -> ReferencePolicy | None:
+    """A reference model when the algorithm (or its schedule) can use KL; else None."""
+    if not needs_reference(config.algorithm):
+        return None
+    return ReferencePolicy(
+        make_backend(config, model_path=model_dir, total_steps=1, value_head=False)
+    )
+
+
+def restore_reference(ref: ReferencePolicy, checkpoint: Path) -> bool:
+    """Load the reference parameters `checkpoint` saved into `ref` (True), or leave it on the
+    base model when the checkpoint saved none (it had not moved yet)."""
+    saved = load_reference_params(checkpoint)
+    if saved is None:
+        return False
+    ref.restore(saved)
+    print(f"[train] reference model restored from {checkpoint}", flush=True)
+    return True
+
+
+async def _engines_start_weights(
+    config: Config,
+    run_dir: Path,
+    backend: TrainingBackend,
+    model_dir: Path,
+    latest: Path | None,
+    version: int,
+) -> tuple[Path, Path]:
+    """The run's weight-copy root (cleaned of a crashed run's copies) and the model the engines
+    start on: the checkpoint's (or the starting) model; servers already up reload it in place,
+    so the trainer writes it there with every tensor in the files (a tied head too)."""
+    engine_model = latest / MODEL_DIR if latest is not None else model_dir
+    sync_root = run_sync_root(config.training.weight_sync_dir, config.run.name, run_dir)
+    configured = bool(config.training.weight_sync_dir)
+    await trio.to_thread.run_sync(clean_sync_root, sync_root, configured)
+    if config.engines.kind != "builtin":
+        engine_model = await trio.to_thread.run_sync(
+            publish_weights, backend, sync_root, str(version)
+        )
+    return sync_root, engine_model
+
+
+async def _rl_with_engines(run: RLRun) -> dict[str, float]:
+    """RL with the engines up: the manager, the hooks and the publisher, then the loop."""
+    config, r = run.config, run.resumed
+    logger = _rl_logger(run)
+    manager = AsyncRolloutManager(
+        run.buffer,
+        config.rollout,
+        run.pool,
+        tokenizer=run.tokenizer,
+        reward_fn=run.reward_fn,
+        seed=config.run.seed,  # sampling seeds of every request (reproducible runs)
+    )
+    evaluate_fn = _eval_hook(run, manager)
+    hooks = RLHooks(
+        checkpoint=functools.partial(_checkpoint, run),
+        evaluate=evaluate_fn,
+        should_stop=run.stop,
+        log_samples=functools.partial(_log_samples, run, logger),
+    )
+    async with open_publisher(config, run.backend, run.pool, run.tokenizer, run.sync_root) as w:
+        await w.check_start(str(r.version))  # the engines serve the starting weights
+        if r.step == 0 and evaluate_fn is not None:
+            before = await evaluate_fn()
+            logger.log(0, before)
+            accuracy = before["eval/accuracy"]
+            print(f"[train] held-out accuracy before RL: {accuracy:.3f}", flush=True)
+        try:
+            result = await run_rl_training(
+                run.backend,
+                run.buffer,
+                manager,
+                run.pool,
+                config,
+                logger,
+                weights=w,
+                hooks=hooks,
+                reward_fn=run.reward_fn,
+                ref=run.ref,
+                start_step=r.step,
+                start_version=r.version,
+                loop_state=r.loop_state,
+            )
+        finally:
+            logger.close()
+    acc = result.last_metrics.get("eval/accuracy")
+    if acc is not None:
+        print(f"[train] held-out accuracy after RL: {acc:.3f} (step {result.steps})", flush=True)
+    return result.last_metrics
+
+
+def _rl_logger(run: RLRun) -> MetricsLogger:
+    """metrics.jsonl (cut back to the resumed step), with the checkpointed step's line written
+    again when the run was killed after the checkpoint and before its line."""
+    r, path = run.resumed, run.run_dir / RL_METRICS
+    total = run.config.training.rl_steps
+    logger = make_logger(run.config, path, total, "rl ", r.step or None, run.trainer_pid)
+    last = last_step(path)
+    if r.step and r.metrics and (last is None or last < r.step):
+        logger.log(r.step, r.metrics)
+    return logger
+
+
+def _eval_hook(run: RLRun, manager: AsyncRolloutManager) -> Any:
+    """The held-out greedy evaluation through the engines (None when there is no held-out set)."""
+    if not run.eval_items:
+        return None
+    items = run.eval_items[: run.config.data.eval_size or None]
+    r = run.config.rollout
+    spec = EvalSpec(
+        max_new_tokens=r.sampling.max_new_tokens,
+        stop=tuple(r.sampling.stop),
+        max_total_tokens=r.max_total_tokens,
+        max_turns=r.max_turns,
+        env_factory=manager.env_factory,
+        generate_fn=manager.generate_fn,
+        reward_timeout_s=r.reward_timeout_s,
+    )
+
+    async def run_eval() -> dict[str, float]:
+        result = await evaluate(run.pool, run.tokenizer, items, run.reward_fn, spec)
+        return result.metrics("eval")
+
+    return run_eval
+
+
+async def _checkpoint(
+    run: RLRun,
+    step: int,
+    version: str,
+    buffer_state: dict[str, Any],
+    metrics: Any = None,
+    loop_state: dict[str, Any] | None = None,
+) -> None:
+    """The loop's checkpoint hook: the trainer's state, the buffer's, the loop's and the step's
+    metrics (a kill between the checkpoint and its metrics line loses none)."""
+    extra = {
+        "phase": "rl",
+        "data_buffer": buffer_state,
+        "rl_loop": loop_state or {},
+        "metrics": {k: v for k, v in (metrics or {}).items() if isinstance(v, JSON_SCALAR)},
+    }
+    c = run.config.checkpoint
+    best = BestSpec(metric=c.best_metric, mode=c.best_mode) if c.best_metric else None
+    reference = run.ref.params_to_checkpoint() if run.ref is not None else None
+    root = checkpoint_root(run.config, run.run_dir, "rl")
+    await save(run.backend, root, step, version, extra, c.keep_last, metrics, best, reference)
+
+
+def _log_samples(run: RLRun, logger: MetricsLogger, step: int, batch: RolloutBatch) -> None:
+    n = run.config.logging.rollouts_per_step
+    decode = functools.partial(run.tokenizer.decode, skip_special_tokens=True)
+    logger.log_samples(step, batch.samples[:n], decode)

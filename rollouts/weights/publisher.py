@@ -1,0 +1,244 @@
+"""How the trainer's weights reach the engines: one `WeightPublisher`, chosen once at start.
+
+    open_publisher(config, ...) ->
+        DiskPublisher          write weights-only HF files (in /dev/shm), every engine reloads
+                               them by path, now                          (rollout.mode = "sync")
+        OverlappedDiskPublisher  the same, but the engines load a step's files while the next
+                               step trains; a step that must be served now waits (async mode)
+        DistributedPublisher   broadcast over a process group the trainer forms with the
+                               engines (weight_sync.method = "distributed")
+
+The loop calls `publish(version, urgent=...)` when a sync is due, `settle()` before it evaluates,
+and `idle()` before it generates (no batch starts while a delivery is in flight). Every delivery
+is proven by content when `weight_sync.check` is on (`check.py`): each engine's logprobs of a
+probe sequence must equal the trainer's, and an engine that differs is marked down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import trio
+
+from rollouts.config import Config
+from rollouts.inference.pool import EnginePool
+from rollouts.trainer.protocol import TrainingBackend
+from rollouts.weights.check import (
+    WeightProbe,
+    check_engines_at_start,
+    content_probe,
+    probe_metrics,
+)
+from rollouts.weights.disk import clean_sync_root, publish_weights, sync_pool
+from rollouts.weights.distributed import DistributedWeightSync
+from rollouts.weights.distributed_pool import distributed_sync_for, sync_pool_distributed
+
+Metrics = dict[str, float]
+Delivery = Callable[[], Awaitable[Metrics]]  # the engines load weights already published
+ProbeOf = Callable[[str], Awaitable[WeightProbe]]
+
+
+def as_sync_metrics(metrics: Mapping[str, float]) -> Metrics:
+    """A sync report's figures under `sync/` (keys that carry a prefix keep it)."""
+    return {f"sync/{k}" if "/" not in k else k: float(v) for k, v in metrics.items()}
+
+
+class WeightPublisher(Protocol):
+    """Makes the engines serve the trainer's weights (see the module docstring)."""
+
+    async def check_start(self, version: str) -> None:
+        """Fail unless every live engine serves the trainer's weights now (before any step)."""
+        ...
+
+    async def publish(self, version: str, *, urgent: bool) -> Metrics:
+        """Give the engines `version`; `urgent`: they must serve it when this returns. Returns
+        the `sync/*` figures known now (an overlapped publisher: the last finished delivery's)."""
+        ...
+
+    async def settle(self) -> Metrics:
+        """Wait for a delivery in flight; its `sync/*` figures ({} when none), its error raised."""
+        ...
+
+    async def idle(self) -> None:
+        """Until no delivery is in flight (its error, if any, is left for `settle`)."""
+        ...
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Publisher:
+    """What every publisher has: the engines, the trainer, the content check, the pause mode."""
+
+    pool: EnginePool
+    backend: TrainingBackend
+    probe_of: ProbeOf | None  # None: weight_sync.check is off
+    pause_mode: str  # how engines pause for a load: "abort" (sync mode) or "keep" (async)
+
+    async def probe(self, version: str) -> WeightProbe | None:
+        return await self.probe_of(version) if self.probe_of is not None else None
+
+    async def check_start(self, version: str) -> None:
+        if self.probe_of is None:
+            return
+        live = [e for e, up in zip(self.pool.engines, self.pool.up, strict=True) if up]
+        await check_engines_at_start(live, await self.probe_of(version))
+
+    async def settle(self) -> Metrics:
+        return {}
+
+    async def idle(self) -> None:
+        return None
+
+
+@dataclasses.dataclass(kw_only=True)
+class DiskPublisher(_Publisher):
+    """Weights-only files under `root/v_<version>`; every engine reloads them by path."""
+
+    root: Path
+    attempts: int  # tries per engine
+
+    async def publish(self, version: str, *, urgent: bool) -> Metrics:
+        probe = await self.probe(version)
+        path = await trio.to_thread.run_sync(publish_weights, self.backend, self.root, version)
+        return as_sync_metrics(await self.deliver(path, version, probe))
+
+    async def deliver(self, path: Path, version: str, probe: WeightProbe | None) -> Metrics:
+        report = await sync_pool(
+            self.pool,
+            path,
+            version,
+            attempts=self.attempts,
+            pause_mode=self.pause_mode,
+            probe=probe,
+        )
+        return report.metrics() | probe_metrics(probe)
+
+
+@dataclasses.dataclass(kw_only=True)
+class OverlappedDiskPublisher(DiskPublisher):
+    """A disk publisher whose engines load a version while the next step trains.
+
+    `publish` fixes the version's weights before it returns (the next optimizer step must not
+    change them): a backend with snapshots (`TrainingBackend.weight_snapshots`) copies them and
+    another thread writes the files; others write them now. The delivery (pause, load, resume,
+    verify) runs in `nursery`; at most one is in flight. A failed one raises from the next
+    `publish` or `settle`, in the loop (which first checkpoints the trained step).
+    """
+
+    nursery: trio.Nursery
+    _done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    _result: Metrics | Exception | None = None
+
+    def __post_init__(self) -> None:
+        self._done.set()
+
+    async def publish(self, version: str, *, urgent: bool) -> Metrics:
+        metrics = await self.settle()
+        deliver = await self._fix(version)
+        if urgent:
+            return metrics | as_sync_metrics(await deliver())
+        self._start(deliver)
+        return metrics
+
+    async def _fix(self, version: str) -> Delivery:
+        """Fix `version`'s weights now; the delivery that writes (if needed) and loads them."""
+        snapshots = self.backend.weight_snapshots()
+        if snapshots is None:
+            probe = await self.probe(version)
+            path = await trio.to_thread.run_sync(publish_weights, self.backend, self.root, version)
+            return functools.partial(self.deliver, path, version, probe)
+        weights = await trio.to_thread.run_sync(snapshots.snapshot_weights)
+        probe = await self.probe(version)  # of the snapshot: no step ran since
+
+        async def write_and_deliver() -> Metrics:
+            write = functools.partial(
+                publish_weights, self.backend, self.root, version, weights=weights
+            )
+            path = await trio.to_thread.run_sync(write)
+            return await self.deliver(path, version, probe)
+
+        return write_and_deliver
+
+    def _start(self, deliver: Delivery) -> None:
+        assert self._done.is_set() and self._result is None, "a delivery is still pending"
+        done = self._done = trio.Event()
+
+        async def run() -> None:
+            try:
+                self._result = await deliver()
+            except Exception as error:  # raised by `settle`, in the loop
+                self._result = error
+            finally:
+                done.set()
+
+        self.nursery.start_soon(run)
+
+    async def idle(self) -> None:
+        await self._done.wait()
+
+    async def settle(self) -> Metrics:
+        await self._done.wait()
+        result, self._result = self._result, None
+        if isinstance(result, Exception):
+            raise result
+        return as_sync_metrics(result) if result else {}
+
+
+@dataclasses.dataclass(kw_only=True)
+class DistributedPublisher(_Publisher):
+    """Broadcasts the weights over the group the trainer forms with the engines
+    (`distributed.py`, `distributed_pool.py`); nothing is written to disk."""
+
+    sender: DistributedWeightSync
+
+    async def publish(self, version: str, *, urgent: bool) -> Metrics:
+        probe = await self.probe(version)
+        report = await sync_pool_distributed(
+            self.pool,
+            self.sender,
+            self.backend.get_weights,
+            version,
+            pause_mode=self.pause_mode,
+            step=int(version),
+            probe=probe,
+        )
+        return as_sync_metrics(report.metrics() | probe_metrics(probe))
+
+
+@contextlib.asynccontextmanager
+async def open_publisher(
+    config: Config,
+    backend: TrainingBackend,
+    pool: EnginePool,
+    tokenizer: Any,
+    sync_root: Path,
+) -> AsyncIterator[WeightPublisher]:
+    """The publisher `config` asks for, for the run's life; on exit the distributed group is
+    left and the run's weight copies are removed (`sync_root`: `disk.run_sync_root`)."""
+    sender = distributed_sync_for(config)  # None for weight_sync.method = "disk"
+    is_async = config.rollout.mode == "async"
+    common: dict[str, Any] = {
+        "pool": pool,
+        "backend": backend,
+        "probe_of": content_probe(config, backend, tokenizer),
+        "pause_mode": "keep" if is_async else "abort",
+    }
+    disk = {"root": sync_root, "attempts": config.training.weight_sync_attempts}
+    try:
+        async with trio.open_nursery() as nursery:
+            if sender is not None:
+                yield DistributedPublisher(**common, sender=sender)
+            elif is_async:
+                yield OverlappedDiskPublisher(**common, **disk, nursery=nursery)
+            else:
+                yield DiskPublisher(**common, **disk)
+            nursery.cancel_scope.cancel()
+    finally:
+        if sender is not None:
+            with trio.CancelScope(shield=True):
+                await sender.close(pool.engines)
+        clean_sync_root(sync_root, bool(config.training.weight_sync_dir))
