@@ -16,7 +16,8 @@ restarted, or too stale: generated in this batch or an earlier one) is counted i
 adds what it drops as stale). How many groups to submit, and when the batch is done or
 short, is decided by `planning` (pure).
 
-Generate functions run through a `ThreadRunner`: an async one is awaited, a sync one runs in a
+A group's samples run in `sample_runs.py` (`SampleRunner`). Generate functions run through a
+`ThreadRunner`: an async one is awaited, a sync one runs in a
 worker thread, both under `rollout.generate_timeout_s`, so a blocking one fails only its sample.
 With the default single-turn generate function and engines that take batches (SGLang's API, the
 built-in server), a group's samples go to the engine as ONE request (`rollout.batch_groups`):
@@ -30,13 +31,11 @@ order they finished: the same seed gives the same batch, whatever the timing.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
 import time
 import uuid
 import warnings
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import trio
@@ -45,8 +44,7 @@ from rollouts.config import RolloutConfig
 from rollouts.data.buffer import DataBuffer
 from rollouts.envs import resolve_env_factory
 from rollouts.envs.protocol import EnvFactory
-from rollouts.envs.threads import CallTimeout, ThreadRunner
-from rollouts.inference.http import EngineUnavailable
+from rollouts.envs.threads import ThreadRunner
 from rollouts.inference.protocol import InferenceEngine, batches_requests
 from rollouts.plugins import load_function
 from rollouts.rewards.protocol import RewardFn
@@ -62,22 +60,24 @@ from rollouts.rollout.batch import (
 )
 from rollouts.rollout.filters import resolve_filters, run_filters
 from rollouts.rollout.generate import (
-    DONE_STATUSES,
-    fail_sample,
-    generate_group_single_turn,
     generate_single_turn,
     sampling_params_from_config,
 )
 from rollouts.rollout.planning import (
     Outcome,
-    RoundState,
     batch_outcome,
     groups_to_submit,
     is_stale_partial,
     new_round_state,
 )
-from rollouts.rollout.protocol import GenerateContext, GenerateFn, GroupFilter
-from rollouts.rollout.seeds import request_seed
+from rollouts.rollout.protocol import GenerateFn, GroupFilter
+from rollouts.rollout.sample_runs import (
+    BatchRun,
+    GroupResult,
+    SampleRunner,
+    is_unfinished,
+    reset_sample,
+)
 from rollouts.types import RolloutBatch, Sample, Status
 
 Group = tuple[Sample, ...]
@@ -87,56 +87,6 @@ ABORT_TIMEOUT_S = 5.0
 
 class ShortBatchWarning(RuntimeWarning):
     """A batch came out smaller than `rollout.batch_size` (on_short_batch = "warn")."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class GroupResult:
-    """A group back from generation (and scoring), with the engine work it took."""
-
-    group: Group
-    gen_time_s: float
-    gen_tokens: int
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class _BatchRun:
-    """Mutable bookkeeping of one `generate_batch` call (never outlives it)."""
-
-    state: RoundState
-    batch_id: str
-    number: int  # the batch number the sampling seeds derive from
-    reward: Callable[..., Any]
-    limiter: trio.CapacityLimiter
-    send: trio.MemorySendChannel[GroupResult]
-    borrowing: trio.Lock = dataclasses.field(default_factory=trio.Lock)  # see _borrow
-    aborting: bool = False
-    kept: list[Group] = dataclasses.field(default_factory=list)
-    partial: list[Group] = dataclasses.field(default_factory=list)
-    dropped: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
-    errors: list[str] = dataclasses.field(default_factory=list)
-    lost: EngineUnavailable | None = None  # no engine could generate: the batch is lost
-    scope: trio.CancelScope | None = None  # the batch's nursery (a lost batch cancels it)
-    counts: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
-    gen_time_s: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
-
-
-def reset_sample(sample: Sample) -> Sample:
-    """A sample back to PENDING with nothing generated (restart from the prompt)."""
-    return dataclasses.replace(
-        sample,
-        tokens=(),
-        loss_mask=(),
-        response_length=0,
-        rollout_logprobs=(),
-        reward=None,
-        weight_versions=(),
-        status=Status.PENDING,
-    )
-
-
-def is_unfinished(group: Sequence[Sample]) -> bool:
-    """A group with a sample that was aborted or never started."""
-    return any(s.status in (Status.ABORTED, Status.PENDING) for s in group)
 
 
 class AsyncRolloutManager:
@@ -176,6 +126,17 @@ class AsyncRolloutManager:
             and batches_requests(engines)
         )
         self.threads = ThreadRunner(max(config.max_concurrency, 1))
+        self.runner = SampleRunner(
+            config=config,
+            engines=engines,
+            tokenizer=tokenizer,
+            generate_fn=self.generate_fn,
+            env_factory=self.env_factory,
+            sampling=self.sampling,
+            seed=seed,
+            batch_groups=self.batch_groups,
+            threads=self.threads,
+        )
         self.batches_made = 0
 
     async def generate_batch(
@@ -198,7 +159,7 @@ class AsyncRolloutManager:
         start = time.perf_counter()
         stale = self._drop_stale_partial(policy_version, max_staleness)
         send, recv = trio.open_memory_channel[GroupResult](self.config.max_concurrency)
-        run = _BatchRun(
+        run = BatchRun(
             state=new_round_state(self.config.batch_size, self.config.over_sampling_factor),
             batch_id=f"b{self.batches_made}-{uuid.uuid4().hex[:8]}",
             number=self.batches_made if batch_number is None else batch_number,
@@ -244,7 +205,7 @@ class AsyncRolloutManager:
         self.buffer.drop_partial_groups(is_stale)
         return stale
 
-    def _submit(self, run: _BatchRun, nursery: trio.Nursery) -> None:
+    def _submit(self, run: BatchRun, nursery: trio.Nursery) -> None:
         n = groups_to_submit(
             run.state, self.config.over_sampling_factor, self.config.max_over_sampling_rounds
         )
@@ -262,16 +223,11 @@ class AsyncRolloutManager:
             nursery.start_soon(self._run_group, run, group, run.send.clone())
 
     async def _run_group(
-        self, run: _BatchRun, group: Group, send: trio.MemorySendChannel[GroupResult]
+        self, run: BatchRun, group: Group, send: trio.MemorySendChannel[GroupResult]
     ) -> None:
         samples = list(group)
         times = [0.0] * len(samples)
-        if self.batch_groups:
-            await self._run_group_batched(run, samples, times)
-        else:
-            async with trio.open_nursery() as nursery:
-                for i in range(len(samples)):
-                    nursery.start_soon(self._run_sample, run, samples, times, i)
+        await self.runner.run(run, samples, times)
         gen_tokens = sum(
             max(new.response_length - old.response_length, 0)
             for old, new in zip(group, samples, strict=True)
@@ -281,137 +237,6 @@ class AsyncRolloutManager:
         )
         async with send:
             await send.send(GroupResult(group=scored, gen_time_s=sum(times), gen_tokens=gen_tokens))
-
-    def _seed(self, run: _BatchRun, sample: Sample, i: int) -> int | None:
-        """Sample i's sampling seed in this batch (None when the run gave no seed)."""
-        if self.seed is None:
-            return None
-        return request_seed(self.seed, run.number, sample.group_index, i, sample.response_length)
-
-    def _context(self, run: _BatchRun, sample: Sample, i: int) -> GenerateContext:
-        return GenerateContext(
-            engine=self.engines,
-            tokenizer=self.tokenizer,
-            sampling=dataclasses.replace(self.sampling, seed=self._seed(run, sample, i)),
-            rid=self._rid(run, sample, i),
-            max_total_tokens=self.config.max_total_tokens,
-            max_turns=self.config.max_turns,
-            env_factory=self.env_factory,
-            mask_off_policy_partial=self.config.mask_off_policy_partial,
-            threads=self.threads,
-            env_timeout_s=self.config.env_timeout_s,
-        )
-
-    @staticmethod
-    def _rid(run: _BatchRun, sample: Sample, i: int) -> str:
-        """Sample i's request id: the batch's prefix (what the surplus abort matches) first."""
-        return f"{run.batch_id}-g{sample.group_index}-s{i}"
-
-    async def _run_sample(
-        self, run: _BatchRun, samples: list[Sample], times: list[float], i: int
-    ) -> None:
-        sample = samples[i]
-        async with run.limiter:
-            if run.aborting or sample.status in DONE_STATUSES:
-                return  # not started (stays PENDING / ABORTED) or finished in an earlier batch
-            t0 = time.perf_counter()
-            try:
-                out = await self.threads.call(
-                    "generate_fn (rollout.generate_timeout_s)",
-                    self.config.generate_timeout_s,
-                    self.generate_fn,
-                    sample,
-                    self._context(run, sample, i),
-                )
-                if not isinstance(out, Sample) or out.status is Status.PENDING:
-                    raise TypeError(
-                        f"returned {type(out).__name__} (status "
-                        f"{getattr(out, 'status', None)}); expected a finished Sample"
-                    )
-            except CallTimeout as e:  # says what timed out, and after how long
-                out = fail_sample(sample, str(e))
-            except EngineUnavailable as e:  # no engine is left: not this sample's fault
-                self._lose(run, e)
-                return
-            except Exception as e:
-                out = fail_sample(sample, f"generate_fn raised {type(e).__name__}: {e}")
-            times[i] = time.perf_counter() - t0
-            samples[i] = out
-            self._count_resume(run, sample, out)
-
-    async def _run_group_batched(
-        self, run: _BatchRun, samples: list[Sample], times: list[float]
-    ) -> None:
-        """The group's unfinished samples as one batch request (in chunks of at most
-        `max_concurrency`, the samples in flight the limiter allows)."""
-        todo = [i for i, s in enumerate(samples) if s.status not in DONE_STATUSES]
-        size = self.config.max_concurrency
-        for chunk in (todo[k : k + size] for k in range(0, len(todo), size)):
-            async with self._borrow(run, len(chunk)):
-                if run.aborting:
-                    return  # not started: stays PENDING / ABORTED
-                before = [samples[i] for i in chunk]
-                rids = [self._rid(run, samples[i], i) for i in chunk]
-                seeds = [self._seed(run, samples[i], i) for i in chunk]
-                t0 = time.perf_counter()
-                try:
-                    after = await self.threads.call(
-                        "generate_fn (rollout.generate_timeout_s)",
-                        self.config.generate_timeout_s,
-                        generate_group_single_turn,
-                        before,
-                        self._context(run, before[0], chunk[0]),
-                        rids,
-                        seeds,
-                    )
-                except CallTimeout as e:
-                    after = [fail_sample(s, str(e)) for s in before]
-                except EngineUnavailable as e:  # no engine is left: the batch is lost
-                    self._lose(run, e)
-                    return
-                except Exception as e:
-                    error = f"generate_fn raised {type(e).__name__}: {e}"
-                    after = [fail_sample(s, error) for s in before]
-                elapsed = time.perf_counter() - t0
-                for i, old, new in zip(chunk, before, after, strict=True):
-                    times[i], samples[i] = elapsed, new
-                    self._count_resume(run, old, new)
-
-    @staticmethod
-    def _lose(run: _BatchRun, error: EngineUnavailable) -> None:
-        """No engine could generate: the whole batch stops now (`generate_batch` raises)."""
-        run.lost = run.lost or error
-        assert run.scope is not None, "a batch's samples run inside its nursery"
-        run.scope.cancel()
-
-    @contextlib.asynccontextmanager
-    async def _borrow(self, run: _BatchRun, k: int) -> AsyncIterator[None]:
-        """Hold `k` of the limiter's tokens (one per sample in flight). Groups take theirs one
-        group at a time, so two half-served groups never wait on each other."""
-        borrowers = [object() for _ in range(k)]
-        held: list[object] = []
-        try:
-            async with run.borrowing:
-                for b in borrowers:
-                    await run.limiter.acquire_on_behalf_of(b)
-                    held.append(b)
-            yield
-        finally:
-            for b in held:
-                run.limiter.release_on_behalf_of(b)
-
-    @staticmethod
-    def _count_resume(run: _BatchRun, before: Sample, after: Sample) -> None:
-        """Count an ABORTED sample that was continued (resumed) or started over (restarted); one
-        aborted before its first token had nothing to resume or lose, and is neither."""
-        if before.status is not Status.ABORTED or after.status is Status.FAILED:
-            return
-        if not before.tokens:
-            return
-        resumed = len(after.metadata.get("resumed_at", ())) > len(
-            before.metadata.get("resumed_at", ())
-        )  # a generate fn that cannot resume (multi-turn) starts over: not a resume
-        run.counts["resumed_samples" if resumed else "restarted_samples"] += 1
 
     async def _score(self, samples: list[Sample], reward: Callable[..., Any]) -> Group:
         """A group's samples scored concurrently, each bounded by `reward_timeout_s`."""
@@ -432,7 +257,7 @@ class AsyncRolloutManager:
                 )
             await trio.sleep(ABORT_INTERVAL_S)
 
-    def _absorb(self, run: _BatchRun, result: GroupResult) -> None:
+    def _absorb(self, run: BatchRun, result: GroupResult) -> None:
         group = result.group
         run.counts["generated_tokens"] += result.gen_tokens
         run.gen_time_s["total"] += result.gen_time_s
@@ -463,7 +288,7 @@ class AsyncRolloutManager:
         run.gen_time_s["discarded"] += result.gen_time_s
         run.counts["discarded_tokens"] += response_tokens(group)
 
-    def _finish(self, run: _BatchRun, elapsed_s: float) -> RolloutBatch:
+    def _finish(self, run: BatchRun, elapsed_s: float) -> RolloutBatch:
         self.buffer.add_partial_groups(run.partial)
         self.batches_made += 1
         short = len(run.kept) < self.config.batch_size
