@@ -17,8 +17,8 @@ adds what it drops as stale). How many groups to submit, and when the batch is d
 short, is decided by `planning` (pure).
 
 A group's samples run in `sample_runs.py` (`SampleRunner`). Generate functions run through a
-`ThreadRunner`: an async one is awaited, a sync one runs in a
-worker thread, both under `rollout.generate_timeout_s`, so a blocking one fails only its sample.
+`ThreadRunner`: an async one is awaited, a sync one runs in a worker thread, both under
+`rollout.generate_timeout_s`, so a blocking one fails only its sample.
 With the default single-turn generate function and engines that take batches (SGLang's API, the
 built-in server), a group's samples go to the engine as ONE request (`rollout.batch_groups`):
 one HTTP round trip instead of n, the shared prompt prefilled once; each sample keeps its own
