@@ -59,7 +59,7 @@ def torchrun_command(args: argparse.Namespace, nproc: int) -> list[str]:
     cmd += ["--set", f"training.nproc={nproc}", "--set", "training.backend=fsdp"]
     if args.resume:
         cmd.append("--resume")
-    if getattr(args, "debug", False):
+    if args.debug:
         cmd.append("--debug")
     return cmd
 
@@ -85,11 +85,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         return run_training(args.mode, config, resume=args.resume, config_path=args.config)
-    except Exception as e:  # an operating error: its message alone (see training/errors.py)
+    except Exception as e:  # an operating error: its message alone (see driver/errors.py)
         run_dir = Path(config.run.output_dir) if config.run.output_dir else None
         if isinstance(e, RunInUse):  # the directory is the other run's: its error.log too
             run_dir = None
-        return report_error(e, run_dir, debug=getattr(args, "debug", False))
+        return report_error(e, run_dir, debug=args.debug)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,6 @@ import trio
 from rollouts.algorithms.kl import AdaptiveKL
 from rollouts.algorithms.schedule import load_schedule
 from rollouts.config import AlgorithmConfig, Config
-from rollouts.driver.metrics import MetricsLogger
 from rollouts.inference.http import EngineError
 from rollouts.inference.pool import EnginePool
 from rollouts.loop.batch import (
@@ -49,6 +48,7 @@ from rollouts.loop.state import (
     LoopState,
     RLHooks,
     RLResult,
+    StepLog,
     loop_state_from,
     train_version,
 )
@@ -68,7 +68,7 @@ async def run_rl_training(
     rollout_manager: Any,
     engines: EnginePool,
     config: Config,
-    metrics_logger: MetricsLogger,
+    metrics_logger: StepLog,
     *,
     weights: WeightPublisher,
     hooks: RLHooks,
@@ -125,7 +125,7 @@ async def run_rl_training(
 
 
 async def _one_step_or_empty(
-    ctx: _Ctx, st: LoopState, engines: EnginePool, metrics_logger: MetricsLogger
+    ctx: _Ctx, st: LoopState, engines: EnginePool, metrics_logger: StepLog
 ) -> None:
     """One batch: a step, logged (with the engines' load after it), or a batch that trained
     nothing; an error first checkpoints the last trained step (`rescue_checkpoint`)."""

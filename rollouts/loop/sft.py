@@ -20,7 +20,8 @@ import torch
 from rollouts.config import Config
 from rollouts.data.limits import TokenLimit
 from rollouts.data.sft import tokenize_conversation
-from rollouts.driver.metrics import MetricsLogger
+from rollouts.loop.state import StepLog
+from rollouts.trainer.protocol import TrainingBackend
 from rollouts.types import Message, ModelOutputs, TrainBatch
 
 TokenizedConversation = tuple[list[int], list[int]]
@@ -108,7 +109,7 @@ def total_sft_steps(config: Config, num_train: int) -> int:
 
 
 async def eval_loss(
-    backend: Any, examples: Sequence[TokenizedConversation], batch_size: int
+    backend: TrainingBackend, examples: Sequence[TokenizedConversation], batch_size: int
 ) -> float:
     """Token-mean NLL of the held-out examples under the current weights."""
     total, count = 0.0, 0.0
@@ -131,10 +132,10 @@ class SFTResult:
 
 
 async def run_sft_training(
-    backend: Any,
+    backend: TrainingBackend,
     examples: Sequence[TokenizedConversation],
     config: Config,
-    metrics_logger: MetricsLogger,
+    metrics_logger: StepLog,
     *,
     eval_examples: Sequence[TokenizedConversation] = (),
     start_step: int = 0,

@@ -13,10 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from rollouts.algorithms.kl import AdaptiveKL
 from rollouts.types import RolloutBatch
+
+
+class StepLog(Protocol):
+    """Where a loop writes each step's metrics line (the driver's `MetricsLogger`)."""
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
 
 MAX_EMPTY_BATCHES = 3  # batches in a row that train nothing before the run stops
 
