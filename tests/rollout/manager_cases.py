@@ -196,6 +196,9 @@ async def partial_resume_and_buffer_state(engine: Any, tok: Any) -> None:
             before = partial.get((s.group_index, i))
             if before is None or before.status is not Status.ABORTED:
                 continue
+            if not before.tokens:  # aborted before its first token (a loaded box): starts over
+                assert "resumed_at" not in s.metadata and len(s.weight_versions) <= 1
+                continue
             resumed += 1
             assert s.tokens[: len(before.tokens)] == before.tokens  # the right prefix
             assert s.rollout_logprobs[: before.response_length] == before.rollout_logprobs
