@@ -47,6 +47,11 @@ def ema_params(ref: Params, policy: Params, decay: float) -> dict[str, torch.Ten
     return out
 
 
+def reference_moves(config: AlgorithmConfig) -> bool:
+    """Whether the reference ever changes during a run (any strategy but "none")."""
+    return config.ref_update != "none"
+
+
 def update_reference(
     ref: Params,
     policy: Params,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
+from typing import ClassVar, Literal
 
 from rollouts.config.base import _check, _one_of, _Section
 
@@ -17,7 +19,9 @@ ADVANTAGES = (
     "reinforce_pp",  # = reinforce_plus_plus_baseline (the name older configs use)
     "gae",
 )
-POLICY_LOSSES = ("ppo", "reinforce", "gspo", "cispo", "pairwise")
+# the policy losses of `rollouts.algorithms.policy_loss.POLICY_LOSSES` (one entry each)
+PolicyLossName = Literal["ppo", "reinforce", "gspo", "cispo", "pairwise"]
+POLICY_LOSSES = typing.get_args(PolicyLossName)
 ROLLOUT_RS_MODES = ("none", "token", "sequence", "geometric")
 PAIR_SELECTORS = ("best_vs_worst", "all_pairs_above_margin")
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
@@ -27,9 +31,11 @@ KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 class AlgorithmConfig(_Section):
     """[algorithm]: advantage estimator, policy loss, aggregation, KL and clip settings."""
 
+    KEY: ClassVar[str] = "algorithm"
+
     advantage: str = "grpo"
     norm_adv_by_std: bool = True
-    policy_loss: str = "ppo"
+    policy_loss: PolicyLossName = "ppo"
     loss_agg: str = "token-mean"
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
@@ -84,7 +90,6 @@ class AlgorithmConfig(_Section):
     def problems(self) -> list[str]:
         p: list[str] = []
         _one_of(p, "algorithm.advantage", self.advantage, ADVANTAGES)
-        _one_of(p, "algorithm.policy_loss", self.policy_loss, POLICY_LOSSES)
         _one_of(p, "algorithm.loss_agg", self.loss_agg, AGG_MODES)
         _one_of(p, "algorithm.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _one_of(p, "algorithm.kl_in", self.kl_in, ("loss", "reward"))

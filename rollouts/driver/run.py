@@ -292,10 +292,10 @@ def _pin_training_thread(backend: Any, cores: tuple[int, ...]) -> None:
 
 def build_reference(config: Config, model_dir: Path, make_backend: Any = create_backend) -> Any:
     """A reference model when the algorithm (or its schedule) can use KL; else None."""
+    from rollouts.algorithms.algorithm import reference_needed
     from rollouts.loop.rl import ReferencePolicy
 
-    a = config.algorithm
-    if a.kl_coef <= 0.0 and not a.schedule and a.policy_loss != "pairwise":
+    if not reference_needed(config.algorithm):
         return None
     return ReferencePolicy(
         make_backend(config, model_path=model_dir, total_steps=1, value_head=False)

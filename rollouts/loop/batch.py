@@ -143,21 +143,6 @@ def mini_batches(groups: Sequence[Group], mini_batch_size: int) -> list[list[int
     return out
 
 
-def needs_old_logprobs_pass(algo: AlgorithmConfig, num_mini_batches: int) -> bool:
-    """Whether the old logprobs need their own no-grad pass before the update.
-
-    An on-policy update (one epoch, one mini-batch) runs its forward with the pre-update weights,
-    so its own detached logprobs ARE the old ones: the pass is redundant. Later epochs or
-    mini-batches run after an optimizer step and need them; pairwise needs them before the
-    forward; `algorithm.recompute_old_logprobs = "always"` asks for the pass regardless.
-    """
-    assert num_mini_batches >= 1, f"{num_mini_batches=}"
-    if algo.recompute_old_logprobs == "always":
-        return True
-    assert algo.recompute_old_logprobs == "auto", f"{algo.recompute_old_logprobs=}"
-    return algo.ppo_epochs > 1 or num_mini_batches > 1 or algo.policy_loss == "pairwise"
-
-
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
     if not values:
         return math.nan, math.nan

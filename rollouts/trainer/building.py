@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from rollouts.algorithms.advantages import needs_critic
 from rollouts.config import Config, OptimConfig
 from rollouts.trainer.core import BackendSettings
 
@@ -119,8 +120,8 @@ def create_adamw_optimizer(
 
 
 def wants_value_head(config: Config, value_head: bool | None) -> bool:
-    """An explicit choice, else a critic exactly when the advantage estimator is GAE."""
-    return config.algorithm.advantage == "gae" if value_head is None else value_head
+    """An explicit choice, else a critic exactly when the advantage estimator needs one (GAE)."""
+    return needs_critic(config.algorithm) if value_head is None else value_head
 
 
 def create_optimizer_with_head(

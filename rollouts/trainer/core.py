@@ -170,9 +170,9 @@ class TrainerCore:
 
         Values (the critic head) are computed when `want_values` or `loss_fn.needs_values`.
         """
-        want_values = want_values or bool(getattr(loss_fn, "needs_values", False))
+        want_values = want_values or loss_fn.needs_values
         # an entropy the loss does not train on is a metric: no graph through [N, V] for it
-        entropy_grad = bool(getattr(loss_fn, "needs_entropy", True))
+        entropy_grad = loss_fn.needs_entropy
         t0 = time.perf_counter()
         self.model.train()
         local, plans = self._plans(batch)

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from rollouts.algorithms.algorithm import Algorithm
 from rollouts.algorithms.batch import make_train_batch
 from rollouts.algorithms.loss_fn import make_loss_fn
 from rollouts.algorithms.pairwise import (
@@ -93,9 +94,8 @@ def test_config_checks():
         AlgorithmConfig(pair_selector="best")
     with pytest.raises(ConfigError, match="pairwise"):
         AlgorithmConfig(policy_loss="pairwise", advantage="gae")
-    loss_fn = make_loss_fn(AlgorithmConfig(policy_loss="pairwise"))
-    assert loss_fn.needs_ref_logprobs
-    assert not make_loss_fn(AlgorithmConfig()).needs_ref_logprobs
+    assert Algorithm(config=AlgorithmConfig(policy_loss="pairwise")).needs_reference
+    assert not Algorithm(config=AlgorithmConfig()).needs_reference
 
 
 LOSS_1 = math.log(1 + math.exp(-1.0))  # softplus(-1) = .3132617
@@ -213,4 +213,4 @@ def test_schedule_switches_grpo_to_pairwise():
     assert grpo_then_pairwise_schedule(19).policy_loss == "ppo"
     later = grpo_then_pairwise_schedule(20)
     assert (later.policy_loss, later.pair_beta) == ("pairwise", 0.1)
-    assert make_loss_fn(later).needs_ref_logprobs
+    assert Algorithm(config=later).needs_reference

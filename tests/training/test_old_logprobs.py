@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
+from rollouts.algorithms.algorithm import needs_old_logprobs_pass
 from rollouts.algorithms.batch import make_train_batch
 from rollouts.algorithms.loss_fn import make_loss_fn
 from rollouts.config import AlgorithmConfig, Config
-from rollouts.loop.batch import needs_old_logprobs_pass
 from rollouts.loop.rl import train_step
 from rollouts.trainer.factories import create_pytorch_backend
 from rollouts.types import Sample, Status
