@@ -156,7 +156,7 @@ def compute_gae(
     adv, ret = [], []
     for g, group in enumerate(groups):
         pairs = [
-            gae(rewards[g][i], values[g][i].float(), mask_of(s), config.gamma, config.lam)
+            gae(rewards[g][i], values[g][i].float(), mask_of(s), config.gamma, config.gae.lam)
             for i, s in enumerate(group)
         ]
         adv.append(tuple(a for a, _ in pairs))

@@ -36,7 +36,7 @@ class Algorithm:
     @property
     def needs_values(self) -> bool:
         """The critic's values in the training forward (the value loss trains them)."""
-        return self.needs_critic and self.config.value_coef > 0.0
+        return self.needs_critic and self.config.gae.value_coef > 0.0
 
     @property
     def needs_entropy(self) -> bool:
@@ -45,16 +45,16 @@ class Algorithm:
 
     @property
     def kl_in_loss(self) -> bool:
-        return self.config.kl_in == "loss" and self.config.kl_coef > 0.0
+        return self.config.kl.into == "loss" and self.config.kl.coef > 0.0
 
     @property
     def kl_in_reward(self) -> bool:
-        return self.config.kl_in == "reward" and self.config.kl_coef > 0.0
+        return self.config.kl.into == "reward" and self.config.kl.coef > 0.0
 
     @property
     def needs_reference(self) -> bool:
         """The reference model's logprobs: a KL term (loss or reward) or the policy loss's own."""
-        return self.config.kl_coef > 0.0 or self.policy.needs_reference
+        return self.config.kl.coef > 0.0 or self.policy.needs_reference
 
     def needs_old_logprobs_pass(self, num_mini_batches: int) -> bool:
         """Whether the old logprobs need their own no-grad pass before the update.
@@ -78,8 +78,9 @@ class Algorithm:
 
     def with_kl_in_reward_applied(self) -> Algorithm:
         """The algorithm once the KL is in the rewards: no KL in the loss, no controller."""
-        assert self.kl_in_reward, f"{self.config.kl_in=} {self.config.kl_coef=}"
-        config = dataclasses.replace(self.config, kl_coef=0.0, kl_target=0.0)
+        assert self.kl_in_reward, f"{self.config.kl=}"
+        kl = dataclasses.replace(self.config.kl, coef=0.0, target=0.0)
+        config = dataclasses.replace(self.config, kl=kl)
         return dataclasses.replace(self, config=config)
 
 

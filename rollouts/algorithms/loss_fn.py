@@ -2,8 +2,8 @@
 
 total = policy term (`policy_loss.POLICY_LOSSES[config.policy_loss].term`)
         - entropy_coef * agg(entropy)
-        + kl_coef * agg(kl(logp, logp_ref))   [kl_in = "loss"]
-        + value_coef * agg(value_loss)        [a critic's estimator, when the backend gives values]
+        + kl.coef * agg(kl(logp, logp_ref))   [kl.into = "loss"]
+        + gae.value_coef * agg(value_loss)    [a critic's estimator, when the backend gives values]
 Every term is aggregated with `config.loss_agg` and the batch's GLOBAL counts, so a backend sums
 the micro-batch losses' gradients (over micro-batches and data-parallel ranks: a backend whose
 all-reduce AVERAGES gradients over DP ranks must multiply the loss by the world size). Metrics are
@@ -115,30 +115,30 @@ def _entropy_term(config, outputs, mask, counts, metrics) -> torch.Tensor:
 def _kl_term(config, logp, batch, mask, counts, metrics) -> torch.Tensor:
     if not batch.ref_logprobs:
         raise ValueError(
-            f"algorithm.kl_coef = {config.kl_coef} with kl_in = 'loss' needs "
+            f"algorithm.kl.coef = {config.kl.coef} with kl.into = 'loss' needs "
             "TrainBatch.ref_logprobs: compute them with the reference model first"
         )
-    kl = config_kl(logp, pad(batch.ref_logprobs, logp.device), config)
+    kl = config_kl(logp, pad(batch.ref_logprobs, logp.device), config.kl)
     agg = aggregate(kl, mask, config.loss_agg, counts)
     metrics["kl"] = token_mean(kl, mask, counts)
     metrics["kl_loss"] = float(agg.detach())
-    return config.kl_coef * agg
+    return config.kl.coef * agg
 
 
 def _value_term(config, outputs, batch, mask, counts, metrics) -> torch.Tensor:
     if not outputs.values or not batch.returns or not batch.old_values:
         raise ValueError(
             "algorithm.advantage = 'gae' needs ModelOutputs.values and TrainBatch.returns / "
-            "old_values (a critic); or set algorithm.value_coef = 0"
+            "old_values (a critic); or set algorithm.gae.value_coef = 0"
         )
     values = pad(outputs.values, mask.device)
     per_token, clipped = value_loss(
         values,
         pad(batch.old_values, mask.device),
         pad(batch.returns, mask.device),
-        config.value_clip,
+        config.gae.value_clip,
     )
     agg = aggregate(per_token, mask, config.loss_agg, counts)
     metrics["value_loss"] = float(agg.detach())
     metrics["value_clipfrac"] = token_mean(clipped, mask, counts)
-    return config.value_coef * agg
+    return config.gae.value_coef * agg

@@ -75,25 +75,27 @@ def _rollout_corrected(config, pg_per_token, old, mask, batch, counts, metrics) 
     Rejected tokens weigh 0 but the normalisers stay the batch's (masked importance sampling), so
     micro-batches still sum to the full batch's gradient.
     """
-    if not config.tis and config.rollout_rs == "none":
+    correction = config.rollout_correction
+    if not correction.enabled:
         return pg_per_token
     if not batch.rollout_logprobs:
         raise ValueError(
-            "algorithm.tis / algorithm.rollout_rs need TrainBatch.rollout_logprobs: the engine "
-            "must return per-token logprobs for every sample (or set algorithm.tis = false and "
-            "algorithm.rollout_rs = 'none')"
+            "algorithm.rollout_correction (tis, rejection) needs TrainBatch.rollout_logprobs: the "
+            "engine must return per-token logprobs for every sample (or set "
+            "algorithm.rollout_correction.tis = false and rejection = 'none')"
         )
     rollout = pad(batch.rollout_logprobs, mask.device)
-    if config.tis:
-        w = tis_weights(old, rollout, mask, cap=config.tis_cap, level=config.tis_level)
+    if correction.tis:
+        cap = correction.tis_cap
+        w = tis_weights(old, rollout, mask, cap=cap, level=correction.tis_level)
         pg_per_token = pg_per_token * w
         metrics["tis_weight_mean"] = token_mean(w, mask, counts)
-        metrics["tis_truncated_frac"] = token_mean((w >= config.tis_cap).float(), mask, counts)
-    if config.rollout_rs != "none":
-        upper = config.rollout_rs_threshold
-        lower = config.rollout_rs_threshold_lower or 1.0 / upper
+        metrics["tis_truncated_frac"] = token_mean((w >= cap).float(), mask, counts)
+    if correction.rejection != "none":
+        upper = correction.rejection_threshold
+        lower = correction.rejection_threshold_lower or 1.0 / upper
         keep = rejection_keep_mask(
-            old, rollout, mask, mode=config.rollout_rs, lower=lower, upper=upper
+            old, rollout, mask, mode=correction.rejection, lower=lower, upper=upper
         )
         pg_per_token = pg_per_token * keep
         metrics["rollout_rs_dropped_frac"] = token_mean(mask - keep, mask, counts)
@@ -138,7 +140,7 @@ def _gspo(config: AlgorithmConfig, logp, old, adv, mask) -> PolicyTerms:
 
 def _cispo(config: AlgorithmConfig, logp, old, adv, mask) -> PolicyTerms:
     return cispo_loss(
-        logp, old, adv, eps_low=config.cispo_clip_eps_low, eps_high=config.cispo_clip_eps_high
+        logp, old, adv, eps_low=config.cispo.clip_eps_low, eps_high=config.cispo.clip_eps_high
     )
 
 

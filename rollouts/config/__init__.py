@@ -8,8 +8,9 @@ range checks live in each section's `problems()`, so a config built in code is c
 way.
 
 Layout: `base` (ConfigError, check helpers, `_Section`), one module per group of sections
-(`model`, `rollout`, `algorithm`, `training`), and `loader` (the root `Config`, TOML loading,
-overrides). Import from `rollouts.config`; the submodules are an implementation detail.
+(`model`, `rollout`, `algorithm` with `algorithm_tables`, `reward`, `training`), and `loader`
+(the root `Config`, TOML loading, overrides). Import from `rollouts.config`; the submodules are
+an implementation detail.
 """
 
 from __future__ import annotations
@@ -18,9 +19,17 @@ from rollouts.config.algorithm import (
     ADVANTAGES,
     AGG_MODES,
     KL_ESTIMATORS,
-    PAIR_SELECTORS,
     POLICY_LOSSES,
     AlgorithmConfig,
+)
+from rollouts.config.algorithm_tables import (
+    PAIR_SELECTORS,
+    CispoConfig,
+    GAEConfig,
+    KLConfig,
+    PairwiseConfig,
+    ReferenceConfig,
+    RolloutCorrectionConfig,
 )
 from rollouts.config.base import ConfigError
 from rollouts.config.loader import (
@@ -32,6 +41,7 @@ from rollouts.config.loader import (
     load_config,
 )
 from rollouts.config.model import DataConfig, ModelConfig, RunSection, TinyModelConfig
+from rollouts.config.reward import LengthShapingConfig, RewardConfig
 from rollouts.config.rollout import EnginesConfig, RolloutConfig, SamplingConfig
 from rollouts.config.training import CheckpointConfig, LoggingConfig, OptimConfig, TrainingConfig
 from rollouts.config.weight_sync import WeightSyncConfig
@@ -44,14 +54,22 @@ __all__ = [
     "POLICY_LOSSES",
     "AlgorithmConfig",
     "CheckpointConfig",
+    "CispoConfig",
     "Config",
     "ConfigError",
     "DataConfig",
     "EnginesConfig",
+    "GAEConfig",
+    "KLConfig",
+    "LengthShapingConfig",
     "LoggingConfig",
     "ModelConfig",
     "OptimConfig",
+    "PairwiseConfig",
+    "ReferenceConfig",
+    "RewardConfig",
     "RolloutConfig",
+    "RolloutCorrectionConfig",
     "RunConfig",
     "RunSection",
     "SamplingConfig",

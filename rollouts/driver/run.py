@@ -344,6 +344,7 @@ async def _rl_with_engines(
         tokenizer=tokenizer,
         reward_fn=reward_fn,
         seed=config.run.seed,  # sampling seeds of every request (reproducible runs)
+        reward_shaping=config.reward,  # a batch's rewards are final when it leaves the manager
     )
     evaluate_fn = _eval_hook(config, pool, tokenizer, reward_fn, manager, eval_items or [])
     # weights-only copies for the engines (in /dev/shm when there is one); one root per run,

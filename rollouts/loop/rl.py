@@ -31,7 +31,7 @@ import trio
 
 from rollouts.algorithms.kl import AdaptiveKL
 from rollouts.algorithms.schedule import load_schedule
-from rollouts.config import AlgorithmConfig, Config
+from rollouts.config import Config
 from rollouts.driver.metrics import MetricsLogger
 from rollouts.inference.http import EngineError
 from rollouts.loop.batch import (
@@ -197,7 +197,7 @@ async def _one_batch(ctx: _Ctx, st: LoopState) -> dict[str, float] | None:
         ctx.batches.raise_limit(st.batches + ctx.total - st.step)  # one more batch to make
         return None
     step = st.step + 1
-    algo = _with_kl_controller(ctx.schedule(step - 1), st.kl_ctl)
+    algo = st.kl_ctl.steer(ctx.schedule(step - 1))  # the adaptive KL coefficient, if any
     st.in_backend = True
     train_metrics, train_times = await train_step(
         ctx.backend, prep.groups, algo, ctx.config, ctx.ref
@@ -272,13 +272,6 @@ async def _sync(ctx: _Ctx, version: str, urgent: bool) -> dict[str, float]:
         return metrics | prefixed(await deliver(), "sync")
     engine_sync.start(nursery, deliver)
     return metrics
-
-
-def _with_kl_controller(algo: AlgorithmConfig, kl_ctl: AdaptiveKL) -> AlgorithmConfig:
-    """The step's config with the adaptive controller's coefficient (when it is adaptive)."""
-    if kl_ctl.target <= 0.0:
-        return algo
-    return dataclasses.replace(algo, kl_coef=kl_ctl.coef)
 
 
 def _timing(

@@ -50,11 +50,11 @@ class ReferencePolicy:
         return await self.backend.compute_logprobs(batch)
 
     async def update(self, policy_backend: Any, algo: AlgorithmConfig, step: int) -> None:
-        """Apply `algo.ref_update` after optimizer step `step`."""
-        if not reference_moves(algo):
+        """Apply `algo.reference` ([algorithm.reference]) after optimizer step `step`."""
+        if not reference_moves(algo.reference):
             return
         policy = await trio.to_thread.run_sync(policy_backend.get_weights)
-        new = update_reference(self.params, policy, algo, step)
+        new = update_reference(self.params, policy, algo.reference, step)
         if new is not self.params:
             self.params, self.changed = new, True
             await trio.to_thread.run_sync(self.backend.load_weights, new)
@@ -77,8 +77,8 @@ async def _logprobs_for(
     if algorithm.needs_reference:
         if ref is None:
             raise ValueError(
-                f"algorithm.policy_loss = {algorithm.config.policy_loss!r} with kl_coef = "
-                f"{algorithm.config.kl_coef} needs a reference model (none was built)"
+                f"algorithm.policy_loss = {algorithm.config.policy_loss!r} with kl.coef = "
+                f"{algorithm.config.kl.coef} needs a reference model (none was built)"
             )
         batch = dataclasses.replace(batch, ref_logprobs=tuple(await ref.logprobs(batch)))
     return batch, time.monotonic() - started
@@ -109,16 +109,16 @@ async def _kl_in_reward_batch(
     plain = train_batch_of(groups, algo, max_new_tokens=max_new, values=values)
     old = await backend.compute_logprobs(plain)
     ref_lp = await ref.logprobs(plain)
-    penalties, batch_kl = kl_reward_penalties(old, ref_lp, plain.loss_mask, algo, algo.kl_coef)
+    penalties, batch_kl = kl_reward_penalties(old, ref_lp, plain.loss_mask, algo.kl, algo.kl.coef)
     batch = train_batch_of(
         groups, algo, max_new_tokens=max_new, kl_penalties=penalties, values=values
     )
     batch = dataclasses.replace(batch, old_logprobs=tuple(old), ref_logprobs=tuple(ref_lp))
-    seq_kl = sequence_mean_kl(old, ref_lp, plain.loss_mask, algo)
+    seq_kl = sequence_mean_kl(old, ref_lp, plain.loss_mask, algo.kl)
     return batch, {
         "train/reward_kl": batch_kl,
         "train/reward_kl_seq_mean": seq_kl,
-        "train/kl_coef": algo.kl_coef,
+        "train/kl_coef": algo.kl.coef,
     }
 
 

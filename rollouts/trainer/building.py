@@ -4,7 +4,7 @@ Plain functions over torch objects and the Config, shared by `factories.create_p
 and `fsdp.create_fsdp_backend` (both import this module; neither imports the other at load
 time). With `algorithm.advantage = "gae"` the RL backend also gets a critic: a zero-initialised
 value head on the policy's last hidden state (`model.make_value_head`), in the same optimizer
-(its own lr `algorithm.value_lr`).
+(its own lr `algorithm.gae.value_lr`).
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def create_optimizer_with_head(
     """AdamW over the model (lr or optim.lr) and, as a second group, the value head (value_lr)."""
     optimizer = create_adamw_optimizer(model_params, config.optim, lr)
     if head is not None:
-        head_lr = config.algorithm.value_lr or optimizer.param_groups[0]["lr"]
+        head_lr = config.algorithm.gae.value_lr or optimizer.param_groups[0]["lr"]
         optimizer.add_param_group({"params": list(head.parameters()), "lr": head_lr})
     return optimizer
 
