@@ -4,9 +4,10 @@ A `PolicyLoss` is a record, not a class to subclass: its `term` is the policy pa
 micro-batch's loss (aggregated with the batch's global counts, plus its additive metrics), and its
 flags say what the loop must provide: a reference model, old logprobs from a pass of their own
 before the update, a per-step preparation of the batch (pairwise: the pairs' coefficients).
-A per-token loss (PPO, REINFORCE, GSPO, CISPO) is `per_token(terms)`: its `PolicyTerms` are
-corrected for the engine-vs-trainer mismatch (TIS weights, rejection) and aggregated with
-`config.loss_agg`. Adding a loss is one entry here (and its name and keys in the config).
+A per-token loss (PPO, REINFORCE, GSPO, CISPO, truncated IS) is `per_token(terms)`: its
+`PolicyTerms` are corrected for the engine-vs-trainer mismatch (TIS weights, rejection) and
+aggregated with `config.loss_agg`. Adding a loss: its per-token terms (`losses.py`), one entry
+here, its name in the config's `PolicyLossName` and its keys in a sub-table of [algorithm].
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rollouts.algorithms.losses import (
     gspo_loss,
     ppo_clip_loss,
     reinforce_loss,
+    truncated_is_loss,
 )
 from rollouts.algorithms.off_policy import rejection_keep_mask, tis_weights
 from rollouts.algorithms.pairwise import pairwise_surrogate, prepare_pairwise_batch
@@ -144,6 +146,10 @@ def _cispo(config: AlgorithmConfig, logp, old, adv, mask) -> PolicyTerms:
     )
 
 
+def _truncated_is(config: AlgorithmConfig, logp, old, adv, mask) -> PolicyTerms:
+    return truncated_is_loss(logp, old, adv, cap=config.truncated_is.cap)
+
+
 def _pairwise(config, logp, old, adv, mask, batch: TrainBatch, counts: GlobalCounts):
     """The pairwise preference surrogate (`pairwise.pairwise_surrogate`; loss_agg unused)."""
     pg, metrics = pairwise_surrogate(logp, adv, mask, batch)
@@ -159,6 +165,7 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
         PolicyLoss(name="reinforce", term=per_token(_reinforce)),
         PolicyLoss(name="gspo", term=per_token(_gspo)),
         PolicyLoss(name="cispo", term=per_token(_cispo)),
+        PolicyLoss(name="truncated_is", term=per_token(_truncated_is)),
         PolicyLoss(
             name="pairwise",
             term=_pairwise,

@@ -30,6 +30,7 @@ from rollouts.config.algorithm_tables import (
     PairwiseConfig,
     ReferenceConfig,
     RolloutCorrectionConfig,
+    TruncatedISConfig,
 )
 from rollouts.config.base import ConfigError
 from rollouts.config.loader import (
@@ -75,6 +76,7 @@ __all__ = [
     "SamplingConfig",
     "TinyModelConfig",
     "TrainingConfig",
+    "TruncatedISConfig",
     "WeightSyncConfig",
     "apply_overrides",
     "config_from_dict",

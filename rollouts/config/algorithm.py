@@ -20,6 +20,7 @@ from rollouts.config.algorithm_tables import (
     PairwiseConfig,
     ReferenceConfig,
     RolloutCorrectionConfig,
+    TruncatedISConfig,
 )
 from rollouts.config.base import _check, _Section
 
@@ -33,7 +34,7 @@ AdvantageName = Literal[
     "reinforce_pp",  # = reinforce_plus_plus_baseline (the name older configs use)
     "gae",
 ]
-PolicyLossName = Literal["ppo", "reinforce", "gspo", "cispo", "pairwise"]
+PolicyLossName = Literal["ppo", "reinforce", "gspo", "cispo", "truncated_is", "pairwise"]
 AggMode = Literal[
     "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 ]
@@ -115,6 +116,7 @@ class AlgorithmConfig(_Section):
         default_factory=RolloutCorrectionConfig
     )
     cispo: CispoConfig = dataclasses.field(default_factory=CispoConfig)
+    truncated_is: TruncatedISConfig = dataclasses.field(default_factory=TruncatedISConfig)
     pairwise: PairwiseConfig = dataclasses.field(default_factory=PairwiseConfig)
 
     def problems(self) -> list[str]:

@@ -3,7 +3,8 @@
 [algorithm.kl] (the KL to the reference), [algorithm.reference] (how the reference moves),
 [algorithm.gae] (GAE and its critic), [algorithm.rollout_correction] (engine-vs-trainer mismatch:
 TIS and rejection), and one table per policy loss with keys of its own ([algorithm.cispo],
-[algorithm.pairwise]). Each checks its own ranges; `AlgorithmConfig` checks how they combine.
+[algorithm.truncated_is], [algorithm.pairwise]). Each checks its own ranges; `AlgorithmConfig`
+checks how they combine.
 """
 
 from __future__ import annotations
@@ -156,6 +157,21 @@ class CispoConfig(_Section):
             self.clip_eps_high >= 0.0,
             f"algorithm.cispo.clip_eps_high = {self.clip_eps_high}: must be >= 0",
         )
+        return p
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TruncatedISConfig(_Section):
+    """[algorithm.truncated_is]: the truncation of its detached importance weight
+    (policy_loss = "truncated_is": weight = min(pi / pi_old, cap))."""
+
+    KEY: ClassVar[str] = "algorithm.truncated_is"
+
+    cap: float = 2.0  # C of the reference sheet's TIS
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _check(p, self.cap >= 1.0, f"algorithm.truncated_is.cap = {self.cap}: must be >= 1.0")
         return p
 
 

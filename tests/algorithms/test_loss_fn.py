@@ -12,7 +12,14 @@ from rollouts.algorithms.advantages import outcome_token_rewards
 from rollouts.algorithms.batch import build_train_batch, make_train_batch, nest
 from rollouts.algorithms.kl import kl_reward_penalties
 from rollouts.algorithms.loss_fn import make_loss_fn
-from rollouts.config import AGG_MODES, AlgorithmConfig, CispoConfig, GAEConfig, KLConfig
+from rollouts.config import (
+    AGG_MODES,
+    AlgorithmConfig,
+    CispoConfig,
+    GAEConfig,
+    KLConfig,
+    TruncatedISConfig,
+)
 from rollouts.config import RolloutCorrectionConfig as RCC
 from rollouts.types import ModelOutputs, Sample, Status, TrainBatch
 
@@ -128,6 +135,35 @@ def test_cispo_hand_values_every_token_keeps_a_gradient():
     assert ppo[0].grad[1].item() == 0.0
 
 
+def test_truncated_is_hand_values_and_cispo_equivalence():
+    """policy_loss = "truncated_is": l = -sg(min(r, C)) A logp, r = pi / pi_old, C = 2."""
+    batch = dataclasses.replace(small_batch(), old_logprobs=(torch.zeros(3), torch.zeros(2)))
+    values = [[0.0, math.log(1.5), math.log(3.0)], [0.0, math.log(4.0)]]
+    logp = [torch.tensor(v, requires_grad=True) for v in values]
+    config = AlgorithmConfig(policy_loss="truncated_is", truncated_is=TruncatedISConfig(cap=2.0))
+    loss, metrics = make_loss_fn(config)(ModelOutputs(logprobs=tuple(logp)), batch)
+    # r = 1.5, 3, 4 -> weights 1.5, 2, 2 (truncated at C = 2, no lower bound); A = +1, +1, -1
+    # l = -1.5 log 1.5, -2 log 3, +2 log 4 ; token-mean over N = 3
+    expected = (-1.5 * math.log(1.5) - 2.0 * math.log(3.0) + 2.0 * math.log(4.0)) / 3
+    assert loss.item() == pytest.approx(expected, abs=1e-7)  # float32: r = exp(log 1.5)
+    assert metrics["clipfrac"] == pytest.approx(2 / 3)  # r = 3 and r = 4 truncated
+    assert metrics["clipfrac_high"] == pytest.approx(1 / 3)  # of them, A > 0: r = 3
+    assert metrics["ratio_mean"] == pytest.approx((1.5 + 3.0 + 4.0) / 3)
+    loss.backward()
+    # dl/dlogp = -w A / N on every token (weights detached): the clipped PPO gives r = 3 none
+    assert logp[0].grad.tolist() == pytest.approx([0.0, -1.5 / 3, -2.0 / 3], rel=1e-6)
+    assert logp[1].grad.tolist() == pytest.approx([0.0, 2.0 / 3], rel=1e-6)
+    cispo = AlgorithmConfig(
+        policy_loss="cispo", cispo=CispoConfig(clip_eps_low=1.0, clip_eps_high=1.0)
+    )
+    same = [torch.tensor(v, requires_grad=True) for v in values]
+    cispo_loss, _ = make_loss_fn(cispo)(ModelOutputs(logprobs=tuple(same)), batch)
+    cispo_loss.backward()
+    assert cispo_loss.item() == pytest.approx(loss.item(), rel=1e-6)
+    for a, b in zip(same, logp, strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
 @pytest.mark.parametrize(
     ("mode", "loss", "dropped", "dropped_seqs"),
     [
@@ -227,7 +263,7 @@ def grads(loss_fn, batch, params, micro_batches):
 
 COMBOS = [(p, m) for p in ("ppo", "reinforce") for m in AGG_MODES]
 COMBOS.append(("gspo", "seq-mean-token-mean"))  # GSPO is defined with this mode only
-COMBOS += [("cispo", m) for m in AGG_MODES]
+COMBOS += [(p, m) for p in ("cispo", "truncated_is") for m in AGG_MODES]
 
 
 @pytest.mark.parametrize(("policy", "mode"), COMBOS)
