@@ -26,6 +26,7 @@ class Algorithm:
 
     @property
     def policy(self) -> PolicyLoss:
+        """The policy loss `config.policy_loss` names (its term and its needs)."""
         return policy_loss_of(self.config)
 
     @property
@@ -45,10 +46,12 @@ class Algorithm:
 
     @property
     def kl_in_loss(self) -> bool:
+        """A KL term in the loss (against the reference's logprobs)."""
         return self.config.kl.into == "loss" and self.config.kl.coef > 0.0
 
     @property
     def kl_in_reward(self) -> bool:
+        """A per-token KL penalty in the rewards, before the advantages (old vs reference)."""
         return self.config.kl.into == "reward" and self.config.kl.coef > 0.0
 
     @property
