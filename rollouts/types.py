@@ -10,7 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import enum
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import trio
@@ -222,12 +222,33 @@ class LossFn(Protocol):
     Returns the loss of a micro-batch ALREADY normalised by the batch's global counts
     (`TrainBatch.num_global_tokens` etc.), so a backend just sums gradients over micro-batches;
     and metrics that are additive over micro-batches (each also normalised globally), so the
-    backend sums them to get the batch's value.
+    backend sums them to get the batch's value. `needs_values`: the backend computes the critic's
+    values (`ModelOutputs.values`); `needs_entropy`: the loss trains on the entropy, so a backend
+    asked for it keeps its graph (else the entropy is a detached metric).
     """
+
+    @property
+    def needs_values(self) -> bool: ...
+
+    @property
+    def needs_entropy(self) -> bool: ...
 
     def __call__(
         self, outputs: ModelOutputs, batch: TrainBatch
     ) -> tuple[Any, dict[str, float]]: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PlainLoss:
+    """A `LossFn` from a plain function (SFT, tests): no values; an entropy asked for keeps its
+    graph unless `needs_entropy` is False."""
+
+    fn: Callable[[ModelOutputs, TrainBatch], tuple[Any, dict[str, float]]]
+    needs_values: bool = False
+    needs_entropy: bool = True
+
+    def __call__(self, outputs: ModelOutputs, batch: TrainBatch) -> tuple[Any, dict[str, float]]:
+        return self.fn(outputs, batch)
 
 
 class TrainFuture(Generic[T]):

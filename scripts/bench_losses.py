@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from bench_timing import timed
 
 from rollouts.algorithms.loss_fn import make_loss_fn
-from rollouts.config import AlgorithmConfig
+from rollouts.config import AlgorithmConfig, KLConfig, RolloutCorrectionConfig
 from rollouts.types import ModelOutputs, TrainBatch
 
 
@@ -45,7 +45,12 @@ def make_batch(b: int, t: int, device: str, gen: torch.Generator) -> TrainBatch:
 
 
 def bench_logprobs(batch: TrainBatch, device: str, reps: int) -> tuple[float, float]:
-    config = AlgorithmConfig(tis=True, kl_coef=0.05, entropy_coef=0.001, clip_eps_high=0.28)
+    config = AlgorithmConfig(
+        rollout_correction=RolloutCorrectionConfig(tis=True),
+        kl=KLConfig(coef=0.05),
+        entropy_coef=0.001,
+        clip_eps_high=0.28,
+    )
     loss_fn = make_loss_fn(config)
     logp = (-torch.rand(len(batch), batch.input_ids[0].shape[0]) - 0.01).to(device)
     logp.requires_grad_(True)
@@ -64,7 +69,13 @@ def bench_logprobs(batch: TrainBatch, device: str, reps: int) -> tuple[float, fl
 
 
 def bench_logits(batch: TrainBatch, vocab: int, device: str, reps: int) -> tuple[float, float]:
-    loss_fn = make_loss_fn(AlgorithmConfig(tis=True, kl_coef=0.05, clip_eps_high=0.28))
+    loss_fn = make_loss_fn(
+        AlgorithmConfig(
+            rollout_correction=RolloutCorrectionConfig(tis=True),
+            kl=KLConfig(coef=0.05),
+            clip_eps_high=0.28,
+        )
+    )
     b, t = len(batch), batch.input_ids[0].shape[0]
     logits = torch.randn(b, t, vocab, device=device, requires_grad=True)
     targets = torch.randint(0, vocab, (b, t), device=device)

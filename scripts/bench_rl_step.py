@@ -60,7 +60,7 @@ WORKLOAD = [
     "rollout.sampling.max_new_tokens=64",
     "rollout.sampling.temperature=1.0",
     "algorithm.advantage='grpo'",
-    "algorithm.kl_coef=0.0",
+    "algorithm.kl.coef=0.0",
 ]
 
 

@@ -34,18 +34,21 @@ from rollouts.inference.sglang import SGLangEngine
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
 from rollouts.trainer.batching import padding_fraction, plan_micro_batches
 from rollouts.trainer.factories import create_pytorch_backend
-from rollouts.types import ModelOutputs, TrainBatch
+from rollouts.types import ModelOutputs, PlainLoss, TrainBatch
 from rollouts.weights.disk import publish_weights, sync_weights_to_engines
 from rollouts.weights.distributed import DistributedWeightSync, DistSyncOptions
 
 
-def nll_loss(outputs: ModelOutputs, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+def masked_nll(outputs: ModelOutputs, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
     """Masked NLL normalised by the batch's token count."""
     total = sum(
         -(lp * m.to(lp.device)).sum()
         for lp, m in zip(outputs.logprobs, batch.loss_mask, strict=True)
     )
     return total / batch.num_global_tokens, {}
+
+
+nll_loss = PlainLoss(fn=masked_nll)
 
 
 def make_batch(lengths: list[int], vocab: int) -> TrainBatch:

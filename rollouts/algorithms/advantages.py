@@ -9,7 +9,7 @@ observation (tool output) tokens have loss_mask 0 and are skipped: they are not 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -156,12 +156,17 @@ def compute_gae(
     adv, ret = [], []
     for g, group in enumerate(groups):
         pairs = [
-            gae(rewards[g][i], values[g][i].float(), mask_of(s), config.gamma, config.lam)
+            gae(rewards[g][i], values[g][i].float(), mask_of(s), config.gamma, config.gae.lam)
             for i, s in enumerate(group)
         ]
         adv.append(tuple(a for a, _ in pairs))
         ret.append(tuple(r for _, r in pairs))
     return _whiten_all(tuple(adv), groups), tuple(ret)
+
+
+def needs_critic(config: AlgorithmConfig) -> bool:
+    """Whether the advantage estimator needs a critic's values (GAE): the one place that asks."""
+    return config.advantage == "gae"
 
 
 def compute_advantages(
@@ -184,30 +189,49 @@ def compute_advantages(
     """
     assert all(len(group) >= 1 for group in groups), "every group must hold a sample"
     rewards = token_rewards if token_rewards is not None else outcome_token_rewards(groups)
-    kind = config.advantage
-    if kind in ("grpo", "dr_grpo"):
-        norm = config.norm_adv_by_std and kind == "grpo"
-        return _broadcast(groups, [grpo_scores(s, norm) for s in _seq_scores(rewards)])
-    if kind == "rloo":
-        return _broadcast(groups, [rloo_scores(s) for s in _seq_scores(rewards)])
-    if kind == "reinforce":
-        return _reward_to_go(groups, rewards, config.gamma)
-    if kind == "reinforce_plus_plus":
-        return _whiten_all(_reward_to_go(groups, rewards, config.gamma), groups)
-    if kind in ("reinforce_plus_plus_baseline", "reinforce_pp"):
-        means = [group_baseline(s) for s in _seq_scores(rewards)]
-        centred = tuple(
-            tuple(
-                rewards[g][i] + _last_token_value(mask_of(s), -means[g])
-                for i, s in enumerate(group)
-            )
-            for g, group in enumerate(groups)
-        )
-        return _whiten_all(_reward_to_go(groups, centred, config.gamma), groups)
-    assert kind == "gae", f"{kind=}"
-    if values is None:
-        raise ValueError("algorithm.advantage = 'gae' needs critic values: pass values=")
-    return compute_gae(groups, values, config, rewards)[0]
+    if needs_critic(config):
+        if values is None:
+            raise ValueError("algorithm.advantage = 'gae' needs critic values: pass values=")
+        return compute_gae(groups, values, config, rewards)[0]
+    return ESTIMATORS[config.advantage](groups, rewards, config)
+
+
+def _grpo(groups: Groups, rewards: PerToken, config: AlgorithmConfig) -> PerToken:
+    norm = config.norm_adv_by_std and config.advantage == "grpo"
+    return _broadcast(groups, [grpo_scores(s, norm) for s in _seq_scores(rewards)])
+
+
+def _rloo(groups: Groups, rewards: PerToken, config: AlgorithmConfig) -> PerToken:
+    return _broadcast(groups, [rloo_scores(s) for s in _seq_scores(rewards)])
+
+
+def _reinforce(groups: Groups, rewards: PerToken, config: AlgorithmConfig) -> PerToken:
+    return _reward_to_go(groups, rewards, config.gamma)
+
+
+def _reinforce_pp(groups: Groups, rewards: PerToken, config: AlgorithmConfig) -> PerToken:
+    return _whiten_all(_reward_to_go(groups, rewards, config.gamma), groups)
+
+
+def _reinforce_pp_baseline(groups: Groups, rewards: PerToken, config: AlgorithmConfig) -> PerToken:
+    means = [group_baseline(s) for s in _seq_scores(rewards)]
+    centred = tuple(
+        tuple(rewards[g][i] + _last_token_value(mask_of(s), -means[g]) for i, s in enumerate(group))
+        for g, group in enumerate(groups)
+    )
+    return _whiten_all(_reward_to_go(groups, centred, config.gamma), groups)
+
+
+# the critic-free estimators by name (GAE, which needs values, is `compute_gae`)
+ESTIMATORS: dict[str, Callable[[Groups, PerToken, AlgorithmConfig], PerToken]] = {
+    "grpo": _grpo,
+    "dr_grpo": _grpo,
+    "rloo": _rloo,
+    "reinforce": _reinforce,
+    "reinforce_plus_plus": _reinforce_pp,
+    "reinforce_plus_plus_baseline": _reinforce_pp_baseline,
+    "reinforce_pp": _reinforce_pp_baseline,
+}
 
 
 def group_baseline(scores_G: torch.Tensor) -> float:

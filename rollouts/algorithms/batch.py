@@ -14,7 +14,12 @@ from typing import Any
 
 import torch
 
-from rollouts.algorithms.advantages import PerToken, compute_advantages, compute_gae
+from rollouts.algorithms.advantages import (
+    PerToken,
+    compute_advantages,
+    compute_gae,
+    needs_critic,
+)
 from rollouts.algorithms.aggregation import global_counts
 from rollouts.algorithms.tensors import float_tensor, long_tensor
 from rollouts.config import AlgorithmConfig
@@ -108,12 +113,12 @@ def build_train_batch(
 ) -> TrainBatch:
     """Advantages by `config` (see `compute_advantages`) and the `TrainBatch` of `groups`.
 
-    With advantage = "gae" the critic's `values` are required, and returns / old_values are
+    With a critic's estimator (GAE) the critic's `values` are required, and returns / old_values are
     filled in for the value loss.
     """
     returns: Sequence[torch.Tensor] = ()
     old_values: Sequence[torch.Tensor] = ()
-    if config.advantage == "gae":
+    if needs_critic(config):
         if values is None:
             raise ValueError("algorithm.advantage = 'gae' needs critic values: pass values=")
         adv, ret = compute_gae(groups, values, config, token_rewards)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.utils.checkpoint
 
-from rollouts.config import KL_ESTIMATORS, AlgorithmConfig
+from rollouts.config import KL_ESTIMATORS, AlgorithmConfig, KLConfig
 
 K3_CLAMP = 10.0
 EXP_CLAMP = 20.0
@@ -58,10 +58,10 @@ def truncate_kl(
     return kl
 
 
-def config_kl(logp: torch.Tensor, ref_logp: torch.Tensor, config: AlgorithmConfig) -> torch.Tensor:
-    """Per-token KL with the config's estimator, cap and confident-reference truncation."""
-    kl = kl_estimate(logp, ref_logp, config.kl_estimator)
-    return truncate_kl(kl, ref_logp, cap=config.kl_cap, ignore_ref_above=config.kl_ignore_ref_above)
+def config_kl(logp: torch.Tensor, ref_logp: torch.Tensor, config: KLConfig) -> torch.Tensor:
+    """Per-token KL with [algorithm.kl]'s estimator, cap and confident-reference truncation."""
+    kl = kl_estimate(logp, ref_logp, config.estimator)
+    return truncate_kl(kl, ref_logp, cap=config.cap, ignore_ref_above=config.ignore_ref_above)
 
 
 def full_kl(logits_p: torch.Tensor, logits_q: torch.Tensor) -> torch.Tensor:
@@ -151,7 +151,7 @@ def sequence_mean_kl(
     old_logprobs: Sequence[torch.Tensor],
     ref_logprobs: Sequence[torch.Tensor],
     masks: Sequence[torch.Tensor],
-    config: AlgorithmConfig,
+    config: KLConfig,
 ) -> float:
     """The KL the adaptive controller observes, as verl `apply_kl_penalty`: each sequence's token
     mean of kl(logp_old, logp_ref) (sum / (n + 1e-8)), averaged over the batch's sequences."""
@@ -169,7 +169,7 @@ def kl_reward_penalties(
     old_logprobs: Sequence[torch.Tensor],
     ref_logprobs: Sequence[torch.Tensor],
     masks: Sequence[torch.Tensor],
-    config: AlgorithmConfig,
+    config: KLConfig,
     coef: float,
 ) -> tuple[tuple[torch.Tensor, ...], float]:
     """KL in the reward: per-token penalties coef * kl(logp_old, logp_ref), and the batch KL.
@@ -202,7 +202,14 @@ class AdaptiveKL:
 
     @classmethod
     def from_config(cls, config: AlgorithmConfig) -> AdaptiveKL:
-        return cls(coef=config.kl_coef, target=config.kl_target, horizon=config.kl_horizon)
+        kl = config.kl
+        return cls(coef=kl.coef, target=kl.target, horizon=kl.horizon)
+
+    def steer(self, config: AlgorithmConfig) -> AlgorithmConfig:
+        """A step's config with this controller's coefficient (when it is adaptive)."""
+        if self.target <= 0.0:
+            return config
+        return dataclasses.replace(config, kl=dataclasses.replace(config.kl, coef=self.coef))
 
     def state_dict(self) -> dict[str, float]:
         """The controller's state for a checkpoint (the current coefficient)."""

@@ -1,4 +1,5 @@
-"""Per-token policy losses (REINFORCE, PPO dual clip + clip-higher, GSPO, CISPO), value, entropy.
+"""Per-token policy losses (REINFORCE, PPO dual clip + clip-higher, GSPO, CISPO, truncated IS),
+value, entropy.
 
 Every function here works on padded [B, T] tensors and returns the UNAGGREGATED per-token loss
 plus per-token indicator tensors for metrics; `aggregation.aggregate` reduces them with global
@@ -148,6 +149,32 @@ def cispo_loss(
         clipped=torch.maximum(high, low),
         clipped_high=high * (adv_BT > 0).float(),
         clipped_low=low * (adv_BT < 0).float(),
+        dual_clipped=_zeros(ratio),
+    )
+
+
+def truncated_is_loss(
+    logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_BT: torch.Tensor, *, cap: float
+) -> PolicyTerms:
+    """Truncated importance-sampling policy gradient: l_t = -sg(min(r_t, cap)) * A_t * logp_t.
+
+    r_t = exp(clamp(logp_t - old_t, -20, 20)) and its truncation at `cap` are the reference sheet's
+    TIS weight (C = 2.0 there), here for the update's own ratio pi / pi_old: the off-policy policy
+    gradient min(r, C) A grad(logp), with the weight DETACHED and no PPO clip, so every token keeps
+    its gradient and only its weight is bounded (above: no lower bound). The same as CISPO with
+    eps_low = 1 and eps_high = cap - 1. `clipped` marks tokens whose weight was truncated.
+    """
+    assert logp_BT.shape == old_logp_BT.shape == adv_BT.shape, f"{logp_BT.shape=}"
+    assert cap >= 1.0, f"{cap=} must be >= 1"
+    log_ratio = torch.clamp(logp_BT.detach() - old_logp_BT, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    truncated = (ratio > cap).float()
+    return PolicyTerms(
+        loss=-torch.clamp(ratio, max=cap) * adv_BT * logp_BT,
+        ratio=ratio,
+        clipped=truncated,
+        clipped_high=truncated * (adv_BT > 0).float(),
+        clipped_low=_zeros(ratio),
         dual_clipped=_zeros(ratio),
     )
 

@@ -30,9 +30,8 @@ from typing import Protocol
 
 import torch
 
-from rollouts.config import AlgorithmConfig
+from rollouts.config import AlgorithmConfig, PairwiseConfig
 from rollouts.plugins import load_function
-from rollouts.rewards.shaping import shape_rewards
 from rollouts.types import Sample, TrainBatch
 
 Pair = tuple[int, int]  # (chosen, rejected) indices
@@ -51,8 +50,8 @@ def group_rewards(group: Sequence[Sample]) -> list[float]:
         if s.reward is None or isinstance(s.reward, tuple):
             raise ValueError(
                 f"sample {s.index} (group {s.group_index}) has reward {s.reward!r}: pairwise "
-                "selection needs scalar rewards (set algorithm.reward_weights or "
-                "reward_transform = 'pareto' for vector rewards)"
+                "selection needs scalar rewards (set reward.weights or reward.transform = "
+                "'pareto' for vector rewards)"
             )
         out.append(float(s.reward))
     return out
@@ -79,13 +78,13 @@ def all_pairs_above_margin(margin: float = 0.0) -> PairSelector:
     return select
 
 
-def make_pair_selector(config: AlgorithmConfig) -> Callable[[Sequence[Sample]], list[Pair]]:
-    """The selector `config.pair_selector` names: a built-in, or a user function by dotted path."""
-    if config.pair_selector == "best_vs_worst":
-        return functools.partial(best_vs_worst, margin=config.pair_margin)
-    if config.pair_selector == "all_pairs_above_margin":
-        return all_pairs_above_margin(config.pair_margin)
-    return load_function(config.pair_selector, PairSelector)
+def make_pair_selector(config: PairwiseConfig) -> Callable[[Sequence[Sample]], list[Pair]]:
+    """The selector `config.selector` names: a built-in, or a user function by dotted path."""
+    if config.selector == "best_vs_worst":
+        return functools.partial(best_vs_worst, margin=config.margin)
+    if config.selector == "all_pairs_above_margin":
+        return all_pairs_above_margin(config.margin)
+    return load_function(config.selector, PairSelector)
 
 
 def select_pairs(
@@ -177,9 +176,9 @@ def prepare_pairwise_batch(
     """The batch with pair advantages (-dL/dS_i on trained tokens) and the pair metadata.
 
     `batch` holds exactly the samples of `groups`, flat and in order, with `old_logprobs` and
-    `ref_logprobs` filled in. Rewards are shaped as for advantages (`shape_rewards`) before
-    selection. Call it on each batch that is one optimizer step (each mini-batch, with its groups)
-    so that `num_pairs` counts that step's pairs.
+    `ref_logprobs` filled in; the samples' rewards are final (shaped on the rollout side). Call it
+    on each batch that is one optimizer step (each mini-batch, with its groups) so that
+    `num_pairs` counts that step's pairs.
     """
     assert len(batch) == sum(len(g) for g in groups), f"{len(batch)=} != samples in groups"
     if not batch.old_logprobs or not batch.ref_logprobs:
@@ -187,12 +186,12 @@ def prepare_pairwise_batch(
             "algorithm.policy_loss = 'pairwise' needs TrainBatch.old_logprobs and ref_logprobs "
             "(a reference model): compute both before prepare_pairwise_batch"
         )
-    pairs = select_pairs(shape_rewards(groups, config), selector or make_pair_selector(config))
+    pairs = select_pairs(groups, selector or make_pair_selector(config.pairwise))
     stats = pair_coefficients(
         pairs,
         sequence_logprobs(batch.old_logprobs, batch.loss_mask),
         sequence_logprobs(batch.ref_logprobs, batch.loss_mask),
-        config.pair_beta,
+        config.pairwise.beta,
     )
     advantages = tuple(
         (-c) * m.float() for c, m in zip(stats.coefficients, batch.loss_mask, strict=True)

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from rollouts.config import AlgorithmConfig
+from rollouts.config import ReferenceConfig
 from rollouts.plugins import load_function
 
 Params = Mapping[str, torch.Tensor]
@@ -47,33 +47,39 @@ def ema_params(ref: Params, policy: Params, decay: float) -> dict[str, torch.Ten
     return out
 
 
+def reference_moves(config: ReferenceConfig) -> bool:
+    """Whether the reference ever changes during a run (any strategy but "none")."""
+    return config.update != "none"
+
+
 def update_reference(
     ref: Params,
     policy: Params,
-    config: AlgorithmConfig,
+    config: ReferenceConfig,
     step: int,
     user_fn: Callable[..., Params] | None = None,
 ) -> Params:
-    """The reference parameters after optimizer step `step` (1-based), by `config.ref_update`.
+    """The reference parameters after optimizer step `step` (1-based), by `config.update`
+    ([algorithm.reference]).
 
     none: unchanged. copy: the policy's, every step. ema: decay * ref + (1 - decay) * policy.
-    periodic: the policy's every `ref_update_every` steps, else unchanged. user: `user_fn`
-    (or the function `config.ref_update_fn` names).
+    periodic: the policy's every `update_every` steps, else unchanged. user: `user_fn`
+    (or the function `config.update_fn` names).
     """
     assert step >= 1, f"{step=} must be >= 1 (call after an optimizer step)"
-    strategy = config.ref_update
+    strategy = config.update
     if strategy == "none":
         return ref
     if strategy == "copy":
         _check_same_keys(ref, policy)
         return copy_params(policy)
     if strategy == "ema":
-        return ema_params(ref, policy, config.ref_ema_decay)
+        return ema_params(ref, policy, config.ema_decay)
     if strategy == "periodic":
         _check_same_keys(ref, policy)
-        return copy_params(policy) if step % config.ref_update_every == 0 else ref
+        return copy_params(policy) if step % config.update_every == 0 else ref
     assert strategy == "user", f"{strategy=}"
-    fn = user_fn or load_function(config.ref_update_fn, ReferenceUpdateFn)
+    fn = user_fn or load_function(config.update_fn, ReferenceUpdateFn)
     return fn(ref, policy, step)
 
 
@@ -90,9 +96,3 @@ def load_reference_(ref_module: torch.nn.Module, params: Params) -> None:
 def module_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The module's parameters by name (the `Params` the functions above take)."""
     return dict(module.named_parameters())
-
-
-def needs_reference(algo: AlgorithmConfig) -> bool:
-    """Whether a run builds a reference model: KL in the loss or the reward (now, or later by a
-    schedule) or a pairwise loss (its margins are against the reference)."""
-    return algo.kl_coef > 0.0 or bool(algo.schedule) or algo.policy_loss == "pairwise"

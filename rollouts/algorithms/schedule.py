@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Protocol
 
-from rollouts.config import AlgorithmConfig
+from rollouts.config import AlgorithmConfig, KLConfig, PairwiseConfig
 from rollouts.plugins import load_function
 
 
@@ -62,18 +62,20 @@ def example_schedule(step: int) -> AlgorithmConfig:
 
     Use it with `algorithm.schedule = "rollouts.algorithms.schedule.example_schedule"`.
     """
-    grpo = AlgorithmConfig(advantage="grpo", policy_loss="ppo", kl_coef=0.2, kl_estimator="k3")
+    grpo = AlgorithmConfig(
+        advantage="grpo", policy_loss="ppo", kl=KLConfig(coef=0.2, estimator="k3")
+    )
     if step < 30:
         return grpo
     if step < 60:
-        return dataclasses.replace(grpo, kl_coef=0.05)
+        return dataclasses.replace(grpo, kl=KLConfig(coef=0.05, estimator="k3"))
     return AlgorithmConfig(
         advantage="grpo",
         policy_loss="ppo",
         loss_agg="token-mean",
         clip_eps_low=0.2,
         clip_eps_high=0.28,
-        kl_coef=0.0,
+        kl=KLConfig(coef=0.0),
         entropy_coef=0.0,
     )
 
@@ -89,5 +91,7 @@ def grpo_then_pairwise_schedule(step: int) -> AlgorithmConfig:
     if step < 20:
         return AlgorithmConfig(advantage="grpo", policy_loss="ppo")
     return AlgorithmConfig(
-        advantage="grpo", policy_loss="pairwise", pair_beta=0.1, pair_selector="best_vs_worst"
+        advantage="grpo",
+        policy_loss="pairwise",
+        pairwise=PairwiseConfig(beta=0.1, selector="best_vs_worst"),
     )

@@ -1,4 +1,5 @@
-"""1-D tensors from Python sequences of numbers, without torch.tensor's per-item dispatch.
+"""1-D tensors from Python sequences of numbers, without torch.tensor's per-item dispatch; and
+`pad`, a micro-batch's 1-D tensors as one right-padded [B, T] tensor.
 
 `torch.tensor(tuple_of_ints)` inspects every item (~8 us for a 70-token sample); packing into
 an `array.array` first and wrapping its buffer is 3x faster. Building a 128-sample train batch
@@ -13,6 +14,7 @@ import array
 from collections.abc import Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 
 def long_tensor(values: Sequence[int]) -> torch.Tensor:
@@ -27,3 +29,9 @@ def float_tensor(values: Sequence[float]) -> torch.Tensor:
     if not values:
         return torch.zeros(0, dtype=torch.float32)
     return torch.frombuffer(array.array("f", values), dtype=torch.float32)
+
+
+def pad(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """Right-pad 1-D float tensors of different lengths into [B, T_max] (zeros)."""
+    assert len(tensors) > 0, "cannot pad an empty micro-batch"
+    return pad_sequence([t.to(device).float() for t in tensors], batch_first=True)

@@ -2,12 +2,15 @@
 
 Every section is a frozen dataclass; `load_config` walks the TOML table against the dataclass
 fields and collects EVERY problem (unknown key with a "did you mean", wrong type, out-of-range
-value) into one `ConfigError` that names the key path and the fix. Range checks live in each
-section's `problems()` so that a config built in code is checked the same way.
+value) into one `ConfigError` that names the key path and the fix. A mode is a `Literal[...]`
+field, checked by one function (`base.literal_problem`) whether read from TOML or built in code;
+range checks live in each section's `problems()`, so a config built in code is checked the same
+way.
 
 Layout: `base` (ConfigError, check helpers, `_Section`), one module per group of sections
-(`model`, `rollout`, `algorithm`, `training`), and `loader` (the root `Config`, TOML loading,
-overrides). Import from `rollouts.config`; the submodules are an implementation detail.
+(`model`, `rollout`, `algorithm` with `algorithm_tables`, `reward`, `training`), and `loader`
+(the root `Config`, TOML loading, overrides). Import from `rollouts.config`; the submodules are
+an implementation detail.
 """
 
 from __future__ import annotations
@@ -16,9 +19,18 @@ from rollouts.config.algorithm import (
     ADVANTAGES,
     AGG_MODES,
     KL_ESTIMATORS,
-    PAIR_SELECTORS,
     POLICY_LOSSES,
     AlgorithmConfig,
+)
+from rollouts.config.algorithm_tables import (
+    PAIR_SELECTORS,
+    CispoConfig,
+    GAEConfig,
+    KLConfig,
+    PairwiseConfig,
+    ReferenceConfig,
+    RolloutCorrectionConfig,
+    TruncatedISConfig,
 )
 from rollouts.config.base import ConfigError
 from rollouts.config.loader import (
@@ -30,6 +42,7 @@ from rollouts.config.loader import (
     load_config,
 )
 from rollouts.config.model import DataConfig, ModelConfig, RunSection, TinyModelConfig
+from rollouts.config.reward import LengthShapingConfig, RewardConfig
 from rollouts.config.rollout import EnginesConfig, RolloutConfig, SamplingConfig
 from rollouts.config.training import CheckpointConfig, LoggingConfig, OptimConfig, TrainingConfig
 from rollouts.config.weight_sync import WeightSyncConfig
@@ -42,19 +55,28 @@ __all__ = [
     "POLICY_LOSSES",
     "AlgorithmConfig",
     "CheckpointConfig",
+    "CispoConfig",
     "Config",
     "ConfigError",
     "DataConfig",
     "EnginesConfig",
+    "GAEConfig",
+    "KLConfig",
+    "LengthShapingConfig",
     "LoggingConfig",
     "ModelConfig",
     "OptimConfig",
+    "PairwiseConfig",
+    "ReferenceConfig",
+    "RewardConfig",
     "RolloutConfig",
+    "RolloutCorrectionConfig",
     "RunConfig",
     "RunSection",
     "SamplingConfig",
     "TinyModelConfig",
     "TrainingConfig",
+    "TruncatedISConfig",
     "WeightSyncConfig",
     "apply_overrides",
     "config_from_dict",

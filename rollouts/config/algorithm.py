@@ -1,13 +1,30 @@
-"""[algorithm] section and the names its choices are drawn from."""
+"""[algorithm] section: the estimator, the policy loss and the update; its modes' sub-tables.
+
+The keys every algorithm has live here; a mode's own keys live in its sub-table
+(`algorithm_tables`: kl, reference, gae, rollout_correction, and one per policy loss with keys of
+its own). The policy losses are `rollouts.algorithms.policy_loss.POLICY_LOSSES`, one entry per
+name of `PolicyLossName`; the keys that left the flat table are in `ALGORITHM_MOVED_KEYS`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import typing
+from typing import ClassVar, Literal
 
-from rollouts.config.base import _check, _one_of, _Section
+from rollouts.config.algorithm_tables import (
+    CispoConfig,
+    GAEConfig,
+    KLConfig,
+    KLEstimator,
+    PairwiseConfig,
+    ReferenceConfig,
+    RolloutCorrectionConfig,
+    TruncatedISConfig,
+)
+from rollouts.config.base import _check, _Section
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-ADVANTAGES = (
+AdvantageName = Literal[
     "grpo",
     "dr_grpo",
     "rloo",
@@ -16,147 +33,94 @@ ADVANTAGES = (
     "reinforce_plus_plus_baseline",
     "reinforce_pp",  # = reinforce_plus_plus_baseline (the name older configs use)
     "gae",
-)
-POLICY_LOSSES = ("ppo", "reinforce", "gspo", "cispo", "pairwise")
-ROLLOUT_RS_MODES = ("none", "token", "sequence", "geometric")
-PAIR_SELECTORS = ("best_vs_worst", "all_pairs_above_margin")
-KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
+]
+PolicyLossName = Literal["ppo", "reinforce", "gspo", "cispo", "truncated_is", "pairwise"]
+AggMode = Literal[
+    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
+# "auto": on-policy updates (ppo_epochs = 1, one mini-batch) take the old logprobs from the
+# training forward itself (ratio = 1); "always": a separate no-grad pass before the update
+RecomputeOldLogprobs = Literal["auto", "always"]
+
+ADVANTAGES = typing.get_args(AdvantageName)
+POLICY_LOSSES = typing.get_args(PolicyLossName)
+AGG_MODES = typing.get_args(AggMode)
+KL_ESTIMATORS = typing.get_args(KLEstimator)
+
+# Keys that left the flat [algorithm] table: old dotted path -> new one (the loader reads both
+# for one release, with a line naming the new key).
+ALGORITHM_MOVED_KEYS: dict[str, str] = {
+    "algorithm.kl_coef": "algorithm.kl.coef",
+    "algorithm.kl_estimator": "algorithm.kl.estimator",
+    "algorithm.kl_in": "algorithm.kl.into",
+    "algorithm.kl_target": "algorithm.kl.target",
+    "algorithm.kl_horizon": "algorithm.kl.horizon",
+    "algorithm.kl_cap": "algorithm.kl.cap",
+    "algorithm.kl_ignore_ref_above": "algorithm.kl.ignore_ref_above",
+    "algorithm.ref_update": "algorithm.reference.update",
+    "algorithm.ref_ema_decay": "algorithm.reference.ema_decay",
+    "algorithm.ref_update_every": "algorithm.reference.update_every",
+    "algorithm.ref_update_fn": "algorithm.reference.update_fn",
+    "algorithm.lam": "algorithm.gae.lam",
+    "algorithm.value_coef": "algorithm.gae.value_coef",
+    "algorithm.value_clip": "algorithm.gae.value_clip",
+    "algorithm.value_lr": "algorithm.gae.value_lr",
+    "algorithm.tis": "algorithm.rollout_correction.tis",
+    "algorithm.tis_cap": "algorithm.rollout_correction.tis_cap",
+    "algorithm.tis_level": "algorithm.rollout_correction.tis_level",
+    "algorithm.rollout_rs": "algorithm.rollout_correction.rejection",
+    "algorithm.rollout_rs_threshold": "algorithm.rollout_correction.rejection_threshold",
+    "algorithm.rollout_rs_threshold_lower": (
+        "algorithm.rollout_correction.rejection_threshold_lower"
+    ),
+    "algorithm.cispo_clip_eps_low": "algorithm.cispo.clip_eps_low",
+    "algorithm.cispo_clip_eps_high": "algorithm.cispo.clip_eps_high",
+    "algorithm.pair_beta": "algorithm.pairwise.beta",
+    "algorithm.pair_selector": "algorithm.pairwise.selector",
+    "algorithm.pair_margin": "algorithm.pairwise.margin",
+    "algorithm.reward_transform": "reward.transform",
+    "algorithm.reward_scope": "reward.scope",
+    "algorithm.reward_weights": "reward.weights",
+    "algorithm.pareto_mode": "reward.pareto_mode",
+    "algorithm.reward_norm": "reward.norm",
+    "algorithm.overlong_buffer": "reward.length.overlong_buffer",
+    "algorithm.overlong_max_length": "reward.length.max_length",
+    "algorithm.overlong_penalty": "reward.length.overlong_penalty",
+    "algorithm.efficiency_coef": "reward.length.efficiency_coef",
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class AlgorithmConfig(_Section):
-    """[algorithm]: advantage estimator, policy loss, aggregation, KL and clip settings."""
+    """[algorithm]: advantage estimator, policy loss, aggregation, clip and update settings."""
 
-    advantage: str = "grpo"
-    norm_adv_by_std: bool = True
-    policy_loss: str = "ppo"
-    loss_agg: str = "token-mean"
-    clip_eps_low: float = 0.2
+    KEY: ClassVar[str] = "algorithm"
+
+    advantage: AdvantageName = "grpo"
+    norm_adv_by_std: bool = True  # grpo: divide by the group's std (false: Dr.GRPO's scores)
+    gamma: float = 1.0  # discount of the reward-to-go (reinforce*) and of GAE
+    policy_loss: PolicyLossName = "ppo"
+    loss_agg: AggMode = "token-mean"
+    clip_eps_low: float = 0.2  # the PPO / GSPO clip: ratio in [1 - low, 1 + high]
     clip_eps_high: float = 0.2
-    clip_ratio_c: float = 3.0
+    clip_ratio_c: float = 3.0  # PPO's dual clip
     entropy_coef: float = 0.0
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    kl_in: str = "loss"  # "loss" | "reward"
-    tis: bool = False
-    tis_cap: float = 2.0
-    ref_update: str = "none"  # "none" | "copy" | "ema" | "periodic"
-    ref_ema_decay: float = 0.99
-    ref_update_every: int = 10
-    gamma: float = 1.0
-    lam: float = 1.0
     ppo_epochs: int = 1
     mini_batch_size: int = 0  # groups per mini-batch; 0 = the whole batch
-    # "auto": on-policy updates (ppo_epochs = 1, one mini-batch) take the old logprobs from the
-    # training forward itself (ratio = 1); "always": a separate no-grad pass before the update
-    recompute_old_logprobs: str = "auto"
-    pair_beta: float = 0.1  # policy_loss = "pairwise": beta of -log sigmoid(beta * margin)
-    pair_selector: str = "best_vs_worst"  # | "all_pairs_above_margin" | dotted path to a selector
-    pair_margin: float = 0.0  # a pair needs r_chosen - r_rejected > pair_margin
+    recompute_old_logprobs: RecomputeOldLogprobs = "auto"
     schedule: str = ""  # dotted path to `rl_step -> AlgorithmConfig` (0-based RL step)
-    tis_level: str = "token"  # "token" | "sequence"
-    # rejection of samples the engine made too unlike the trainer (verl rollout_rs): drop tokens
-    # ("token") or whole sequences ("sequence": product of ratios; "geometric": their geometric
-    # mean) whose ratio pi_trainer / pi_engine is outside [threshold_lower, threshold]
-    rollout_rs: str = "none"
-    rollout_rs_threshold: float = 2.0
-    rollout_rs_threshold_lower: float = 0.0  # 0 = 1 / rollout_rs_threshold
-    cispo_clip_eps_low: float = 1.0  # policy_loss = "cispo": weight >= 1 - this (1 = no bound)
-    cispo_clip_eps_high: float = 0.28  # policy_loss = "cispo": weight <= 1 + this
-    kl_target: float = 0.0  # > 0: adaptive KL coefficient towards this KL (kl_in = "reward")
-    kl_horizon: int = 10000  # steps of the adaptive KL controller
-    kl_cap: float = 0.0  # > 0: clamp per-token KL at this value
-    kl_ignore_ref_above: float = 1.0  # < 1: no KL on tokens the reference gives p > this
-    value_coef: float = 0.5  # weight of the critic's loss (advantage = "gae")
-    value_clip: float = 0.2  # clip range of the critic's prediction around old values
-    value_lr: float = 0.0  # learning rate of the critic's value head; 0 = optim.lr
-    ref_update_fn: str = ""  # dotted path, for ref_update = "user"
-    reward_transform: str = "absolute"  # "absolute" | "relative" (rank) | "pareto" (vector)
-    reward_scope: str = "group"  # where relative / pareto compare: "group" | "batch"
-    reward_weights: list[float] = dataclasses.field(default_factory=list)  # vector -> weighted sum
-    pareto_mode: str = "rank"  # "rank": 1 / (1 + Pareto rank) | "distance": -distance to front
-    reward_norm: str = "none"  # "none" | "group" | "batch": (r - mean) / (std + 1e-6)
-    overlong_buffer: int = 0  # > 0: DAPO soft overlong penalty over the last N tokens
-    overlong_max_length: int = 0  # the response length the penalty reaches -overlong_penalty
-    overlong_penalty: float = 1.0
-    efficiency_coef: float = 0.0  # > 0: bonus coef * (1 - len / overlong_max_length) if r > 0
+    kl: KLConfig = dataclasses.field(default_factory=KLConfig)
+    reference: ReferenceConfig = dataclasses.field(default_factory=ReferenceConfig)
+    gae: GAEConfig = dataclasses.field(default_factory=GAEConfig)
+    rollout_correction: RolloutCorrectionConfig = dataclasses.field(
+        default_factory=RolloutCorrectionConfig
+    )
+    cispo: CispoConfig = dataclasses.field(default_factory=CispoConfig)
+    truncated_is: TruncatedISConfig = dataclasses.field(default_factory=TruncatedISConfig)
+    pairwise: PairwiseConfig = dataclasses.field(default_factory=PairwiseConfig)
 
     def problems(self) -> list[str]:
         p: list[str] = []
-        _one_of(p, "algorithm.advantage", self.advantage, ADVANTAGES)
-        _one_of(p, "algorithm.policy_loss", self.policy_loss, POLICY_LOSSES)
-        _one_of(p, "algorithm.loss_agg", self.loss_agg, AGG_MODES)
-        _one_of(p, "algorithm.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        _one_of(p, "algorithm.kl_in", self.kl_in, ("loss", "reward"))
-        _one_of(
-            p, "algorithm.ref_update", self.ref_update, ("none", "copy", "ema", "periodic", "user")
-        )
-        _check(
-            p,
-            self.ref_update != "user" or bool(self.ref_update_fn),
-            "algorithm.ref_update_fn: must name a function when algorithm.ref_update = 'user'",
-        )
-        _one_of(p, "algorithm.tis_level", self.tis_level, ("token", "sequence"))
-        _check(p, self.kl_target >= 0.0, "algorithm.kl_target: must be >= 0 (0 = fixed kl_coef)")
-        _check(
-            p,
-            self.kl_target == 0.0 or (self.kl_in == "reward" and self.kl_coef > 0.0),
-            f"algorithm.kl_target = {self.kl_target}: the adaptive KL controller steers the KL "
-            "in the reward (as verl): set algorithm.kl_in = 'reward' and kl_coef > 0 (its "
-            "initial value), or kl_target = 0",
-        )
-        _one_of(p, "algorithm.rollout_rs", self.rollout_rs, ROLLOUT_RS_MODES)
-        _check(
-            p,
-            self.rollout_rs_threshold > 1.0,
-            f"algorithm.rollout_rs_threshold = {self.rollout_rs_threshold}: must be > 1",
-        )
-        _check(
-            p,
-            0.0 <= self.rollout_rs_threshold_lower < 1.0,
-            f"algorithm.rollout_rs_threshold_lower = {self.rollout_rs_threshold_lower}: must be "
-            "in [0, 1) (0 = 1 / rollout_rs_threshold)",
-        )
-        _check(
-            p,
-            0.0 <= self.cispo_clip_eps_low <= 1.0,
-            f"algorithm.cispo_clip_eps_low = {self.cispo_clip_eps_low}: must be in [0, 1]",
-        )
-        _check(
-            p,
-            self.cispo_clip_eps_high >= 0.0,
-            f"algorithm.cispo_clip_eps_high = {self.cispo_clip_eps_high}: must be >= 0",
-        )
-        _check(p, self.kl_horizon >= 1, "algorithm.kl_horizon: must be >= 1")
-        _check(p, self.kl_cap >= 0.0, "algorithm.kl_cap: must be >= 0 (0 = no cap)")
-        _check(p, 0.0 < self.kl_ignore_ref_above <= 1.0, "algorithm.kl_ignore_ref_above: (0, 1]")
-        _check(p, self.value_coef >= 0.0, "algorithm.value_coef: must be >= 0")
-        _check(p, self.value_clip > 0.0, "algorithm.value_clip: must be > 0")
-        _check(p, self.value_lr >= 0.0, "algorithm.value_lr: must be >= 0 (0 = optim.lr)")
-        _one_of(
-            p,
-            "algorithm.reward_transform",
-            self.reward_transform,
-            ("absolute", "relative", "pareto"),
-        )
-        _one_of(p, "algorithm.reward_scope", self.reward_scope, ("group", "batch"))
-        _one_of(p, "algorithm.pareto_mode", self.pareto_mode, ("rank", "distance"))
-        _one_of(p, "algorithm.reward_norm", self.reward_norm, ("none", "group", "batch"))
-        _check(p, self.overlong_buffer >= 0, "algorithm.overlong_buffer: must be >= 0")
-        _check(p, self.efficiency_coef >= 0.0, "algorithm.efficiency_coef: must be >= 0")
-        _check(
-            p,
-            (self.overlong_buffer == 0 and self.efficiency_coef == 0)
-            or self.overlong_max_length >= max(self.overlong_buffer, 1),
-            f"algorithm.overlong_max_length = {self.overlong_max_length}: must be >= "
-            "overlong_buffer (and >= 1) when the overlong penalty or efficiency bonus is on",
-        )
-        _check(
-            p,
-            self.policy_loss != "gspo" or self.loss_agg == "seq-mean-token-mean",
-            f"algorithm.loss_agg = {self.loss_agg!r}: GSPO is defined with "
-            "'seq-mean-token-mean'; set algorithm.loss_agg = 'seq-mean-token-mean'",
-        )
         _check(p, 0.0 <= self.clip_eps_low < 1.0, "algorithm.clip_eps_low: must be in [0, 1)")
         _check(p, self.clip_eps_high >= 0.0, "algorithm.clip_eps_high: must be >= 0")
         _check(
@@ -164,35 +128,26 @@ class AlgorithmConfig(_Section):
             self.clip_ratio_c > 1.0,
             f"algorithm.clip_ratio_c = {self.clip_ratio_c}: must be > 1.0 (dual clip)",
         )
-        _check(p, self.kl_coef >= 0.0, "algorithm.kl_coef: must be >= 0")
-        _check(p, self.tis_cap >= 1.0, f"algorithm.tis_cap = {self.tis_cap}: must be >= 1.0")
-        _check(p, 0.0 <= self.ref_ema_decay <= 1.0, "algorithm.ref_ema_decay: in [0, 1]")
-        _check(p, self.ref_update_every >= 1, "algorithm.ref_update_every: must be >= 1")
         _check(p, 0.0 <= self.gamma <= 1.0, "algorithm.gamma: must be in [0, 1]")
-        _check(p, 0.0 <= self.lam <= 1.0, "algorithm.lam: must be in [0, 1]")
         _check(p, self.ppo_epochs >= 1, "algorithm.ppo_epochs: must be >= 1")
         _check(p, self.mini_batch_size >= 0, "algorithm.mini_batch_size: must be >= 0")
-        _one_of(
-            p,
-            "algorithm.recompute_old_logprobs",
-            self.recompute_old_logprobs,
-            ("auto", "always"),
-        )
-        _check(p, self.pair_beta > 0.0, f"algorithm.pair_beta = {self.pair_beta}: must be > 0")
-        _check(p, self.pair_margin >= 0.0, "algorithm.pair_margin: must be >= 0")
+        return p + self._policy_loss_problems()
+
+    def _policy_loss_problems(self) -> list[str]:
+        """How the policy loss combines with the rest (each loss's own keys check themselves)."""
+        p: list[str] = []
         _check(
             p,
-            self.pair_selector in PAIR_SELECTORS or "." in self.pair_selector,
-            f"algorithm.pair_selector = {self.pair_selector!r}: must be one of {PAIR_SELECTORS} "
-            "or a dotted path to a function (group) -> [(chosen, rejected), ...]",
+            self.policy_loss != "gspo" or self.loss_agg == "seq-mean-token-mean",
+            f"algorithm.loss_agg = {self.loss_agg!r}: GSPO is defined with "
+            "'seq-mean-token-mean'; set algorithm.loss_agg = 'seq-mean-token-mean'",
         )
-        pairwise = self.policy_loss == "pairwise"
         _check(
             p,
-            not pairwise
-            or (self.advantage != "gae" and not self.tis and self.rollout_rs == "none"),
+            self.policy_loss != "pairwise"
+            or (self.advantage != "gae" and not self.rollout_correction.enabled),
             "algorithm.policy_loss = 'pairwise' uses no advantages and no TIS: set "
-            "algorithm.advantage to a critic-free estimator (e.g. 'grpo'), tis = false and "
-            "rollout_rs = 'none'",
+            "algorithm.advantage to a critic-free estimator (e.g. 'grpo'), "
+            "algorithm.rollout_correction.tis = false and rejection = 'none'",
         )
         return p

@@ -15,9 +15,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rollouts.config.algorithm import AlgorithmConfig
-from rollouts.config.base import ConfigError, _Section
+from rollouts.config.algorithm import ALGORITHM_MOVED_KEYS, AlgorithmConfig
+from rollouts.config.base import ConfigError, _Section, is_literal, literal_problem
 from rollouts.config.model import DataConfig, ModelConfig, RunSection
+from rollouts.config.reward import RewardConfig
 from rollouts.config.rollout import EnginesConfig, RolloutConfig
 from rollouts.config.training import CheckpointConfig, LoggingConfig, OptimConfig, TrainingConfig
 from rollouts.config.weight_sync import WeightSyncConfig
@@ -33,6 +34,7 @@ class Config(_Section):
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     engines: EnginesConfig = dataclasses.field(default_factory=EnginesConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
@@ -49,6 +51,11 @@ def _type_name(tp: Any) -> str:
 
 def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
     """Check `value` against the annotation `tp`; return it (ints widen to floats)."""
+    if is_literal(tp):  # a mode: one of its values
+        problem = literal_problem(key, value, tp)
+        if problem:
+            problems.append(problem)
+        return value
     origin = typing.get_origin(tp)
     if origin is list:
         (item_tp,) = typing.get_args(tp)
@@ -121,10 +128,11 @@ def _pop_path(table: dict[str, Any], path: list[str]) -> tuple[bool, Any]:
 def move_old_keys(
     table: Mapping[str, Any], problems: list[str]
 ) -> tuple[dict[str, Any], list[str]]:
-    """A copy of `table` with every key of `MOVED_KEYS` at its new place; the notes to print."""
+    """A copy of `table` with every key of `MOVED_KEYS` (and `ALGORITHM_MOVED_KEYS`) at its new
+    place; the notes to print."""
     out = copy.deepcopy(dict(table))
     notes: list[str] = []
-    for old, new in MOVED_KEYS.items():
+    for old, new in (MOVED_KEYS | ALGORITHM_MOVED_KEYS).items():
         found, value = _pop_path(out, old.split("."))
         if not found:
             continue

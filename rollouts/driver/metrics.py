@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from rollouts.rewards.shaping import scored_reward
 from rollouts.trainer.disk_errors import write_error
 from rollouts.types import Sample, sample_to_dict
 
@@ -34,6 +35,11 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
+
+
+def _as_json(reward: Any) -> Any:
+    """A reward as JSON writes it (a vector as a list)."""
+    return list(reward) if isinstance(reward, tuple) else reward
 
 
 def read_jsonl_rows(path: Path) -> list[dict[str, Any]]:
@@ -237,7 +243,7 @@ class MetricsLogger:
             sink.log(step, metrics)
 
     def log_samples(self, step: int, samples: Sequence[Sample], decode: Any) -> None:
-        """Append (prompt, response text, reward, status) of `samples` to rollouts.jsonl."""
+        """Append (prompt, response text, scored reward, status) of `samples` to rollouts.jsonl."""
         if self.rollouts_path is None or not samples:
             return
         lines = []
@@ -249,7 +255,7 @@ class MetricsLogger:
                 "group_index": s.group_index,
                 "prompt": row["prompt"],
                 "response": decode(list(s.response_tokens)),
-                "reward": row["reward"],
+                "reward": _as_json(scored_reward(s)),
                 "label": row["label"],
                 "status": row["status"],
                 "weight_versions": row["weight_versions"],

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import trio
 
-from rollouts.algorithms.reference import needs_reference
+from rollouts.algorithms.algorithm import reference_needed
 from rollouts.config import Config
 from rollouts.data.buffer import DataBuffer
 from rollouts.driver.engines import open_engines
@@ -34,7 +34,6 @@ from rollouts.driver.setup import (
 from rollouts.driver.trainer_io import BackendFactory, checkpoint_root, save
 from rollouts.inference.pool import EnginePool
 from rollouts.loop.rl import RLHooks, run_rl_training
-from rollouts.loop.train_step import ReferencePolicy
 from rollouts.plugins import load_function
 from rollouts.rewards.protocol import RewardFn
 from rollouts.rollout.manager import AsyncRolloutManager
@@ -49,6 +48,7 @@ from rollouts.trainer.factories import create_backend, load_tokenizer
 from rollouts.trainer.process import TrainerProcess
 from rollouts.trainer.protocol import TrainingBackend
 from rollouts.trainer.pytorch import MODEL_DIR
+from rollouts.trainer.reference import ReferencePolicy
 from rollouts.types import PromptItem, RolloutBatch
 from rollouts.weights.disk import clean_sync_root, publish_weights, run_sync_root
 from rollouts.weights.publisher import open_publisher
@@ -211,7 +211,7 @@ def build_reference(
     config: Config, model_dir: Path, make_backend: BackendFactory = create_backend
 ) -> ReferencePolicy | None:
     """A reference model when the algorithm (or its schedule) can use KL; else None."""
-    if not needs_reference(config.algorithm):
+    if not reference_needed(config.algorithm):
         return None
     return ReferencePolicy(
         make_backend(config, model_path=model_dir, total_steps=1, value_head=False)
@@ -262,6 +262,7 @@ async def _rl_with_engines(run: RLRun) -> dict[str, float]:
         tokenizer=run.tokenizer,
         reward_fn=run.reward_fn,
         seed=config.run.seed,  # sampling seeds of every request (reproducible runs)
+        reward_shaping=config.reward,  # a batch's rewards are final when it leaves the manager
     )
     evaluate_fn = _eval_hook(run, manager)
     hooks = RLHooks(

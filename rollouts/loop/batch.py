@@ -17,7 +17,7 @@ from rollouts.algorithms.advantages import outcome_token_rewards
 from rollouts.algorithms.batch import build_train_batch, nest
 from rollouts.algorithms.tensors import float_tensor, long_tensor
 from rollouts.config import AlgorithmConfig
-from rollouts.rewards.shaping import shape_rewards
+from rollouts.rewards.shaping import scored_reward
 from rollouts.rollout.planning import split_stale_groups
 from rollouts.types import Sample, Status, TrainBatch
 
@@ -85,21 +85,21 @@ def train_batch_of(
     kl_penalties: Sequence[torch.Tensor] | None = None,
     values: Sequence[torch.Tensor] | None = None,
 ) -> TrainBatch:
-    """Shaped rewards -> advantages (optionally with per-token KL penalties) -> TrainBatch.
+    """Final rewards -> advantages (optionally with per-token KL penalties) -> TrainBatch.
 
-    Dr.GRPO's constant T_max is the sampling budget `max_new_tokens`. `values` (flat, one per
-    sample, aligned with its tokens: `values[t]` = V(tokens < t)) are the critic's, for GAE.
+    The samples' rewards are final (shaped on the rollout side). Dr.GRPO's constant T_max is the
+    sampling budget `max_new_tokens`. `values` (flat, one per sample, aligned with its tokens:
+    `values[t]` = V(tokens < t)) are the critic's, for GAE.
     """
     assert groups, "no group to train on"
-    shaped = shape_rewards(groups, algo)
     token_rewards = None
     if kl_penalties is not None:
-        token_rewards = outcome_token_rewards(shaped, nest(kl_penalties, shaped))
+        token_rewards = outcome_token_rewards(groups, nest(kl_penalties, groups))
     return build_train_batch(
-        shaped,
+        groups,
         algo,
         token_rewards=token_rewards,
-        values=None if values is None else nest(values, shaped),
+        values=None if values is None else nest(values, groups),
         max_response_length=max_new_tokens,
     )
 
@@ -143,21 +143,6 @@ def mini_batches(groups: Sequence[Group], mini_batch_size: int) -> list[list[int
     return out
 
 
-def needs_old_logprobs_pass(algo: AlgorithmConfig, num_mini_batches: int) -> bool:
-    """Whether the old logprobs need their own no-grad pass before the update.
-
-    An on-policy update (one epoch, one mini-batch) runs its forward with the pre-update weights,
-    so its own detached logprobs ARE the old ones: the pass is redundant. Later epochs or
-    mini-batches run after an optimizer step and need them; pairwise needs them before the
-    forward; `algorithm.recompute_old_logprobs = "always"` asks for the pass regardless.
-    """
-    assert num_mini_batches >= 1, f"{num_mini_batches=}"
-    if algo.recompute_old_logprobs == "always":
-        return True
-    assert algo.recompute_old_logprobs == "auto", f"{algo.recompute_old_logprobs=}"
-    return algo.ppo_epochs > 1 or num_mini_batches > 1 or algo.policy_loss == "pairwise"
-
-
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
     if not values:
         return math.nan, math.nan
@@ -173,9 +158,12 @@ def scalar(reward: Any) -> float:
 
 
 def rollout_metrics(groups: Sequence[Group], meta: Mapping[str, Any]) -> dict[str, float]:
-    """Reward, accuracy, length and kept/dropped/aborted counts of one rollout batch."""
+    """Reward, accuracy, length and kept/dropped/aborted counts of one rollout batch.
+
+    The `reward/*` figures are of the rewards as scored (`scored_reward`), before shaping.
+    """
     samples = [s for g in groups for s in g]
-    rewards = [scalar(s.reward) for s in samples if s.reward is not None]
+    rewards = [scalar(r) for s in samples if (r := scored_reward(s)) is not None]
     mean, std = _mean_std(rewards)
     lengths = [s.response_length for s in samples]
     out: dict[str, float] = {

@@ -32,7 +32,7 @@ import trio
 
 from rollouts.algorithms.kl import AdaptiveKL
 from rollouts.algorithms.schedule import load_schedule
-from rollouts.config import AlgorithmConfig, Config
+from rollouts.config import Config
 from rollouts.inference.http import EngineError
 from rollouts.inference.pool import EnginePool
 from rollouts.loop.batch import (
@@ -52,10 +52,11 @@ from rollouts.loop.state import (
     loop_state_from,
     train_version,
 )
-from rollouts.loop.train_step import ReferencePolicy, train_step
+from rollouts.loop.train_step import train_step
 from rollouts.rollout.batch import discarded_fraction
 from rollouts.rollout.planning import staleness_bound
 from rollouts.trainer.protocol import TrainingBackend
+from rollouts.trainer.reference import ReferencePolicy
 from rollouts.types import RolloutBatch
 from rollouts.weights.publisher import WeightPublisher
 
@@ -210,7 +211,7 @@ async def _one_batch(ctx: _Ctx, st: LoopState) -> dict[str, float] | None:
         ctx.batches.raise_limit(st.batches + ctx.total - st.step)  # one more batch to make
         return None
     step = st.step + 1
-    algo = _with_kl_controller(ctx.schedule(step - 1), st.kl_ctl)
+    algo = st.kl_ctl.steer(ctx.schedule(step - 1))  # the adaptive KL coefficient, if any
     st.in_backend = True
     train_metrics, train_times = await train_step(
         ctx.backend, prep.groups, algo, ctx.config, ctx.ref
@@ -302,13 +303,6 @@ async def _checkpoint(ctx: _Ctx, st: LoopState, metrics: dict[str, float], due: 
     if due.periodic and ctx.is_async:  # kept in the checkpoint: see the module docstring
         await ctx.batches.take_ahead(st.step_batch + 1)
     await checkpoint(ctx.hooks, ctx.batches, st, metrics)
-
-
-def _with_kl_controller(algo: AlgorithmConfig, kl_ctl: AdaptiveKL) -> AlgorithmConfig:
-    """The step's config with the adaptive controller's coefficient (when it is adaptive)."""
-    if kl_ctl.target <= 0.0:
-        return algo
-    return dataclasses.replace(algo, kl_coef=kl_ctl.coef)
 
 
 def _timing(

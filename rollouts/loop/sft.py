@@ -22,7 +22,7 @@ from rollouts.data.limits import TokenLimit
 from rollouts.data.sft import tokenize_conversation
 from rollouts.loop.state import StepLog
 from rollouts.trainer.protocol import TrainingBackend
-from rollouts.types import Message, ModelOutputs, TrainBatch
+from rollouts.types import Message, ModelOutputs, PlainLoss, TrainBatch
 
 TokenizedConversation = tuple[list[int], list[int]]
 MAX_NAMED = 5  # overlong conversations named in the error; the rest are counted
@@ -161,7 +161,7 @@ async def run_sft_training(
         started = time.monotonic()
         idx = batch_indices(len(examples), t.sft_batch_size, step - 1, config.run.seed)
         batch = make_sft_batch([examples[i] for i in idx])
-        fb = await backend.forward_backward(batch, sft_loss_fn)
+        fb = await backend.forward_backward(batch, PlainLoss(fn=sft_loss_fn))
         opt = await backend.optim_step()
         loss = fb["sft/loss"]
         metrics = {**fb, **{f"sft/{k}": v for k, v in opt.items()}}

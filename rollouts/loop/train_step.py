@@ -1,5 +1,6 @@
 """One RL training step on a batch of groups: advantages, logprobs, then `ppo_epochs` x
-mini-batch optimizer updates; and the reference policy the KL terms compare against.
+mini-batch optimizer updates. The reference policy the KL terms compare against is
+`trainer/reference.py`.
 
 Nothing here knows where the batch came from or what happens after the update: the loop
 (`rl.py`) calls `train_step` once per step.
@@ -11,89 +12,53 @@ import dataclasses
 import time
 from typing import Any
 
-import trio
-
+from rollouts.algorithms.algorithm import Algorithm
 from rollouts.algorithms.kl import kl_reward_penalties, sequence_mean_kl
 from rollouts.algorithms.loss_fn import make_loss_fn
-from rollouts.algorithms.pairwise import groups_of, prepare_pairwise_batch
-from rollouts.algorithms.reference import update_reference
+from rollouts.algorithms.pairwise import groups_of
 from rollouts.config import AlgorithmConfig, Config
 from rollouts.loop.batch import (
     epoch_metrics,
     mini_batches,
-    needs_old_logprobs_pass,
     prefixed,
     train_batch_of,
     value_input_batch,
 )
+from rollouts.trainer.protocol import TrainingBackend
+from rollouts.trainer.reference import ReferencePolicy
 from rollouts.types import TrainBatch
-
-
-class ReferencePolicy:
-    """The reference model (for KL): a logprob-only backend and its update strategy."""
-
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend
-        self.params = backend.get_weights()
-        self.changed = False  # moved off the base model: checkpointed from then on
-
-    def restore(self, params: Any) -> None:
-        """Load reference parameters saved in a checkpoint (a resumed run)."""
-        self.params, self.changed = params, True
-        self.backend.load_weights(params)
-
-    def params_to_checkpoint(self) -> Any:
-        """The parameters a checkpoint must keep: None while they are the base model's."""
-        return self.params if self.changed else None
-
-    async def logprobs(self, batch: TrainBatch) -> tuple[Any, ...]:
-        return await self.backend.compute_logprobs(batch)
-
-    async def update(self, policy_backend: Any, algo: AlgorithmConfig, step: int) -> None:
-        """Apply `algo.ref_update` after optimizer step `step`."""
-        if algo.ref_update == "none":
-            return
-        policy = await trio.to_thread.run_sync(policy_backend.get_weights)
-        new = update_reference(self.params, policy, algo, step)
-        if new is not self.params:
-            self.params, self.changed = new, True
-            await trio.to_thread.run_sync(self.backend.load_weights, new)
 
 
 async def _logprobs_for(
     batch: TrainBatch,
-    backend: Any,
+    backend: TrainingBackend,
     ref: ReferencePolicy | None,
-    algo: AlgorithmConfig,
+    algorithm: Algorithm,
     separate_old: bool,
 ) -> tuple[TrainBatch, float]:
-    """Old logprobs when a separate pass is needed (`needs_old_logprobs_pass`) and reference
-    logprobs. Without old logprobs the loss takes them from the training forward (ratio = 1),
-    and the engine/trainer mismatch and TIS too."""
+    """Old logprobs when a separate pass is needed (`Algorithm.needs_old_logprobs_pass`) and
+    reference logprobs. Without old logprobs the loss takes them from the training forward
+    (ratio = 1), and the engine/trainer mismatch and TIS too."""
     started = time.monotonic()
     if separate_old:
         old = await backend.compute_logprobs(batch)
         batch = dataclasses.replace(batch, old_logprobs=tuple(old))
-    if make_loss_fn(algo).needs_ref_logprobs:
+    if algorithm.needs_reference:
         if ref is None:
             raise ValueError(
-                "algorithm.kl_coef > 0 or policy_loss = 'pairwise' needs a reference model "
-                "(none was built)"
+                f"algorithm.policy_loss = {algorithm.config.policy_loss!r} with kl.coef = "
+                f"{algorithm.config.kl.coef} needs a reference model (none was built)"
             )
         batch = dataclasses.replace(batch, ref_logprobs=tuple(await ref.logprobs(batch)))
     return batch, time.monotonic() - started
 
 
 async def _critic_values(
-    backend: Any, groups: Any, algo: AlgorithmConfig
+    backend: TrainingBackend, groups: Any, algorithm: Algorithm
 ) -> tuple[Any, ...] | None:
     """The critic's values before the update (GAE needs them); None for other estimators."""
-    if algo.advantage != "gae":
+    if not algorithm.needs_critic:
         return None
-    if not hasattr(backend, "compute_values"):
-        raise ValueError(
-            "algorithm.advantage = 'gae' needs a critic: the backend has no compute_values"
-        )
     return tuple(await backend.compute_values(value_input_batch(groups)))
 
 
@@ -101,7 +66,7 @@ async def _kl_in_reward_batch(
     groups: Any,
     algo: AlgorithmConfig,
     config: Config,
-    backend: Any,
+    backend: TrainingBackend,
     ref: ReferencePolicy,
     values: tuple[Any, ...] | None = None,
 ) -> tuple[TrainBatch, dict[str, float]]:
@@ -110,40 +75,61 @@ async def _kl_in_reward_batch(
     plain = train_batch_of(groups, algo, max_new_tokens=max_new, values=values)
     old = await backend.compute_logprobs(plain)
     ref_lp = await ref.logprobs(plain)
-    penalties, batch_kl = kl_reward_penalties(old, ref_lp, plain.loss_mask, algo, algo.kl_coef)
+    penalties, batch_kl = kl_reward_penalties(old, ref_lp, plain.loss_mask, algo.kl, algo.kl.coef)
     batch = train_batch_of(
         groups, algo, max_new_tokens=max_new, kl_penalties=penalties, values=values
     )
     batch = dataclasses.replace(batch, old_logprobs=tuple(old), ref_logprobs=tuple(ref_lp))
-    seq_kl = sequence_mean_kl(old, ref_lp, plain.loss_mask, algo)
+    seq_kl = sequence_mean_kl(old, ref_lp, plain.loss_mask, algo.kl)
     return batch, {
         "train/reward_kl": batch_kl,
         "train/reward_kl_seq_mean": seq_kl,
-        "train/kl_coef": algo.kl_coef,
+        "train/kl_coef": algo.kl.coef,
     }
 
 
-async def train_step(
-    backend: Any, groups: Any, algo: AlgorithmConfig, config: Config, ref: ReferencePolicy | None
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Advantages, logprobs and `ppo_epochs` x mini-batch optimizer steps; (metrics, times)."""
-    max_new = config.rollout.sampling.max_new_tokens
+async def _batch_with_logprobs(
+    backend: TrainingBackend,
+    groups: Any,
+    algorithm: Algorithm,
+    config: Config,
+    ref: ReferencePolicy | None,
+) -> tuple[TrainBatch, Algorithm, dict[str, float], dict[str, float]]:
+    """The step's batch (advantages, old and reference logprobs as needed), the algorithm it
+    trains with (KL in the reward: none left for the loss), its extra metrics and times."""
     times: dict[str, float] = {}
-    extra: dict[str, float] = {}
     started = time.monotonic()
-    values = await _critic_values(backend, groups, algo)
+    values = await _critic_values(backend, groups, algorithm)
     if values is not None:
         times["values"] = time.monotonic() - started
-    if algo.kl_in == "reward" and algo.kl_coef > 0.0 and ref is not None:
+    if algorithm.kl_in_reward and ref is not None:
         started = time.monotonic()
+        algo = algorithm.config
         batch, extra = await _kl_in_reward_batch(groups, algo, config, backend, ref, values)
         times["logprobs"] = time.monotonic() - started
         # the KL is in the reward, not the loss (the controller, if any, already steered it)
-        algo = dataclasses.replace(algo, kl_coef=0.0, kl_target=0.0)
-    else:
-        batch = train_batch_of(groups, algo, max_new_tokens=max_new, values=values)
-        separate = needs_old_logprobs_pass(algo, len(mini_batches(groups, algo.mini_batch_size)))
-        batch, times["logprobs"] = await _logprobs_for(batch, backend, ref, algo, separate)
+        return batch, algorithm.with_kl_in_reward_applied(), extra, times
+    max_new = config.rollout.sampling.max_new_tokens
+    batch = train_batch_of(groups, algorithm.config, max_new_tokens=max_new, values=values)
+    n_mini = len(mini_batches(groups, algorithm.config.mini_batch_size))
+    separate = algorithm.needs_old_logprobs_pass(n_mini)
+    batch, times["logprobs"] = await _logprobs_for(batch, backend, ref, algorithm, separate)
+    return batch, algorithm, {}, times
+
+
+async def train_step(
+    backend: TrainingBackend,
+    groups: Any,
+    algo: AlgorithmConfig,
+    config: Config,
+    ref: ReferencePolicy | None,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Advantages, logprobs and `ppo_epochs` x mini-batch optimizer steps; (metrics, times)."""
+    algorithm = Algorithm(config=algo)
+    batch, algorithm, extra, times = await _batch_with_logprobs(
+        backend, groups, algorithm, config, ref
+    )
+    algo = algorithm.config
     loss_fn = make_loss_fn(algo)
     started = time.monotonic()
     summed: dict[str, float] = {}
@@ -153,8 +139,7 @@ async def train_step(
         per_epoch.append({"_n": 0.0})
         for indices in mini_batches(groups, algo.mini_batch_size):
             mb = batch if len(indices) == len(batch) else _renormalised(batch, indices)
-            if algo.policy_loss == "pairwise":  # per mini-batch: each divides by its own pairs
-                mb = prepare_pairwise_batch(mb, groups_of(groups, indices), algo)
+            mb = algorithm.prepare(mb, groups_of(groups, indices))  # (pairwise: its own pairs)
             fb = await backend.forward_backward(mb, loss_fn, entropy=True)
             opt = await backend.optim_step()
             for key, value in {**fb, **opt}.items():
@@ -165,7 +150,7 @@ async def train_step(
     times["train"] = time.monotonic() - started
     metrics = {k: v / n_updates for k, v in summed.items()}  # mean over optimizer updates
     metrics = prefixed(metrics, "train") | extra
-    if algo.ppo_epochs > 1 or values is not None:
+    if algo.ppo_epochs > 1 or algorithm.needs_critic:
         metrics |= epoch_metrics(per_epoch)
     metrics["train/updates"] = float(n_updates)
     metrics["train/tokens"] = float(sum(len(t) for t in batch.input_ids))

@@ -98,7 +98,7 @@ def weighted_sum(weights: Sequence[float]) -> Callable[[Reward], float]:
         if len(reward) != len(weights):
             raise ValueError(
                 f"vector reward has {len(reward)} objectives but {len(weights)} weights were "
-                "given (algorithm.reward_weights)"
+                "given (reward.weights)"
             )
         return float(sum(w * r for w, r in zip(weights, reward, strict=True)))
 

@@ -1,16 +1,18 @@
 """Reward shaping (overlong penalty with a soft buffer, efficiency bonus) and the reward pipeline.
 
-`shape_rewards(groups, config)` is what the RL loop calls after scoring, before advantages:
-vector rewards -> scalar (Pareto score or weighted sum), absolute or relative (rank) rewards over
-the group or the batch, the DAPO overlong penalty, an efficiency bonus, then optional
-normalisation over the group or the batch. Every step is a pure function over rewards.
+`shape_rewards(groups, config)` is what the rollout manager applies to a batch's kept groups, so
+a sample leaves the rollout side with its final reward (`[reward]`): vector rewards -> scalar
+(Pareto score or weighted sum), absolute or relative (rank) rewards over the group or the batch,
+the DAPO overlong penalty, an efficiency bonus, then optional normalisation over the group or the
+batch. Every step is a pure function over rewards; the scored reward stays in
+`metadata["raw_reward"]` (`scored_reward`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from rollouts.config import AlgorithmConfig
+from rollouts.config import LengthShapingConfig, RewardConfig
 from rollouts.rewards.computers import (
     Groups,
     aggregate_vector,
@@ -48,28 +50,28 @@ def efficiency_bonus(reward: float, length: int, max_length: int, coef: float) -
     return coef * max(0.0, 1.0 - length / max_length)
 
 
-def _scalar(config: AlgorithmConfig, user_fn: Callable[[Reward], float] | None):
+def _scalar(config: RewardConfig, user_fn: Callable[[Reward], float] | None):
     def to_scalar(rewards: list[Reward]) -> list[float]:
-        if config.reward_transform == "pareto":
+        if config.transform == "pareto":
             return compute(rewards, "pareto", config.pareto_mode)
         if any(isinstance(r, tuple) for r in rewards):
-            weights = config.reward_weights
+            weights = config.weights
             fn = user_fn or weighted_sum(weights)
             if user_fn is None and not weights:
                 raise ValueError(
-                    "vector rewards need algorithm.reward_weights (a weighted sum), "
-                    "algorithm.reward_transform = 'pareto', or a user aggregation function"
+                    "vector rewards need reward.weights (a weighted sum), "
+                    "reward.transform = 'pareto', or a user aggregation function"
                 )
             rewards = list(aggregate_vector(rewards, fn))
-        return compute(rewards, config.reward_transform)
+        return compute(rewards, config.transform)
 
     return to_scalar
 
 
-def _length_terms(config: AlgorithmConfig) -> Callable[[Sample], float]:
+def _length_terms(config: LengthShapingConfig) -> Callable[[Sample], float]:
     def term(sample: Sample) -> float:
         extra = 0.0
-        n, max_len = sample.response_length, config.overlong_max_length
+        n, max_len = sample.response_length, config.max_length
         if config.overlong_buffer > 0:
             extra += overlong_penalty(n, max_len, config.overlong_buffer, config.overlong_penalty)
         if config.efficiency_coef > 0:
@@ -81,20 +83,33 @@ def _length_terms(config: AlgorithmConfig) -> Callable[[Sample], float]:
 
 def shape_rewards(
     groups: Groups,
-    config: AlgorithmConfig,
+    config: RewardConfig,
     aggregate_fn: Callable[[Reward], float] | None = None,
 ) -> tuple[tuple[Sample, ...], ...]:
     """The reward pipeline over scored groups (FAILED samples untouched); see the module doc.
 
     `aggregate_fn` is a user function turning a vector reward into a float (else the weights).
     """
-    out = apply_to_groups(groups, _scalar(config, aggregate_fn), config.reward_scope)
-    if config.overlong_buffer > 0 or config.efficiency_coef > 0:
-        term = _length_terms(config)
+    out = apply_to_groups(groups, _scalar(config, aggregate_fn), config.scope)
+    if config.length.enabled:
+        term = _length_terms(config.length)
         out = _per_sample(out, lambda s: float(s.reward) + term(s))
-    if config.reward_norm != "none":
-        out = apply_to_groups(out, lambda rs: normalize([float(r) for r in rs]), config.reward_norm)
+    if config.norm != "none":
+        out = apply_to_groups(out, lambda rs: normalize([float(r) for r in rs]), config.norm)
     return out
+
+
+def final_rewards(groups: Groups, config: RewardConfig | None) -> tuple[tuple[Sample, ...], ...]:
+    """The groups with their final rewards: `shape_rewards` by `config`, or as scored (None)."""
+    if config is None:
+        return tuple(tuple(g) for g in groups)
+    return shape_rewards(groups, config)
+
+
+def scored_reward(sample: Sample) -> Reward | None:
+    """The reward the reward function gave (before shaping): what the `reward/*` metrics show."""
+    raw = sample.metadata.get("raw_reward", sample.reward)
+    return tuple(raw) if isinstance(raw, list) else raw  # a checkpointed vector comes back a list
 
 
 def _per_sample(groups: Groups, fn: Callable[[Sample], float]) -> tuple[tuple[Sample, ...], ...]:

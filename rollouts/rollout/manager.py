@@ -27,6 +27,10 @@ request id, so aborts, partial resumes and weight versions stay per sample.
 Given the run's seed, every request carries a sampling seed derived from the batch number and
 the sample (`seeds.request_seed`), and the kept groups come out in group order, not in the
 order they finished: the same seed gives the same batch, whatever the timing.
+
+A batch's rewards are final when it leaves: the kept groups are shaped by `reward_shaping`
+(`[reward]`: `rewards.shaping.shape_rewards`, over each group or the whole batch) after the
+filters saw them as scored; the scored reward stays in `metadata["raw_reward"]`.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from typing import Any
 
 import trio
 
-from rollouts.config import RolloutConfig
+from rollouts.config import RewardConfig, RolloutConfig
 from rollouts.data.buffer import DataBuffer
 from rollouts.envs import resolve_env_factory
 from rollouts.envs.protocol import EnvFactory
@@ -49,6 +53,7 @@ from rollouts.inference.protocol import InferenceEngine, batches_requests
 from rollouts.plugins import load_function
 from rollouts.rewards.protocol import RewardFn
 from rollouts.rewards.scoring import score_group
+from rollouts.rewards.shaping import final_rewards
 from rollouts.rollout.agent import generate_multi_turn
 from rollouts.rollout.batch import (
     ShortBatchError,
@@ -104,8 +109,10 @@ class AsyncRolloutManager:
         filters: Sequence[str | GroupFilter] | None = None,
         env_factory: str | EnvFactory | None = None,
         seed: int | None = None,
+        reward_shaping: RewardConfig | None = None,
     ) -> None:
         self.buffer = data_buffer
+        self.reward_shaping = reward_shaping  # None: the batch keeps its rewards as scored
         self.seed = seed  # the run's seed; None: requests carry no sampling seed
         self.config = config
         self.engines = engines
@@ -318,4 +325,4 @@ class AsyncRolloutManager:
             ),
             **{k: v for k, v in run.counts.items() if k != "generated_tokens"},
         )
-        return convert_to_batch(kept, meta)
+        return convert_to_batch(final_rewards(kept, self.reward_shaping), meta)

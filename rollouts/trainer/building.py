@@ -4,7 +4,7 @@ Plain functions over torch objects and the Config, shared by `factories.create_p
 and `fsdp.create_fsdp_backend` (both import this module; neither imports the other at load
 time). With `algorithm.advantage = "gae"` the RL backend also gets a critic: a zero-initialised
 value head on the policy's last hidden state (`model.make_value_head`), in the same optimizer
-(its own lr `algorithm.value_lr`).
+(its own lr `algorithm.gae.value_lr`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from rollouts.algorithms.advantages import needs_critic
 from rollouts.config import Config, OptimConfig
 from rollouts.trainer.core import BackendSettings
 
@@ -119,8 +120,8 @@ def create_adamw_optimizer(
 
 
 def wants_value_head(config: Config, value_head: bool | None) -> bool:
-    """An explicit choice, else a critic exactly when the advantage estimator is GAE."""
-    return config.algorithm.advantage == "gae" if value_head is None else value_head
+    """An explicit choice, else a critic exactly when the advantage estimator needs one (GAE)."""
+    return needs_critic(config.algorithm) if value_head is None else value_head
 
 
 def create_optimizer_with_head(
@@ -132,7 +133,7 @@ def create_optimizer_with_head(
     """AdamW over the model (lr or optim.lr) and, as a second group, the value head (value_lr)."""
     optimizer = create_adamw_optimizer(model_params, config.optim, lr)
     if head is not None:
-        head_lr = config.algorithm.value_lr or optimizer.param_groups[0]["lr"]
+        head_lr = config.algorithm.gae.value_lr or optimizer.param_groups[0]["lr"]
         optimizer.add_param_group({"params": list(head.parameters()), "lr": head_lr})
     return optimizer
 

@@ -19,7 +19,7 @@ from rollouts.algorithms.kl import (
     sequence_mean_kl,
     truncate_kl,
 )
-from rollouts.config import AlgorithmConfig, ConfigError
+from rollouts.config import AlgorithmConfig, ConfigError, KLConfig
 
 LN2 = math.log(2.0)
 
@@ -67,7 +67,7 @@ def test_kl_in_reward_penalties_and_batch_kl():
     old = [torch.tensor([0.0, 0.0, -LN2])]
     ref = [torch.tensor([5.0, -LN2, 0.0])]
     mask = [torch.tensor([0.0, 1.0, 1.0])]
-    config = AlgorithmConfig(kl_estimator="k1", kl_in="reward")
+    config = KLConfig(estimator="k1", into="reward")
     pen, kl = kl_reward_penalties(old, ref, mask, config, coef=0.1)
     # k1 on trained tokens: ln2, -ln2 -> penalties .1 ln2, -.1 ln2 ; batch KL (ln2 - ln2)/2 = 0
     assert pen[0].tolist() == pytest.approx([0.0, 0.1 * LN2, -0.1 * LN2])
@@ -83,12 +83,12 @@ def test_adaptive_kl_controller():
     assert ctl.update(0.2).coef == pytest.approx(0.102)
     # kl .05: err = -.5 -> -.2 ; .1 * (1 - .2 * 2/10) = .096
     assert ctl.update(0.05, n_steps=2).coef == pytest.approx(0.096)
-    cfg = AlgorithmConfig(kl_coef=0.3, kl_target=0.02, kl_horizon=5, kl_in="reward")
+    cfg = AlgorithmConfig(kl=KLConfig(coef=0.3, target=0.02, horizon=5, into="reward"))
     assert AdaptiveKL.from_config(cfg) == AdaptiveKL(coef=0.3, target=0.02, horizon=5)
     moved = ctl.update(0.2)
     assert ctl.load_state_dict(moved.state_dict()) == moved  # a resume continues with it
-    with pytest.raises(ConfigError, match="kl_in = 'reward'"):
-        AlgorithmConfig(kl_coef=0.3, kl_target=0.02)  # adaptive KL steers the reward's KL
+    with pytest.raises(ConfigError, match="kl.into = 'reward'"):
+        KLConfig(coef=0.3, target=0.02)  # adaptive KL steers the reward's KL
 
 
 def test_sequence_mean_kl_is_verls_current_kl():
@@ -96,7 +96,7 @@ def test_sequence_mean_kl_is_verls_current_kl():
     old = [torch.tensor([0.0, 1.0, 3.0]), torch.tensor([0.0, 2.0])]
     ref = [torch.zeros(3), torch.zeros(2)]
     masks = [torch.tensor([0.0, 1.0, 1.0]), torch.tensor([0.0, 1.0])]
-    config = AlgorithmConfig(kl_estimator="k1")
+    config = KLConfig(estimator="k1")
     # seq 0: (1 + 3) / 2 = 2 ; seq 1: 2 / 1 = 2 -> 2 (the token mean would be 6 / 3 = 2 too)
     assert sequence_mean_kl(old, ref, masks, config) == pytest.approx(2.0)
     old[1] = torch.tensor([0.0, 5.0])

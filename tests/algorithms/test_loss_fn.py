@@ -12,7 +12,15 @@ from rollouts.algorithms.advantages import outcome_token_rewards
 from rollouts.algorithms.batch import build_train_batch, make_train_batch, nest
 from rollouts.algorithms.kl import kl_reward_penalties
 from rollouts.algorithms.loss_fn import make_loss_fn
-from rollouts.config import AGG_MODES, AlgorithmConfig
+from rollouts.config import (
+    AGG_MODES,
+    AlgorithmConfig,
+    CispoConfig,
+    GAEConfig,
+    KLConfig,
+    TruncatedISConfig,
+)
+from rollouts.config import RolloutCorrectionConfig as RCC
 from rollouts.types import ModelOutputs, Sample, Status, TrainBatch
 
 
@@ -89,7 +97,7 @@ def test_tis_in_the_loss_is_detached_and_truncated():
     # no old_logprobs: old = logp.detach() = 0 -> ratio 1; rollout -log 1.5, -log 3 -> w 1.5, 2
     batch = small_batch(rollout=((-math.log(1.5), -math.log(3.0)), (0.0,)))
     logp = [torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True)]
-    loss_fn = make_loss_fn(AlgorithmConfig(tis=True, tis_cap=2.0))
+    loss_fn = make_loss_fn(AlgorithmConfig(rollout_correction=RCC(tis=True, tis_cap=2.0)))
     loss, metrics = loss_fn(ModelOutputs(logprobs=tuple(logp)), batch)
     # per-token -A r w: -1.5, -2, +1 -> / N=3
     assert loss.item() == pytest.approx((-1.5 - 2.0 + 1.0) / 3, rel=1e-6)
@@ -111,7 +119,7 @@ def test_cispo_hand_values_every_token_keeps_a_gradient():
         torch.tensor([0.0, math.log(4.0)], requires_grad=True),
     ]
     batch = dataclasses.replace(batch, old_logprobs=(torch.zeros(3), torch.zeros(2)))
-    config = AlgorithmConfig(policy_loss="cispo", cispo_clip_eps_high=0.28)
+    config = AlgorithmConfig(policy_loss="cispo", cispo=CispoConfig(clip_eps_high=0.28))
     loss, metrics = make_loss_fn(config)(ModelOutputs(logprobs=tuple(logp)), batch)
     # weights sg(clamp(r, 0, 1.28)): r = 1.5 -> 1.28, r = .5 -> .5 (no lower bound), r = 4 -> 1.28
     # l = -w A logp: -1.28 log 1.5, -.5 log .5, +1.28 log 4 ; token-mean over N = 3
@@ -125,6 +133,35 @@ def test_cispo_hand_values_every_token_keeps_a_gradient():
     ppo = [t.detach().clone().requires_grad_(True) for t in logp]
     make_loss_fn(AlgorithmConfig())(ModelOutputs(logprobs=tuple(ppo)), batch)[0].backward()
     assert ppo[0].grad[1].item() == 0.0
+
+
+def test_truncated_is_hand_values_and_cispo_equivalence():
+    """policy_loss = "truncated_is": l = -sg(min(r, C)) A logp, r = pi / pi_old, C = 2."""
+    batch = dataclasses.replace(small_batch(), old_logprobs=(torch.zeros(3), torch.zeros(2)))
+    values = [[0.0, math.log(1.5), math.log(3.0)], [0.0, math.log(4.0)]]
+    logp = [torch.tensor(v, requires_grad=True) for v in values]
+    config = AlgorithmConfig(policy_loss="truncated_is", truncated_is=TruncatedISConfig(cap=2.0))
+    loss, metrics = make_loss_fn(config)(ModelOutputs(logprobs=tuple(logp)), batch)
+    # r = 1.5, 3, 4 -> weights 1.5, 2, 2 (truncated at C = 2, no lower bound); A = +1, +1, -1
+    # l = -1.5 log 1.5, -2 log 3, +2 log 4 ; token-mean over N = 3
+    expected = (-1.5 * math.log(1.5) - 2.0 * math.log(3.0) + 2.0 * math.log(4.0)) / 3
+    assert loss.item() == pytest.approx(expected, abs=1e-7)  # float32: r = exp(log 1.5)
+    assert metrics["clipfrac"] == pytest.approx(2 / 3)  # r = 3 and r = 4 truncated
+    assert metrics["clipfrac_high"] == pytest.approx(1 / 3)  # of them, A > 0: r = 3
+    assert metrics["ratio_mean"] == pytest.approx((1.5 + 3.0 + 4.0) / 3)
+    loss.backward()
+    # dl/dlogp = -w A / N on every token (weights detached): the clipped PPO gives r = 3 none
+    assert logp[0].grad.tolist() == pytest.approx([0.0, -1.5 / 3, -2.0 / 3], rel=1e-6)
+    assert logp[1].grad.tolist() == pytest.approx([0.0, 2.0 / 3], rel=1e-6)
+    cispo = AlgorithmConfig(
+        policy_loss="cispo", cispo=CispoConfig(clip_eps_low=1.0, clip_eps_high=1.0)
+    )
+    same = [torch.tensor(v, requires_grad=True) for v in values]
+    cispo_loss, _ = make_loss_fn(cispo)(ModelOutputs(logprobs=tuple(same)), batch)
+    cispo_loss.backward()
+    assert cispo_loss.item() == pytest.approx(loss.item(), rel=1e-6)
+    for a, b in zip(same, logp, strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
 
 
 @pytest.mark.parametrize(
@@ -141,7 +178,7 @@ def test_rollout_rejection_modes_hand_values(mode, loss, dropped, dropped_seqs):
     rollout = ((-1 - math.log(1.5), -1 - math.log(3.0)), (-1 + math.log(2.5),))
     batch = small_batch(rollout=rollout)
     outputs = outputs_for([[-1.0] * 3, [-1.0] * 2])
-    config = AlgorithmConfig(rollout_rs=mode, rollout_rs_threshold=2.2)
+    config = AlgorithmConfig(rollout_correction=RCC(rejection=mode, rejection_threshold=2.2))
     value, metrics = make_loss_fn(config)(outputs, batch)
     # kept tokens of -1, -1, +1 summed over N = 3 (the batch's N: rejected tokens weigh 0)
     assert value.item() == pytest.approx(loss, abs=1e-6)
@@ -156,7 +193,7 @@ def test_entropy_and_kl_terms():
     ref = (torch.tensor([0.0, math.log(0.5), 0.0]), torch.tensor([0.0, 0.0]))
     batch = dataclasses.replace(batch, ref_logprobs=ref)
     entropy = (torch.tensor([9.0, 1.0, 2.0]), torch.tensor([9.0, 3.0]))
-    config = AlgorithmConfig(entropy_coef=0.1, kl_coef=0.5, kl_estimator="k1")
+    config = AlgorithmConfig(entropy_coef=0.1, kl=KLConfig(coef=0.5, estimator="k1"))
     loss, metrics = make_loss_fn(config)(outputs_for([[0.0] * 3, [0.0] * 2], entropy), batch)
     # pg: ratio 1 -> -A: (-1 - 1 + 1) / 3 = -1/3 ; entropy (1 + 2 + 3) / 3 = 2
     # k1 = logp - ref = log 2, 0, 0 -> mean log2 / 3
@@ -226,7 +263,7 @@ def grads(loss_fn, batch, params, micro_batches):
 
 COMBOS = [(p, m) for p in ("ppo", "reinforce") for m in AGG_MODES]
 COMBOS.append(("gspo", "seq-mean-token-mean"))  # GSPO is defined with this mode only
-COMBOS += [("cispo", m) for m in AGG_MODES]
+COMBOS += [(p, m) for p in ("cispo", "truncated_is") for m in AGG_MODES]
 
 
 @pytest.mark.parametrize(("policy", "mode"), COMBOS)
@@ -236,8 +273,8 @@ def test_gradient_accumulation_equals_full_batch(policy, mode):
         policy_loss=policy,
         loss_agg=mode,
         entropy_coef=0.01,
-        kl_coef=0.1,
-        tis=True,
+        kl=KLConfig(coef=0.1),
+        rollout_correction=RCC(tis=True),
         clip_eps_high=0.28,
     )
     loss_fn = make_loss_fn(config)
@@ -257,11 +294,11 @@ def test_rl_loop_order_with_kl_in_reward():
         [sample([1, 2, 3], [0, 1, 1], 2, (-0.1, -0.2)), sample([1, 4], [0, 1], 1, (-0.3,), 1)],
     ]
     groups = [[dataclasses.replace(groups[0][1], reward=0.0), groups[0][0]]]
-    config = AlgorithmConfig(advantage="dr_grpo", kl_in="reward", kl_estimator="k1")
+    config = AlgorithmConfig(advantage="dr_grpo", kl=KLConfig(into="reward", estimator="k1"))
     first = build_train_batch(groups, config)
     old = (torch.tensor([0.0, -0.5]), torch.tensor([0.0, -0.1, -0.2]))  # from the backend
     ref = (torch.tensor([0.0, -0.5]), torch.tensor([0.0, -0.1 - 0.5, -0.2]))
-    penalties, kl = kl_reward_penalties(old, ref, first.loss_mask, config, coef=0.2)
+    penalties, kl = kl_reward_penalties(old, ref, first.loss_mask, config.kl, coef=0.2)
     # k1 = old - ref: sample 1 token 1 = .5 -> penalty .1 ; batch KL = .5 / 3 tokens
     assert kl == pytest.approx(0.5 / 3)
     rewards = outcome_token_rewards(groups, nest(penalties, groups))
@@ -279,7 +316,7 @@ def test_rl_loop_order_with_kl_in_reward():
 
 def test_gae_batch_and_value_loss():
     groups = [[sample([1, 2, 3], [0, 1, 1], 2)]]
-    config = AlgorithmConfig(advantage="gae", value_coef=0.5)
+    config = AlgorithmConfig(advantage="gae", gae=GAEConfig(value_coef=0.5))
     values = ((torch.tensor([0.0, 0.5, 0.5]),),)
     batch = build_train_batch(groups, config, values=values)
     # r = (0, 1) on the trained tokens; gamma = lam = 1: A2 = 1 - .5 = .5 ; A1 = 0 + .5 - .5 + .5
@@ -302,9 +339,8 @@ def test_gae_batch_and_value_loss():
 )
 def test_gradient_accumulation_with_rollout_rejection(policy, mode, threshold):
     batch, params = random_batch(seed=2)
-    config = AlgorithmConfig(
-        policy_loss=policy, rollout_rs=mode, rollout_rs_threshold=threshold, tis=True
-    )
+    correction = RCC(rejection=mode, rejection_threshold=threshold, tis=True)
+    config = AlgorithmConfig(policy_loss=policy, rollout_correction=correction)
     loss_fn = make_loss_fn(config)
     full, full_metrics = grads(loss_fn, batch, params, [list(range(8))])
     micro, micro_metrics = grads(loss_fn, batch, params, [[0, 1, 2], [3, 4], [5, 6, 7]])

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from rollouts.algorithms.algorithm import Algorithm
 from rollouts.algorithms.batch import make_train_batch
 from rollouts.algorithms.loss_fn import make_loss_fn
 from rollouts.algorithms.pairwise import (
@@ -20,7 +21,7 @@ from rollouts.algorithms.pairwise import (
     select_pairs,
 )
 from rollouts.algorithms.schedule import grpo_then_pairwise_schedule
-from rollouts.config import AlgorithmConfig, ConfigError
+from rollouts.config import AlgorithmConfig, ConfigError, PairwiseConfig
 from rollouts.plugins import PluginError
 from rollouts.types import ModelOutputs, Sample, Status
 
@@ -68,16 +69,16 @@ def test_all_pairs_above_margin():
 
 def test_selector_from_config_and_flat_indices():
     groups = [scored([0.0, 1.0], 0), scored([3.0, 2.0, 1.0], 1)]
-    config = AlgorithmConfig(policy_loss="pairwise")
+    config = PairwiseConfig()
     assert select_pairs(groups, make_pair_selector(config)) == ((1, 0), (2, 4))
-    config = AlgorithmConfig(policy_loss="pairwise", pair_selector="all_pairs_above_margin")
+    config = PairwiseConfig(selector="all_pairs_above_margin")
     assert select_pairs(groups, make_pair_selector(config)) == (
         (1, 0), (2, 3), (2, 4), (3, 4),
     )  # fmt: skip
-    user = AlgorithmConfig(pair_selector="tests.algorithms.test_pairwise.last_two")
+    user = PairwiseConfig(selector="tests.algorithms.test_pairwise.last_two")
     assert select_pairs(groups, make_pair_selector(user)) == ((1, 0), (4, 3))
     with pytest.raises(PluginError, match="no_such_fn"):
-        make_pair_selector(AlgorithmConfig(pair_selector="tests.algorithms.no_such_fn"))
+        make_pair_selector(PairwiseConfig(selector="tests.algorithms.no_such_fn"))
     with pytest.raises(ValueError, match=r"returned \(0, 0\) for group 0"):
         select_pairs(groups, lambda g: [(0, 0)])
     with pytest.raises(ValueError, match="scalar rewards"):
@@ -85,17 +86,16 @@ def test_selector_from_config_and_flat_indices():
 
 
 def test_config_checks():
-    with pytest.raises(ConfigError, match="pair_beta"):
-        AlgorithmConfig(pair_beta=0.0)
-    with pytest.raises(ConfigError, match="pair_margin"):
-        AlgorithmConfig(pair_margin=-1.0)
-    with pytest.raises(ConfigError, match="pair_selector = 'best'"):
-        AlgorithmConfig(pair_selector="best")
+    with pytest.raises(ConfigError, match="pairwise.beta"):
+        PairwiseConfig(beta=0.0)
+    with pytest.raises(ConfigError, match="pairwise.margin"):
+        PairwiseConfig(margin=-1.0)
+    with pytest.raises(ConfigError, match="pairwise.selector = 'best'"):
+        PairwiseConfig(selector="best")
     with pytest.raises(ConfigError, match="pairwise"):
         AlgorithmConfig(policy_loss="pairwise", advantage="gae")
-    loss_fn = make_loss_fn(AlgorithmConfig(policy_loss="pairwise"))
-    assert loss_fn.needs_ref_logprobs
-    assert not make_loss_fn(AlgorithmConfig()).needs_ref_logprobs
+    assert Algorithm(config=AlgorithmConfig(policy_loss="pairwise")).needs_reference
+    assert not Algorithm(config=AlgorithmConfig()).needs_reference
 
 
 LOSS_1 = math.log(1 + math.exp(-1.0))  # softplus(-1) = .3132617
@@ -129,7 +129,7 @@ def test_prepare_pairwise_batch_hand_values():
     old = [torch.tensor([0.0, -0.5, -0.5]), torch.tensor([0.0, -1.0, -2.0])] + [torch.zeros(3)] * 2
     ref = [torch.tensor([9.0, -1.0, -1.0]), torch.tensor([9.0, -1.5, -0.5])] + [torch.zeros(3)] * 2
     batch = dataclasses.replace(batch, old_logprobs=tuple(old), ref_logprobs=tuple(ref))
-    config = AlgorithmConfig(policy_loss="pairwise", pair_beta=0.5)
+    config = AlgorithmConfig(policy_loss="pairwise", pairwise=PairwiseConfig(beta=0.5))
     prepared = prepare_pairwise_batch(batch, groups, config)
     # one pair (0, 1), Delta = 2: advantage = -coef = +/- .1344707 on trained tokens
     w = 0.5 * torch.sigmoid(torch.tensor(-1.0)).item()
@@ -171,7 +171,8 @@ def test_micro_batched_gradient_equals_exact_pairwise_gradient():
     groups = [tuple(shifted(s, k) for k, s in enumerate(g)) for g in groups]
     samples = [s for g in groups for s in g]
     config = AlgorithmConfig(
-        policy_loss="pairwise", pair_beta=0.3, pair_selector="all_pairs_above_margin"
+        policy_loss="pairwise",
+        pairwise=PairwiseConfig(beta=0.3, selector="all_pairs_above_margin"),
     )
     with torch.no_grad():
         old = tuple(bigram_logprobs(table, s.tokens).float() for s in samples)
@@ -212,5 +213,5 @@ def test_schedule_switches_grpo_to_pairwise():
     assert grpo_then_pairwise_schedule(0).policy_loss == "ppo"
     assert grpo_then_pairwise_schedule(19).policy_loss == "ppo"
     later = grpo_then_pairwise_schedule(20)
-    assert (later.policy_loss, later.pair_beta) == ("pairwise", 0.1)
-    assert make_loss_fn(later).needs_ref_logprobs
+    assert (later.policy_loss, later.pairwise.beta) == ("pairwise", 0.1)
+    assert Algorithm(config=later).needs_reference

@@ -12,7 +12,7 @@ import torch
 from rollouts.algorithms.batch import make_train_batch
 from rollouts.algorithms.loss_fn import make_loss_fn
 from rollouts.algorithms.pairwise import prepare_pairwise_batch
-from rollouts.config import AlgorithmConfig
+from rollouts.config import AlgorithmConfig, PairwiseConfig
 from rollouts.trainer.factories import create_pytorch_backend
 from rollouts.types import Sample, Status
 from tests.training.backend_helpers import tiny_config
@@ -55,7 +55,8 @@ def test_backend_micro_batches_give_the_exact_pairwise_gradient(tiny_model_dir: 
     groups = groups_of_samples()
     samples = [s for g in groups for s in g]
     algo = AlgorithmConfig(
-        policy_loss="pairwise", pair_beta=0.5, pair_selector="all_pairs_above_margin"
+        policy_loss="pairwise",
+        pairwise=PairwiseConfig(beta=0.5, selector="all_pairs_above_margin"),
     )
     batch = make_train_batch(samples, [torch.zeros(len(s.tokens)) for s in samples])
     old = backend.compute_logprobs(batch).result()

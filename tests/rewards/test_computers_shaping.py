@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
-from rollouts.config import AlgorithmConfig, ConfigError
+from rollouts.config import ConfigError, LengthShapingConfig, RewardConfig
+from rollouts.loop.batch import rollout_metrics
 from rollouts.rewards.computers import (
     apply_to_groups,
     compute,
@@ -18,8 +20,13 @@ from rollouts.rewards.computers import (
     rank_normalize,
     weighted_sum,
 )
-from rollouts.rewards.shaping import efficiency_bonus, overlong_penalty, shape_rewards
-from rollouts.types import Sample, Status
+from rollouts.rewards.shaping import (
+    efficiency_bonus,
+    final_rewards,
+    overlong_penalty,
+    shape_rewards,
+)
+from rollouts.types import Sample, Status, sample_from_dict, sample_to_dict
 
 
 def scored(reward, group=0, length=4, status=Status.COMPLETED) -> Sample:
@@ -101,19 +108,36 @@ def test_efficiency_bonus():
 
 def test_shape_rewards_pipeline():
     groups = [[scored((1.0, 0.0), length=8), scored((0.0, 1.0), length=2)]]
-    config = AlgorithmConfig(reward_weights=[1.0, 0.5], overlong_buffer=4, overlong_max_length=10)
+    length = LengthShapingConfig(overlong_buffer=4, max_length=10)
+    config = RewardConfig(weights=[1.0, 0.5], length=length)
     out = shape_rewards(groups, config)
     # weighted: 1.0 and .5 ; overlong: length 8 -> -.5, length 2 -> 0 -> .5, .5
     assert [s.reward for s in out[0]] == [0.5, 0.5]
     assert out[0][0].metadata["raw_reward"] == (1.0, 0.0)
-    norm = shape_rewards([[scored(1.0), scored(0.0)]], AlgorithmConfig(reward_norm="group"))
+    norm = shape_rewards([[scored(1.0), scored(0.0)]], RewardConfig(norm="group"))
     w = 0.5 / (math.sqrt(0.5) + 1e-6)  # mean .5, unbiased std sqrt(.5)
     assert [s.reward for s in norm[0]] == pytest.approx([w, -w])
-    pareto = shape_rewards(groups, AlgorithmConfig(reward_transform="pareto"))
+    pareto = shape_rewards(groups, RewardConfig(transform="pareto"))
     assert [s.reward for s in pareto[0]] == [1.0, 1.0]  # both on the frontier
-    with pytest.raises(ValueError, match="reward_weights"):
-        shape_rewards(groups, AlgorithmConfig())
-    user = shape_rewards(groups, AlgorithmConfig(), aggregate_fn=lambda r: max(r))
+    with pytest.raises(ValueError, match="reward.weights"):
+        shape_rewards(groups, RewardConfig())
+    user = shape_rewards(groups, RewardConfig(), aggregate_fn=lambda r: max(r))
     assert [s.reward for s in user[0]] == [1.0, 1.0]
-    with pytest.raises(ConfigError, match="overlong_max_length"):
-        AlgorithmConfig(overlong_buffer=4)
+    with pytest.raises(ConfigError, match="reward.length.max_length"):
+        LengthShapingConfig(overlong_buffer=4)
+
+
+def test_reward_metrics_are_of_the_scored_rewards():
+    """The `reward/*` metrics report the rewards as scored, before shaping (as they always
+    did), also for a sample back from a checkpoint (its raw vector reward a JSON list)."""
+    groups = [[scored((1.0, 0.0)), scored((0.0, 1.0))], [scored((1.0, 1.0)), scored((0.0, 0.0))]]
+    shaped = shape_rewards(groups, RewardConfig(weights=[1.0, 0.5], norm="batch"))
+    assert [s.reward for g in shaped for s in g] != [sum(s.reward) for g in groups for s in g]
+    back = [
+        [sample_from_dict(json.loads(json.dumps(sample_to_dict(s)))) for s in g] for g in shaped
+    ]
+    before = rollout_metrics(groups, {})
+    for after in (rollout_metrics(shaped, {}), rollout_metrics(back, {})):
+        for key in ("reward/mean", "reward/std", "reward/accuracy"):
+            assert after[key] == before[key], key
+    assert final_rewards(groups, None) == tuple(tuple(g) for g in groups)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from rollouts.config import LengthShapingConfig, RewardConfig
+from rollouts.rewards.computers import rank_normalize
+from rollouts.rewards.shaping import scored_reward
+from rollouts.rollout.manager import AsyncRolloutManager
 from tests.rollout import manager_cases as cases
 from tests.rollout.fakes import RandomEngine
 
@@ -32,3 +36,33 @@ async def test_manager_case(case, engine, tok) -> None:
 
 async def test_slow_reward_times_out_as_failed(engine, tok, autojump_clock) -> None:
     await cases.slow_reward_times_out_as_failed(engine, tok)
+
+
+async def test_a_batch_leaves_with_its_final_rewards(engine, tok) -> None:
+    """[reward] shaping is applied to the kept groups (after the filters saw the scored
+    rewards); the scored reward stays in metadata["raw_reward"] (`scored_reward`)."""
+    config = cases.make_config(
+        batch_size=2, n_samples_per_prompt=3, filters=["check_reward_nonzero_std"]
+    )
+    shaping = RewardConfig(
+        transform="relative", length=LengthShapingConfig(efficiency_coef=0.5, max_length=8)
+    )
+    manager = AsyncRolloutManager(
+        cases.make_buffer(), config, engine, tokenizer=tok, reward_shaping=shaping
+    )
+    batch = await manager.generate_batch(cases.alternating_reward(lambda g: g % 2 == 0))
+    assert [g[0].group_index for g in batch.groups] == [1, 3]  # constant groups filtered out
+    for group in batch.groups:
+        scored = [scored_reward(s) for s in group]
+        assert sorted(scored) == [0.0, 1.0, 1.0]  # as the reward function gave them (any order)
+        ranks = rank_normalize(scored)  # 0 -> 0, the tied 1s share rank 1.5 / 2 = .75
+        assert sorted(ranks) == [0.0, 0.75, 0.75]
+        bonus = [
+            0.5 * max(0.0, 1.0 - s.response_length / 8) if r > 0 else 0.0
+            for s, r in zip(group, ranks, strict=True)
+        ]
+        expected = [r + b for r, b in zip(ranks, bonus, strict=True)]
+        assert [s.reward for s in group] == pytest.approx(expected)
+    plain = AsyncRolloutManager(cases.make_buffer(), config, engine, tokenizer=tok)
+    batch = await plain.generate_batch(cases.alternating_reward(lambda g: False))
+    assert all("raw_reward" not in s.metadata for g in batch.groups for s in g)  # as scored

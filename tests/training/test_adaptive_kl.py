@@ -22,14 +22,13 @@ def _next_coef(row: dict, target: float, horizon: int, n_seqs: int) -> float:
 
 def test_adaptive_kl_coefficient_moves_and_survives_resume(tmp_path: Path) -> None:
     target, horizon, n_seqs = 0.001, 4, 4  # batch 2 groups x 2 samples
-    algorithm = {
-        "kl_coef": 0.1,
-        "kl_in": "reward",
-        "kl_target": target,
-        "kl_horizon": horizon,
-        "ref_update": "none",
-    }
-    config = _config(tmp_path, training={"rl_steps": 2}, algorithm=algorithm)
+    kl = {"coef": 0.1, "into": "reward", "target": target, "horizon": horizon}
+    config = _config(
+        tmp_path,
+        training={"rl_steps": 2},
+        algorithm__kl=kl,
+        algorithm__reference={"update": "none"},
+    )
     done = _train("--mode", "rl", "--config", str(config))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run = tmp_path / "run"

@@ -15,7 +15,7 @@ from rollouts.trainer.batching import padding_fraction, plan_micro_batches
 from rollouts.trainer.factories import create_pytorch_backend, warmup_cosine_factor
 from rollouts.trainer.model import LOGITS_CHUNK_BYTES, auto_chunk_size
 from rollouts.trainer.protocol import NonFiniteError, TrainingBackend
-from rollouts.types import ModelOutputs, TrainBatch
+from rollouts.types import ModelOutputs, PlainLoss, TrainBatch
 from tests.training.backend_helpers import (
     LENGTHS,
     make_batch,
@@ -102,7 +102,7 @@ def test_entropy_is_computed_when_asked(tiny_model_dir: Path) -> None:
         seen["out"] = outputs
         return nll_loss(outputs, batch)
 
-    backend.forward_backward(make_batch([6, 4]), loss_fn, entropy=True).result()
+    backend.forward_backward(make_batch([6, 4]), PlainLoss(fn=loss_fn), entropy=True).result()
     backend.close()
     out = seen["out"]
     vocab = backend.lm.config.vocab_size
@@ -124,6 +124,8 @@ def test_an_entropy_metric_has_no_graph_and_the_same_value(tiny_model_dir: Path)
     seen: dict[bool, ModelOutputs] = {}
 
     class Loss:
+        needs_values = False
+
         def __init__(self, needs: bool) -> None:
             self.needs_entropy = needs
 
@@ -147,9 +149,11 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tiny_model_dir: Path) -> 
     before = backend.get_weights()
     batch = make_batch([5, 4])
 
-    def nan_loss(outputs: ModelOutputs, b: TrainBatch) -> tuple[torch.Tensor, dict]:
+    def nan_nll(outputs: ModelOutputs, b: TrainBatch) -> tuple[torch.Tensor, dict]:
         loss, metrics = nll_loss(outputs, b)
         return loss * float("nan"), metrics
+
+    nan_loss = PlainLoss(fn=nan_nll)
 
     metrics = backend.forward_backward(batch, nan_loss).result()
     assert metrics["nonfinite_micro_batches"] == 1.0

@@ -11,7 +11,7 @@ import torch
 
 from rollouts.algorithms.batch import make_train_batch
 from rollouts.algorithms.loss_fn import make_loss_fn
-from rollouts.config import AlgorithmConfig, Config
+from rollouts.config import AlgorithmConfig, Config, GAEConfig
 from rollouts.loop.rl import train_step
 from rollouts.trainer.checkpoint import load_checkpoint, save_checkpoint
 from rollouts.trainer.factories import create_pytorch_backend
@@ -46,10 +46,10 @@ def groups_of_samples() -> tuple[tuple[Sample, ...], ...]:
     return tuple(out)
 
 
-def gae_config(model_dir: Path, **algo: object) -> Config:
+def gae_config(model_dir: Path, gae: dict | None = None, **algo: object) -> Config:
     base = tiny_config(model_dir, micro_batch_tokens=64)
-    fields = {"advantage": "gae", "lam": 0.95, "value_clip": 10.0, **algo}
-    return dataclasses.replace(base, algorithm=AlgorithmConfig(**fields))
+    critic = GAEConfig(**{"lam": 0.95, "value_clip": 10.0, **(gae or {})})
+    return dataclasses.replace(base, algorithm=AlgorithmConfig(advantage="gae", gae=critic, **algo))
 
 
 def test_values_are_aligned_like_logprobs(tiny_model_dir: Path) -> None:
@@ -74,7 +74,7 @@ def test_values_are_aligned_like_logprobs(tiny_model_dir: Path) -> None:
 
 
 def test_value_loss_falls_on_a_fixed_batch(tiny_model_dir: Path) -> None:
-    config = gae_config(tiny_model_dir, value_coef=1.0, value_lr=1e-2)
+    config = gae_config(tiny_model_dir, gae={"value_coef": 1.0, "value_lr": 1e-2})
     config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, lr=1e-3))
     backend = create_pytorch_backend(config)
     samples = [s for g in groups_of_samples() for s in g]

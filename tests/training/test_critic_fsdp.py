@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rollouts.algorithms.loss_fn import make_loss_fn
-from rollouts.config import AlgorithmConfig, Config
+from rollouts.config import AlgorithmConfig, Config, GAEConfig
 from rollouts.trainer.checkpoint import load_checkpoint, save_checkpoint
 from rollouts.trainer.factories import create_backend
 from rollouts.trainer.pytorch import load_hf_weights
@@ -28,7 +28,8 @@ _ = one_torch_thread  # autouse fixture
 
 def critic_config(model_dir: Path) -> Config:
     base = tiny_config(model_dir, micro_batch_tokens=16)
-    algo = AlgorithmConfig(advantage="gae", value_coef=1.0, value_clip=10.0, value_lr=1e-2)
+    gae = GAEConfig(value_coef=1.0, value_clip=10.0, value_lr=1e-2)
+    algo = AlgorithmConfig(advantage="gae", gae=gae)
     return dataclasses.replace(base, algorithm=algo)
 
 

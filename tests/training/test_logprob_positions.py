@@ -12,7 +12,7 @@ import torch
 from rollouts.config import Config, ConfigError
 from rollouts.trainer.batching import build_tensors, plan_micro_batches
 from rollouts.trainer.factories import create_pytorch_backend
-from rollouts.types import ModelOutputs, TrainBatch
+from rollouts.types import ModelOutputs, PlainLoss, TrainBatch
 from tests.training.backend_helpers import (  # noqa: F401
     LENGTHS,
     nll_loss,
@@ -71,7 +71,7 @@ def _step(config: Config, batch: TrainBatch):
         ent = sum((e.detach() * m).sum() for e, m in zip(outputs.entropy, b.loss_mask, strict=True))
         return loss, {**metrics, "entropy_sum": float(ent)}
 
-    metrics = backend.forward_backward(batch, loss_fn, entropy=True).result()
+    metrics = backend.forward_backward(batch, PlainLoss(fn=loss_fn), entropy=True).result()
     grads = {n: p.grad.clone() for n, p in backend.lm.named_parameters()}
     logprobs = backend.compute_logprobs(batch).result()
     backend.close()

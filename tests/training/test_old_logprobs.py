@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
+from rollouts.algorithms.algorithm import needs_old_logprobs_pass
 from rollouts.algorithms.batch import make_train_batch
 from rollouts.algorithms.loss_fn import make_loss_fn
-from rollouts.config import AlgorithmConfig, Config
-from rollouts.loop.batch import needs_old_logprobs_pass
+from rollouts.config import AlgorithmConfig, Config, RolloutCorrectionConfig
 from rollouts.loop.rl import train_step
 from rollouts.trainer.factories import create_pytorch_backend
 from rollouts.types import Sample, Status
@@ -67,9 +67,12 @@ class CountingBackend:
         return getattr(self.inner, name)
 
 
-def config_with(model_dir: Path, **algo: Any) -> Config:
+def config_with(model_dir: Path, tis: bool = False, tis_cap: float = 2.0, **algo: Any) -> Config:
     base = tiny_config(model_dir, micro_batch_tokens=24)  # several micro-batches per update
-    return dataclasses.replace(base, algorithm=AlgorithmConfig(**algo))
+    correction = RolloutCorrectionConfig(tis=tis, tis_cap=tis_cap)
+    return dataclasses.replace(
+        base, algorithm=AlgorithmConfig(rollout_correction=correction, **algo)
+    )
 
 
 async def one_step(config: Config) -> tuple[dict[str, float], dict[str, torch.Tensor], int]:

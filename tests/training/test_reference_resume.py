@@ -15,7 +15,7 @@ import pytest
 import torch
 import trio
 
-from rollouts.config import AlgorithmConfig, config_from_dict
+from rollouts.config import AlgorithmConfig, KLConfig, ReferenceConfig, config_from_dict
 from rollouts.driver.quick_start import quick_start_training
 from rollouts.driver.rl_phase import build_reference, restore_reference, rl_phase
 from rollouts.driver.setup import StopFlag
@@ -43,15 +43,17 @@ def half_way(ref, policy, step):
 
 MODES = {
     "copy": {},
-    "ema": {"ref_ema_decay": 0.5},
-    "periodic": {"ref_update_every": 2},
-    "user": {"ref_update_fn": "tests.training.test_reference_resume.half_way"},
+    "ema": {"ema_decay": 0.5},
+    "periodic": {"update_every": 2},
+    "user": {"update_fn": "tests.training.test_reference_resume.half_way"},
 }
 
 
 def _config(model_dir: Path, mode: str):
     config = tiny_config(model_dir)
-    algo = AlgorithmConfig(kl_coef=0.1, ref_update=mode, **MODES[mode])
+    algo = AlgorithmConfig(
+        kl=KLConfig(coef=0.1), reference=ReferenceConfig(update=mode, **MODES[mode])
+    )
     return dataclasses.replace(config, algorithm=algo)
 
 
@@ -124,7 +126,7 @@ def test_the_driver_saves_and_restores_the_reference(
     """The driver's wiring (rl_phase, as train.py runs it): RL checkpoints carry the moved
     reference and a resume loads it."""
     overrides = {
-        "algorithm": {"kl_coef": 0.05, "ref_update": "ema", "ref_ema_decay": 0.5},
+        "algorithm": {"kl": {"coef": 0.05}, "reference": {"update": "ema", "ema_decay": 0.5}},
         "rollout": {"batch_size": 1, "n_samples_per_prompt": 2, "sampling": {"max_new_tokens": 4}},
         "logging": {"console": False},
     }
