@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
@@ -7,6 +9,7 @@ import pytest
 from rollouts.config import (
     Config,
     ConfigError,
+    EnginesConfig,
     RolloutConfig,
     apply_overrides,
     config_from_dict,
@@ -135,3 +138,34 @@ def test_a_moved_key_works_at_its_old_place_and_names_the_new_one(monkeypatch, c
     assert "training.sync_every_old is now training.sync_every" in err and "x.toml" in err
     with pytest.raises(ConfigError, match="both set"):
         loader.config_from_dict({"training": {"sync_every_old": 3, "sync_every": 2}})
+
+
+def test_a_mode_value_is_checked_against_its_literal_read_or_built() -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"rollout": {"mode": "asnyc"}, "logging": {"wandb_mode": 1}})
+    text = str(info.value)
+    assert (
+        "rollout.mode = 'asnyc': must be one of ['sync', 'async'] (did you mean 'async'?)" in text
+    )
+    assert "logging.wandb_mode = 1: must be one of ['offline', 'online', 'disabled']" in text
+    with pytest.raises(ConfigError, match=r"engines.kind = 'vlm': must be one of \['builtin'"):
+        EnginesConfig(kind="vlm", urls=["http://a:1"])  # built in code: the same check
+
+
+def _sections(cls: type, prefix: str = "") -> typing.Iterator[tuple[str, type]]:
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[field.name]):
+            path = f"{prefix}{field.name}"
+            yield path, hints[field.name]
+            yield from _sections(hints[field.name], f"{path}.")
+
+
+def test_each_section_with_a_mode_knows_its_key_path() -> None:
+    found = dict(_sections(Config))
+    assert "rollout.sampling" in found and "model.tiny" in found
+    for path, cls in found.items():
+        has_mode = any(
+            typing.get_origin(t) is typing.Literal for t in typing.get_type_hints(cls).values()
+        )
+        assert path == cls.KEY or (not cls.KEY and not has_mode), (path, cls.KEY)

@@ -2,8 +2,10 @@
 
 Every section is a frozen dataclass; `load_config` walks the TOML table against the dataclass
 fields and collects EVERY problem (unknown key with a "did you mean", wrong type, out-of-range
-value) into one `ConfigError` that names the key path and the fix. Range checks live in each
-section's `problems()` so that a config built in code is checked the same way.
+value) into one `ConfigError` that names the key path and the fix. A mode is a `Literal[...]`
+field, checked by one function (`base.literal_problem`) whether read from TOML or built in code;
+range checks live in each section's `problems()`, so a config built in code is checked the same
+way.
 
 Layout: `base` (ConfigError, check helpers, `_Section`), one module per group of sections
 (`model`, `rollout`, `algorithm`, `training`), and `loader` (the root `Config`, TOML loading,

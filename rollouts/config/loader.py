@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rollouts.config.algorithm import AlgorithmConfig
-from rollouts.config.base import ConfigError, _Section
+from rollouts.config.base import ConfigError, _Section, is_literal, literal_problem
 from rollouts.config.model import DataConfig, ModelConfig, RunSection
 from rollouts.config.rollout import EnginesConfig, RolloutConfig
 from rollouts.config.training import CheckpointConfig, LoggingConfig, OptimConfig, TrainingConfig
@@ -49,6 +49,11 @@ def _type_name(tp: Any) -> str:
 
 def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
     """Check `value` against the annotation `tp`; return it (ints widen to floats)."""
+    if is_literal(tp):  # a mode: one of its values
+        problem = literal_problem(key, value, tp)
+        if problem:
+            problems.append(problem)
+        return value
     origin = typing.get_origin(tp)
     if origin is list:
         (item_tp,) = typing.get_args(tp)

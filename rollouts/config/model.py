@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar, Literal
 
 from rollouts.config.base import _check, _one_of, _Section
 from rollouts.models.sources import source_names
+
+TinyTokenizer = Literal["char", "bpe"]
+ModelDtype = Literal["float32", "bfloat16", "float16"]
+AttnImplementation = Literal["sdpa", "eager"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RunSection(_Section):
     """[run]: naming, output and seeding of a run."""
+
+    KEY: ClassVar[str] = "run"
 
     name: str = "run"
     output_dir: str = "runs/run"
@@ -22,8 +29,10 @@ class RunSection(_Section):
 class TinyModelConfig(_Section):
     """[model.tiny]: build a tiny model with the tiny-model kit when `model.path` is missing."""
 
+    KEY: ClassVar[str] = "model.tiny"
+
     enabled: bool = False
-    tokenizer: str = "char"  # "char" | "bpe"
+    tokenizer: TinyTokenizer = "char"
     vocab_size: int = 512  # BPE only
     hidden_size: int = 64
     num_layers: int = 2
@@ -37,7 +46,6 @@ class TinyModelConfig(_Section):
 
     def problems(self) -> list[str]:
         p: list[str] = []
-        _one_of(p, "model.tiny.tokenizer", self.tokenizer, ("char", "bpe"))
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size"):
             _check(p, getattr(self, name) >= 1, f"model.tiny.{name}: must be >= 1")
         _check(
@@ -52,11 +60,13 @@ class TinyModelConfig(_Section):
 class ModelConfig(_Section):
     """[model]: which model to train and how to hold it."""
 
+    KEY: ClassVar[str] = "model"
+
     path: str = ""  # an HF directory or hub id; with `source`, where it is converted to
     source: str = ""  # a packaged real model, e.g. "smollm2-135m-instruct" (built on first use)
     tokenizer_path: str = ""  # "" = same as path
-    dtype: str = "float32"
-    attn_implementation: str = "sdpa"
+    dtype: ModelDtype = "float32"
+    attn_implementation: AttnImplementation = "sdpa"
     gradient_checkpointing: bool = False
     # torch.compile each decoder layer of the trained model (dynamic shapes; the first step
     # compiles: tens of seconds on CPU, cached on disk for the next run)
@@ -65,7 +75,6 @@ class ModelConfig(_Section):
 
     def problems(self) -> list[str]:
         p: list[str] = []
-        _one_of(p, "model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
         if self.source:
             _one_of(p, "model.source", self.source, source_names())
         _check(
@@ -73,13 +82,14 @@ class ModelConfig(_Section):
             not (self.source and self.tiny.enabled),
             "model.source and model.tiny.enabled are both set: keep one of them",
         )
-        _one_of(p, "model.attn_implementation", self.attn_implementation, ("sdpa", "eager"))
         return p
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig(_Section):
     """[data]: prompt and conversation datasets (JSONL)."""
+
+    KEY: ClassVar[str] = "data"
 
     train_path: str = ""
     eval_path: str = ""

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar, Literal
 
-from rollouts.config.base import _check, _one_of, _Section
+from rollouts.config.base import _check, _Section
+
+RolloutMode = Literal["sync", "async"]
+OnShortBatch = Literal["warn", "error"]  # train on a smaller batch | stop the run
+EngineKind = Literal["builtin", "sglang", "vllm"]
+LogprobsFrom = Literal["raw", "scaled"]  # raw logits | temperature-scaled
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SamplingConfig(_Section):
     """[rollout.sampling]: sampling parameters sent to the engines."""
+
+    KEY: ClassVar[str] = "rollout.sampling"
 
     max_new_tokens: int = 128
     temperature: float = 1.0
@@ -42,12 +50,14 @@ class SamplingConfig(_Section):
 class RolloutConfig(_Section):
     """[rollout]: how batches of groups are generated, filtered and kept."""
 
+    KEY: ClassVar[str] = "rollout"
+
     batch_size: int = 8  # groups (prompts) per training batch
     n_samples_per_prompt: int = 4
     over_sampling_factor: float = 1.5
     max_concurrency: int = 64
     max_over_sampling_rounds: int = 4
-    on_short_batch: str = "warn"  # "warn" (train on a smaller batch) | "error"
+    on_short_batch: OnShortBatch = "warn"
     # aborted groups resume in a later batch; off: they restart from their prompts
     partial_rollouts: bool = True
     mask_off_policy_partial: bool = False
@@ -63,7 +73,7 @@ class RolloutConfig(_Section):
     generate_timeout_s: float = 300.0
     env_timeout_s: float = 60.0  # per env factory / env.reset / env.step call (tools: per Tool)
     reward_timeout_s: float = 10.0
-    mode: str = "sync"  # "sync" | "async"
+    mode: RolloutMode = "sync"
     # versions a trained sample may lag the policy, in both modes; -1 = automatic: what a fresh
     # sample can lag (training.sync_every - 1, + 1 in async), so sync mode stays on-policy and
     # only resumed partial work is dropped (before it is resumed)
@@ -87,8 +97,6 @@ class RolloutConfig(_Section):
         _check(
             p, self.max_over_sampling_rounds >= 1, "rollout.max_over_sampling_rounds: must be >= 1"
         )
-        _one_of(p, "rollout.on_short_batch", self.on_short_batch, ("warn", "error"))
-        _one_of(p, "rollout.mode", self.mode, ("sync", "async"))
         _check(p, self.max_turns >= 1, f"rollout.max_turns = {self.max_turns}: must be >= 1")
         _check(
             p,
@@ -105,13 +113,15 @@ class RolloutConfig(_Section):
 class EnginesConfig(_Section):
     """[engines]: the inference servers (built-in, SGLang or vLLM)."""
 
-    kind: str = "builtin"  # "builtin" | "sglang" | "vllm"
+    KEY: ClassVar[str] = "engines"
+
+    kind: EngineKind = "builtin"
     urls: list[str] = dataclasses.field(default_factory=list)  # for sglang / vllm
     num_engines: int = 1  # built-in engines to start
     max_batch: int = 64
     max_queue: int = 1024
     api_key: str = ""
-    logprobs_from: str = "raw"  # "raw" logits | "scaled" (temperature-scaled)
+    logprobs_from: LogprobsFrom = "raw"
     device: str = "cpu"
     torch_threads: int = 0  # built-in engines' torch threads; 0 = a share of the cores on CPU
     # every HTTP call (a generation, a weight reload); a hung engine is caught sooner, by
@@ -127,8 +137,6 @@ class EnginesConfig(_Section):
 
     def problems(self) -> list[str]:
         p: list[str] = []
-        _one_of(p, "engines.kind", self.kind, ("builtin", "sglang", "vllm"))
-        _one_of(p, "engines.logprobs_from", self.logprobs_from, ("raw", "scaled"))
         _check(p, self.num_engines >= 1, f"engines.num_engines = {self.num_engines}: must be >= 1")
         _check(p, self.max_batch >= 1, "engines.max_batch: must be >= 1")
         _check(p, self.max_queue >= 1, "engines.max_queue: must be >= 1")

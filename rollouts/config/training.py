@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar, Literal
 
-from rollouts.config.base import _check, _one_of, _Section
+from rollouts.config.base import _check, _Section
+
+Scheduler = Literal["cosine", "constant"]
+TrainingBackendName = Literal["pytorch", "fsdp"]
+TrainingDevice = Literal["auto", "cpu", "cuda"]
+MicroBatchLayout = Literal["pad", "pack"]  # length-bucketed, right-padded | one packed row
+LogprobPositions = Literal["trained", "all"]
+CpuPlacement = Literal["auto", "off"]
+TrainerProcessMode = Literal["auto", "on", "off"]
+BestMode = Literal["max", "min"]
+WandbMode = Literal["offline", "online", "disabled"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class OptimConfig(_Section):
     """[optim]: AdamW and the warmup + cosine schedule."""
+
+    KEY: ClassVar[str] = "optim"
 
     lr: float = 1e-5
     weight_decay: float = 0.0
@@ -17,7 +30,7 @@ class OptimConfig(_Section):
     beta2: float = 0.999
     eps: float = 1e-8
     warmup_steps: int = 0
-    scheduler: str = "cosine"  # "cosine" | "constant"
+    scheduler: Scheduler = "cosine"
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 1.0
 
@@ -28,7 +41,6 @@ class OptimConfig(_Section):
         _check(p, 0.0 <= self.beta1 < 1.0, "optim.beta1: must be in [0, 1)")
         _check(p, 0.0 <= self.beta2 < 1.0, "optim.beta2: must be in [0, 1)")
         _check(p, self.warmup_steps >= 0, "optim.warmup_steps: must be >= 0")
-        _one_of(p, "optim.scheduler", self.scheduler, ("cosine", "constant"))
         _check(p, 0.0 <= self.min_lr_ratio <= 1.0, "optim.min_lr_ratio: must be in [0, 1]")
         _check(p, self.max_grad_norm > 0.0, "optim.max_grad_norm: must be > 0")
         return p
@@ -38,9 +50,11 @@ class OptimConfig(_Section):
 class TrainingConfig(_Section):
     """[training]: backend, steps and batching of the trainer."""
 
-    backend: str = "pytorch"  # "pytorch" | "fsdp"
+    KEY: ClassVar[str] = "training"
+
+    backend: TrainingBackendName = "pytorch"
     nproc: int = 1
-    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    device: TrainingDevice = "auto"
     torch_threads: int = 0  # trainer's torch threads; 0 = a share of the cores (CPU + builtin)
     micro_batch_tokens: int = 4096
     rl_steps: int = 10
@@ -54,25 +68,23 @@ class TrainingConfig(_Section):
     # tokens per LM-head chunk (recomputed in backward when several); 0 = auto: 512 MiB of
     # float32 logits per chunk (one chunk for small vocabularies)
     logprob_chunk_size: int = 0
-    micro_batch_layout: str = "pad"  # "pad" (length-bucketed, right-padded) | "pack" (one row)
+    micro_batch_layout: MicroBatchLayout = "pad"
     # "trained": the LM head (logprobs, entropy) runs only on tokens with loss_mask = 1, the
     # others read 0 (prompts cost no head: verl and TRL do the same); "all": every position,
     # for a custom loss that reads the logprobs of untrained tokens
-    logprob_positions: str = "trained"
+    logprob_positions: LogprobPositions = "trained"
     weight_sync_dir: str = ""  # weights-only copies for engines; "" = /dev/shm (else a temp dir)
     weight_sync_attempts: int = 3  # tries per engine before a sync fails
     # "auto": on CPU with built-in engines, pin the training thread, each engine and (async)
     # the driver to their own cores (training/placement.py); "off": leave it to the OS
-    cpu_placement: str = "auto"
+    cpu_placement: CpuPlacement = "auto"
     # "auto": train in a child process when async mode runs with that CPU placement (the
     # driver's Python then never holds the training thread's GIL; backends/process.py);
     # "on": always (one-device backend); "off": train in the driver's process
-    trainer_process: str = "auto"
+    trainer_process: TrainerProcessMode = "auto"
 
     def problems(self) -> list[str]:
         p: list[str] = []
-        _one_of(p, "training.backend", self.backend, ("pytorch", "fsdp"))
-        _one_of(p, "training.device", self.device, ("auto", "cpu", "cuda"))
         _check(p, self.nproc >= 1, f"training.nproc = {self.nproc}: must be >= 1")
         _check(p, self.torch_threads >= 0, "training.torch_threads: must be >= 0 (0 = default)")
         _check(p, self.micro_batch_tokens >= 1, "training.micro_batch_tokens: must be >= 1")
@@ -88,10 +100,6 @@ class TrainingConfig(_Section):
             self.logprob_chunk_size >= 0,
             "training.logprob_chunk_size: must be >= 1 (tokens per chunk), or 0 (auto)",
         )
-        _one_of(p, "training.micro_batch_layout", self.micro_batch_layout, ("pad", "pack"))
-        _one_of(p, "training.logprob_positions", self.logprob_positions, ("trained", "all"))
-        _one_of(p, "training.cpu_placement", self.cpu_placement, ("auto", "off"))
-        _one_of(p, "training.trainer_process", self.trainer_process, ("auto", "on", "off"))
         _check(
             p,
             self.trainer_process != "on" or self.backend == "pytorch",
@@ -106,17 +114,18 @@ class TrainingConfig(_Section):
 class CheckpointConfig(_Section):
     """[checkpoint]: where, how often and how many."""
 
+    KEY: ClassVar[str] = "checkpoint"
+
     dir: str = ""  # "" = <run.output_dir>/checkpoints
     every: int = 0  # steps; 0 = only at the end
     keep_last: int = 2
     best_metric: str = "eval/accuracy"  # the step metric that picks the best checkpoint; "" = off
-    best_mode: str = "max"  # "max" | "min": which direction of best_metric is better
+    best_mode: BestMode = "max"  # which direction of best_metric is better
 
     def problems(self) -> list[str]:
         p: list[str] = []
         _check(p, self.every >= 0, f"checkpoint.every = {self.every}: must be >= 0")
         _check(p, self.keep_last >= 1, f"checkpoint.keep_last = {self.keep_last}: must be >= 1")
-        _one_of(p, "checkpoint.best_mode", self.best_mode, ("max", "min"))
         return p
 
 
@@ -124,16 +133,17 @@ class CheckpointConfig(_Section):
 class LoggingConfig(_Section):
     """[logging]: console, metrics files, TensorBoard, wandb."""
 
+    KEY: ClassVar[str] = "logging"
+
     console: bool = True
     progress_bar: bool = True
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str = "rollouts"
-    wandb_mode: str = "offline"
+    wandb_mode: WandbMode = "offline"
     rollouts_per_step: int = 4  # samples written to rollouts.jsonl per step
 
     def problems(self) -> list[str]:
         p: list[str] = []
-        _one_of(p, "logging.wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
         _check(p, self.rollouts_per_step >= 0, "logging.rollouts_per_step: must be >= 0")
         return p

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar, Literal
 
-from rollouts.config.base import _check, _one_of, _Section
+from rollouts.config.base import _check, _Section
 
-METHODS = ("disk", "distributed")
-BACKENDS = ("auto", "gloo", "nccl")
+SyncMethod = Literal["disk", "distributed"]
+SyncBackend = Literal["auto", "gloo", "nccl"]  # auto: nccl on cuda, else gloo
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -17,11 +18,13 @@ class WeightSyncConfig(_Section):
     GPU; SGLang's protocol for SGLang and the built-in engine, vLLM's weight transfer for vLLM).
     """
 
-    method: str = "disk"  # "disk" | "distributed"
+    KEY: ClassVar[str] = "weight_sync"
+
+    method: SyncMethod = "disk"
     bucket_mb: float = 256.0  # tensors per broadcast: one HTTP call + one collective per bucket
     master_address: str = "127.0.0.1"  # the trainer's address as the engines reach it
     master_port: int = 0  # 0 = a free port, picked each time the group forms
-    backend: str = "auto"  # "auto" (nccl on cuda, else gloo) | "gloo" | "nccl"
+    backend: SyncBackend = "auto"
     group_name: str = "rollouts_weights"
     timeout_s: float = 300.0  # forming the group, and one whole sync
     # after each sync (and at start) every engine's logprobs of a fixed probe sequence must
@@ -32,8 +35,6 @@ class WeightSyncConfig(_Section):
 
     def problems(self) -> list[str]:
         p: list[str] = []
-        _one_of(p, "weight_sync.method", self.method, METHODS)
-        _one_of(p, "weight_sync.backend", self.backend, BACKENDS)
         _check(p, self.bucket_mb > 0, f"weight_sync.bucket_mb = {self.bucket_mb}: must be > 0")
         _check(
             p,

@@ -12,11 +12,14 @@ Two layouts, both exact (a sequence's logprobs never depend on its neighbours):
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Sequence
 
 import torch
 
-LAYOUTS = ("pad", "pack")
+from rollouts.config.training import MicroBatchLayout
+
+LAYOUTS = typing.get_args(MicroBatchLayout)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -32,6 +32,7 @@ import random
 import re
 import shutil
 import time
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rollouts.config.training import BestMode
 from rollouts.trainer.disk_errors import write_error
 from rollouts.trainer.protocol import TrainingBackend
 
@@ -47,6 +49,7 @@ REFERENCE_FILE = "reference.safetensors"
 EXTRA_STATE = "extra_state.json"
 FORMAT = 1
 BEST_FILE = "best.json"
+BEST_MODES = typing.get_args(BestMode)
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
@@ -65,16 +68,16 @@ class BestSpec:
     """Which step metric picks the best checkpoint, and whether higher ("max") is better."""
 
     metric: str = "eval/accuracy"
-    mode: str = "max"
+    mode: BestMode = "max"
 
     def __post_init__(self) -> None:
         assert self.metric, "BestSpec.metric is empty (no best tracking: pass best=None)"
-        assert self.mode in ("max", "min"), f"{self.mode=} not in ('max', 'min')"
+        assert self.mode in BEST_MODES, f"{self.mode=} not in {BEST_MODES}"
 
 
-def is_better(value: float, best: float | None, mode: str) -> bool:
+def is_better(value: float, best: float | None, mode: BestMode) -> bool:
     """`value` beats the recorded `best` (None: nothing recorded yet); ties keep the older one."""
-    assert mode in ("max", "min"), f"{mode=}"
+    assert mode in BEST_MODES, f"{mode=} not in {BEST_MODES}"
     if not math.isfinite(value):
         return False
     if best is None:

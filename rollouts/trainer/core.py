@@ -12,11 +12,13 @@ import contextlib
 import dataclasses
 import math
 import time
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 
+from rollouts.config.training import LogprobPositions, MicroBatchLayout
 from rollouts.trainer.batching import (
     LAYOUTS,
     MicroBatchPlan,
@@ -28,7 +30,7 @@ from rollouts.trainer.model import TokenLogprobModel, move_to, split_per_sequenc
 from rollouts.trainer.protocol import Metrics, NonFiniteError
 from rollouts.types import LossFn, ModelOutputs, TrainBatch
 
-LOGPROB_POSITIONS = ("trained", "all")
+LOGPROB_POSITIONS = typing.get_args(LogprobPositions)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,14 +38,14 @@ class BackendSettings:
     """How a backend batches and steps (from `[training]` and `[optim]`)."""
 
     micro_batch_tokens: int = 4096
-    layout: str = "pad"  # "pad" | "pack"
+    layout: MicroBatchLayout = "pad"
     logprob_chunk_size: int = 0  # 0 = auto (by vocabulary, model.auto_chunk_size)
     max_grad_norm: float = 1.0
     max_consecutive_nonfinite: int = 3
     autocast_dtype: torch.dtype | None = None  # bf16 autocast on GPU; None = off
     pad_id: int = 0
-    # "trained": the LM head runs only where loss_mask != 0 (other logprobs are 0); "all"
-    logprob_positions: str = "trained"
+    # "trained": the LM head runs only where loss_mask != 0 (other logprobs are 0); "all": all
+    logprob_positions: LogprobPositions = "trained"
 
     def __post_init__(self) -> None:
         assert self.layout in LAYOUTS, f"{self.layout=} not in {LAYOUTS}"
