@@ -34,7 +34,7 @@ from rollouts.config.loader import (
 from rollouts.config.model import DataConfig, ModelConfig, RunSection, TinyModelConfig
 from rollouts.config.rollout import EnginesConfig, RolloutConfig, SamplingConfig
 from rollouts.config.training import CheckpointConfig, LoggingConfig, OptimConfig, TrainingConfig
-from rollouts.config.weight_sync import WeightSyncConfig
+from rollouts.config.weight_sync import DistributedSyncConfig, WeightSyncConfig
 
 __all__ = [
     "ADVANTAGES",
@@ -47,6 +47,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "DistributedSyncConfig",
     "EnginesConfig",
     "LoggingConfig",
     "ModelConfig",

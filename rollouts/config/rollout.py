@@ -75,7 +75,7 @@ class RolloutConfig(_Section):
     reward_timeout_s: float = 10.0
     mode: RolloutMode = "sync"
     # versions a trained sample may lag the policy, in both modes; -1 = automatic: what a fresh
-    # sample can lag (training.sync_every - 1, + 1 in async), so sync mode stays on-policy and
+    # sample can lag (weight_sync.every - 1, + 1 in async), so sync mode stays on-policy and
     # only resumed partial work is dropped (before it is resumed)
     max_staleness: int = -1
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)

@@ -244,8 +244,8 @@ async def rl_phase(
             await trio.to_thread.run_sync(restore_reference, ref, latest)
         engine_model = latest / MODEL_DIR if latest is not None else model_dir
         # the engines reload only from the starting model and the run's weight copies
-        sync_root = run_sync_root(config.training.weight_sync_dir, config.run.name, run_dir)
-        configured = bool(config.training.weight_sync_dir)
+        sync_root = run_sync_root(config.weight_sync.dir, config.run.name, run_dir)
+        configured = bool(config.weight_sync.dir)
         await trio.to_thread.run_sync(clean_sync_root, sync_root, configured)
         if config.engines.kind != "builtin":  # servers already up reload the starting weights
             # in place: the trainer writes them, so every tensor is in the files (a tied head)
@@ -348,8 +348,8 @@ async def _rl_with_engines(
     evaluate_fn = _eval_hook(config, pool, tokenizer, reward_fn, manager, eval_items or [])
     # weights-only copies for the engines (in /dev/shm when there is one); one root per run,
     # cleaned at start (a crashed run's copies: `rl_phase`) and on exit
-    configured = bool(config.training.weight_sync_dir)
-    sync_root = run_sync_root(config.training.weight_sync_dir, config.run.name, run_dir)
+    configured = bool(config.weight_sync.dir)
+    sync_root = run_sync_root(config.weight_sync.dir, config.run.name, run_dir)
 
     async def checkpoint(
         step: int,
@@ -400,7 +400,7 @@ async def _rl_with_engines(
             pool,
             path,
             version,
-            attempts=config.training.weight_sync_attempts,
+            attempts=config.weight_sync.attempts,
             pause_mode=pause_mode,
             probe=probe,
         )

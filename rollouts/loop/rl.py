@@ -83,7 +83,7 @@ async def run_rl_training(
     kl_ctl = AdaptiveKL.from_config(config.algorithm)
     st = loop_state_from(loop_state, kl_ctl, start_step, start_version)
     bound = staleness_bound(
-        config.rollout.max_staleness, config.rollout.mode, config.training.sync_every
+        config.rollout.max_staleness, config.rollout.mode, config.weight_sync.every
     )
     engine_sync = EngineSync()
     batches = BatchSource(
@@ -234,7 +234,7 @@ async def _after_training(ctx: _Ctx, st: LoopState, metrics: dict[str, float]) -
         (eval_every and step % eval_every == 0) or step == ctx.total
     )
     sync_due = (
-        step % ctx.config.training.sync_every == 0 or eval_due or checkpoint_due
+        step % ctx.config.weight_sync.every == 0 or eval_due or checkpoint_due
     )  # a checkpoint step too: a resumed run's engines start on its weights
     if sync_due and st.synced != st.version:
         t = time.monotonic()
