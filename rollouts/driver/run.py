@@ -30,7 +30,7 @@ from rollouts.driver.engines import cpu_share, open_engines
 from rollouts.driver.evaluation import EvalSpec, evaluate
 from rollouts.driver.lock import hold_run_locks
 from rollouts.driver.metrics import last_step
-from rollouts.driver.placement import cpu_plan, pinned, wants_trainer_process
+from rollouts.driver.placement import cpu_plan, decide_trainer_process, pinned
 from rollouts.driver.setup import (
     RL_METRICS,
     SFT_METRICS,
@@ -218,12 +218,15 @@ async def rl_phase(
     reward_fn = with_response_text(reward, tokenizer)
     plan = cpu_plan(config)
     host = None
-    if make_backend is create_backend and wants_trainer_process(config, plan):
+    decision = decide_trainer_process(
+        config, plan, custom_backend=make_backend is not create_backend
+    )
+    if decision.own_process:
         host = TrainerProcess(
             threads=torch.get_num_threads(), other_cores=plan.driver if plan is not None else ()
         )
         make_backend = host.create
-        print(f"[train] training in its own process (pid {host.pid})", flush=True)
+    print(f"[train] {decision.describe(host.pid if host is not None else None)}", flush=True)
     backend = ref = None
     try:
         backend = make_backend(config, model_path=model_dir, total_steps=config.training.rl_steps)
