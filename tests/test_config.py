@@ -188,6 +188,13 @@ OLD_KEYS = {  # old dotted path -> (a value, where it is read now)
     "weight_sync.master_port": (29500, lambda c: c.weight_sync.distributed.master_port),
     "weight_sync.group_name": ("g", lambda c: c.weight_sync.distributed.group_name),
     "weight_sync.timeout_s": (60.0, lambda c: c.weight_sync.distributed.timeout_s),
+    "engines.num_engines": (2, lambda c: c.engines.builtin.num_engines),
+    "engines.max_batch": (8, lambda c: c.engines.builtin.max_batch),
+    "engines.max_queue": (16, lambda c: c.engines.builtin.max_queue),
+    "engines.logprobs_from": ("scaled", lambda c: c.engines.builtin.logprobs_from),
+    "engines.device": ("cuda:1", lambda c: c.engines.builtin.device),
+    "engines.torch_threads": (1, lambda c: c.engines.builtin.torch_threads),
+    "engines.max_restarts": (0, lambda c: c.engines.builtin.max_restarts),
 }
 
 

@@ -32,7 +32,12 @@ from rollouts.config.loader import (
     load_config,
 )
 from rollouts.config.model import DataConfig, ModelConfig, RunSection, TinyModelConfig
-from rollouts.config.rollout import EnginesConfig, RolloutConfig, SamplingConfig
+from rollouts.config.rollout import (
+    BuiltinEnginesConfig,
+    EnginesConfig,
+    RolloutConfig,
+    SamplingConfig,
+)
 from rollouts.config.training import CheckpointConfig, LoggingConfig, OptimConfig, TrainingConfig
 from rollouts.config.weight_sync import DistributedSyncConfig, WeightSyncConfig
 
@@ -43,6 +48,7 @@ __all__ = [
     "PAIR_SELECTORS",
     "POLICY_LOSSES",
     "AlgorithmConfig",
+    "BuiltinEnginesConfig",
     "CheckpointConfig",
     "Config",
     "ConfigError",

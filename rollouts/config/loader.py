@@ -121,6 +121,13 @@ MOVED_KEYS: dict[str, str] = {
     "weight_sync.master_port": "weight_sync.distributed.master_port",
     "weight_sync.group_name": "weight_sync.distributed.group_name",
     "weight_sync.timeout_s": "weight_sync.distributed.timeout_s",
+    "engines.num_engines": "engines.builtin.num_engines",
+    "engines.max_batch": "engines.builtin.max_batch",
+    "engines.max_queue": "engines.builtin.max_queue",
+    "engines.logprobs_from": "engines.builtin.logprobs_from",
+    "engines.device": "engines.builtin.device",
+    "engines.torch_threads": "engines.builtin.torch_threads",
+    "engines.max_restarts": "engines.builtin.max_restarts",
 }
 
 

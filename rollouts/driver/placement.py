@@ -2,8 +2,8 @@
 
 When the trainer and the built-in engines all run on this machine's CPU (`training.cpu_placement
 = "auto"`, the default, and no torch thread count set by hand), the cores this process may use
-are split as the torch thread shares are (`engines.cpu_share`): the first share for the training
-thread and the torch threads it starts, the next share for each engine process.
+are split as the torch thread shares are (`driver/engines.cpu_share`): the first share for the
+training thread and the torch threads it starts, the next share for each engine process.
 
 In async mode the driver's thread (HTTP to the engines, rewards, batch building, the weight
 file writer) runs on the engines' cores as well. Generation has slack there, while every slice
@@ -70,20 +70,20 @@ def why_unplaced(config: Config) -> str:
         return "this OS cannot pin threads"
     if e.kind != "builtin":
         return f"engines.kind = {e.kind!r} (servers of their own)"
-    if e.device != "cpu":
-        return f"engines.device = {e.device!r}"
+    if e.builtin.device != "cpu":
+        return f"engines.builtin.device = {e.builtin.device!r}"
     if t.backend != "pytorch":
         return f"training.backend = {t.backend!r} (torchrun places the ranks)"
-    if t.torch_threads or e.torch_threads:
-        return "torch threads set by hand (training.torch_threads, engines.torch_threads)"
+    if t.torch_threads or e.builtin.torch_threads:
+        return "torch threads set by hand (training.torch_threads, engines.builtin.torch_threads)"
     from rollouts.trainer.factories import resolve_device
 
     device = resolve_device(t.device)
     if device.type != "cpu":
         return f"the trainer is on {device} (training.device = {t.device!r})"
     cores = len(os.sched_getaffinity(0))
-    if cores < e.num_engines + 1:
-        return f"{cores} core(s) for the trainer and {e.num_engines} engine(s)"
+    if cores < e.builtin.num_engines + 1:
+        return f"{cores} core(s) for the trainer and {e.builtin.num_engines} engine(s)"
     return ""
 
 
@@ -93,7 +93,7 @@ def cpu_plan(config: Config) -> CpuPlan | None:
         return None
     cores = os.sched_getaffinity(0)
     pin_driver = config.rollout.mode == "async"
-    return plan_cpus(cores, config.engines.num_engines, pin_driver=pin_driver)
+    return plan_cpus(cores, config.engines.builtin.num_engines, pin_driver=pin_driver)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -115,7 +115,7 @@ def distributed_sync_for(config: Config) -> DistributedWeightSync | None:
     d = ws.distributed
     device = resolve_device(config.training.device)
     e = config.engines
-    backend = choose_backend(d.backend, device.type == "cuda", e.kind, e.device)
+    backend = choose_backend(d.backend, device.type == "cuda", e.kind, e.builtin.device)
     if e.kind == "vllm" and (backend != "nccl" or device.type != "cuda"):
         raise ValueError(
             f"weight_sync.method = 'distributed' with engines.kind = 'vllm' needs NCCL from a "

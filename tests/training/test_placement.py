@@ -135,7 +135,7 @@ def test_no_placement_names_the_key_that_turned_it_off() -> None:
     assert why(training={"cpu_placement": "off"}) == "training.cpu_placement = 'off'"
     sglang = {"kind": "sglang", "urls": ["http://a:1"]}
     assert why(engines=sglang).startswith("engines.kind = 'sglang'")
-    assert why(engines={"device": "cuda:1"}) == "engines.device = 'cuda:1'"
+    assert why(engines={"builtin": {"device": "cuda:1"}}) == "engines.builtin.device = 'cuda:1'"
     assert why(training={"device": "cpu", "torch_threads": 2}).startswith("torch threads set")
     assert why(training={"device": "cpu", "backend": "fsdp"}).startswith("training.backend")
     assert why() == (
