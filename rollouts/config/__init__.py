@@ -25,7 +25,6 @@ from rollouts.config.algorithm import (
 from rollouts.config.base import ConfigError
 from rollouts.config.loader import (
     Config,
-    RunConfig,
     apply_overrides,
     config_from_dict,
     config_to_dict,
@@ -59,7 +58,6 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "RolloutConfig",
-    "RunConfig",
     "RunSection",
     "SamplingConfig",
     "TinyModelConfig",

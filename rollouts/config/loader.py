@@ -40,9 +40,6 @@ class Config(_Section):
     weight_sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
 
 
-RunConfig = Config  # the name the design uses for the whole tree
-
-
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
