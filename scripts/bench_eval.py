@@ -45,7 +45,7 @@ async def run(args: argparse.Namespace) -> None:
     batched = EvalSpec(max_new_tokens=config.rollout.sampling.max_new_tokens)
     single = dataclasses.replace(batched, generate_fn=generate_single_turn)
     ratios = []
-    async with engine_process(model_dir, max_batch=config.engines.max_batch) as proc:
+    async with engine_process(model_dir, max_batch=config.engines.builtin.max_batch) as proc:
         engine = SGLangEngine(proc.url)
         await evaluate(engine, tokenizer, items[:16], reward, batched)  # warm-up
         for rep in range(args.reps):

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from pathlib import Path
 
@@ -131,13 +132,19 @@ def test_engines_need_urls_for_external_servers() -> None:
 def test_a_moved_key_works_at_its_old_place_and_names_the_new_one(monkeypatch, capsys) -> None:
     from rollouts.config import loader
 
-    monkeypatch.setitem(loader.MOVED_KEYS, "training.sync_every_old", "training.sync_every")
-    config = loader.config_from_dict({"training": {"sync_every_old": 3}}, "x.toml")
-    assert config.training.sync_every == 3
+    monkeypatch.setitem(loader.MOVED_KEYS, "training.rl_steps_old", "training.rl_steps")
+    config = loader.config_from_dict({"training": {"rl_steps_old": 3}}, "x.toml")
+    assert config.training.rl_steps == 3
     err = capsys.readouterr().err
-    assert "training.sync_every_old is now training.sync_every" in err and "x.toml" in err
+    assert "training.rl_steps_old is now training.rl_steps" in err and "x.toml" in err
     with pytest.raises(ConfigError, match="both set"):
-        loader.config_from_dict({"training": {"sync_every_old": 3, "sync_every": 2}})
+        loader.config_from_dict({"training": {"rl_steps_old": 3, "rl_steps": 2}})
+    with pytest.raises(ConfigError, match="both set"):  # a sub-table, given the new way
+        loader.config_from_dict(
+            {"weight_sync": {"bucket_mb": 1.0, "distributed": {"bucket_mb": 2.0}}}
+        )
+    with pytest.raises(ConfigError, match="weight_sync.distributed is not a table"):
+        loader.config_from_dict({"weight_sync": {"bucket_mb": 1.0, "distributed": 3}})
 
 
 def test_a_mode_value_is_checked_against_its_literal_read_or_built() -> None:
@@ -169,3 +176,44 @@ def test_each_section_with_a_mode_knows_its_key_path() -> None:
             typing.get_origin(t) is typing.Literal for t in typing.get_type_hints(cls).values()
         )
         assert path == cls.KEY or (not cls.KEY and not has_mode), (path, cls.KEY)
+
+
+OLD_KEYS = {  # old dotted path -> (a value, where it is read now)
+    "training.sync_every": (2, lambda c: c.weight_sync.every),
+    "training.weight_sync_dir": ("/tmp/w", lambda c: c.weight_sync.dir),
+    "training.weight_sync_attempts": (5, lambda c: c.weight_sync.attempts),
+    "weight_sync.backend": ("gloo", lambda c: c.weight_sync.distributed.backend),
+    "weight_sync.bucket_mb": (64.0, lambda c: c.weight_sync.distributed.bucket_mb),
+    "weight_sync.master_address": ("10.0.0.1", lambda c: c.weight_sync.distributed.master_address),
+    "weight_sync.master_port": (29500, lambda c: c.weight_sync.distributed.master_port),
+    "weight_sync.group_name": ("g", lambda c: c.weight_sync.distributed.group_name),
+    "weight_sync.timeout_s": (60.0, lambda c: c.weight_sync.distributed.timeout_s),
+    "engines.num_engines": (2, lambda c: c.engines.builtin.num_engines),
+    "engines.max_batch": (8, lambda c: c.engines.builtin.max_batch),
+    "engines.max_queue": (16, lambda c: c.engines.builtin.max_queue),
+    "engines.logprobs_from": ("scaled", lambda c: c.engines.builtin.logprobs_from),
+    "engines.device": ("cuda:1", lambda c: c.engines.builtin.device),
+    "engines.torch_threads": (1, lambda c: c.engines.builtin.torch_threads),
+    "engines.max_restarts": (0, lambda c: c.engines.builtin.max_restarts),
+}
+
+
+@pytest.mark.parametrize("old", sorted(OLD_KEYS))
+def test_every_old_key_still_works_and_names_its_new_place(old: str, capsys, tmp_path) -> None:
+    from rollouts.config.loader import MOVED_KEYS
+
+    value, read = OLD_KEYS[old]
+    section, key = old.split(".")
+    path = tmp_path / "old.toml"
+    path.write_text(f"[{section}]\n{key} = {json.dumps(value)}\n")
+    assert read(load_config(path)) == value
+    assert f"[config] {old} is now {MOVED_KEYS[old]}" in capsys.readouterr().err
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    assert read(load_config(empty, [f"{old}={json.dumps(value)}"])) == value  # in --set too
+
+
+def test_the_old_keys_are_exactly_the_moved_ones() -> None:
+    from rollouts.config.loader import MOVED_KEYS
+
+    assert set(OLD_KEYS) == set(MOVED_KEYS)

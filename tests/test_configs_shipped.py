@@ -19,8 +19,9 @@ def test_there_are_configs() -> None:
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_config_loads_and_its_plugins_resolve(path: Path) -> None:
+def test_config_loads_and_its_plugins_resolve(path: Path, capsys: pytest.CaptureFixture) -> None:
     config = load_config(path)
+    assert "[config]" not in capsys.readouterr().err  # no key at an old place (MOVED_KEYS)
     for dotted in (config.rollout.reward_fn, config.data.prepare, config.algorithm.schedule):
         if dotted:
             assert callable(import_object(dotted)), dotted

@@ -50,7 +50,7 @@ generate_fn = "examples.self_correct.self_correct"
 [rollout.sampling]
 max_new_tokens = 8
 stop = {STOPS}
-[engines]
+[engines.builtin]
 max_batch = 16
 [logging]
 rollouts_per_step = 100

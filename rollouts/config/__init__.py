@@ -35,7 +35,6 @@ from rollouts.config.algorithm_tables import (
 from rollouts.config.base import ConfigError
 from rollouts.config.loader import (
     Config,
-    RunConfig,
     apply_overrides,
     config_from_dict,
     config_to_dict,
@@ -43,9 +42,14 @@ from rollouts.config.loader import (
 )
 from rollouts.config.model import DataConfig, ModelConfig, RunSection, TinyModelConfig
 from rollouts.config.reward import LengthShapingConfig, RewardConfig
-from rollouts.config.rollout import EnginesConfig, RolloutConfig, SamplingConfig
+from rollouts.config.rollout import (
+    BuiltinEnginesConfig,
+    EnginesConfig,
+    RolloutConfig,
+    SamplingConfig,
+)
 from rollouts.config.training import CheckpointConfig, LoggingConfig, OptimConfig, TrainingConfig
-from rollouts.config.weight_sync import WeightSyncConfig
+from rollouts.config.weight_sync import DistributedSyncConfig, WeightSyncConfig
 
 __all__ = [
     "ADVANTAGES",
@@ -54,11 +58,13 @@ __all__ = [
     "PAIR_SELECTORS",
     "POLICY_LOSSES",
     "AlgorithmConfig",
+    "BuiltinEnginesConfig",
     "CheckpointConfig",
     "CispoConfig",
     "Config",
     "ConfigError",
     "DataConfig",
+    "DistributedSyncConfig",
     "EnginesConfig",
     "GAEConfig",
     "KLConfig",
@@ -71,7 +77,6 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "RolloutCorrectionConfig",
-    "RunConfig",
     "RunSection",
     "SamplingConfig",
     "TinyModelConfig",

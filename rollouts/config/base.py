@@ -55,7 +55,7 @@ def literal_problem(key: str, value: Any, tp: Any) -> str | None:
 
 
 @functools.cache
-def _mode_fields(cls: type) -> tuple[tuple[str, Any], ...]:
+def _mode_fields(cls: type[_Section]) -> tuple[tuple[str, Any], ...]:
     hints = typing.get_type_hints(cls)
     modes = tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
     modes = tuple((name, tp) for name, tp in modes if is_literal(tp))

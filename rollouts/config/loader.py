@@ -42,9 +42,6 @@ class Config(_Section):
     weight_sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
 
 
-RunConfig = Config  # the name the design uses for the whole tree
-
-
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
@@ -113,7 +110,24 @@ def _build(cls: type, table: Mapping[str, Any], prefix: str, problems: list[str]
 
 # Keys that moved: old dotted path -> new one. The old key keeps working for one release; each use
 # prints a line naming the new key. Given both ways, it is an error.
-MOVED_KEYS: dict[str, str] = {}
+MOVED_KEYS: dict[str, str] = {
+    "training.sync_every": "weight_sync.every",
+    "training.weight_sync_dir": "weight_sync.dir",
+    "training.weight_sync_attempts": "weight_sync.attempts",
+    "weight_sync.backend": "weight_sync.distributed.backend",
+    "weight_sync.bucket_mb": "weight_sync.distributed.bucket_mb",
+    "weight_sync.master_address": "weight_sync.distributed.master_address",
+    "weight_sync.master_port": "weight_sync.distributed.master_port",
+    "weight_sync.group_name": "weight_sync.distributed.group_name",
+    "weight_sync.timeout_s": "weight_sync.distributed.timeout_s",
+    "engines.num_engines": "engines.builtin.num_engines",
+    "engines.max_batch": "engines.builtin.max_batch",
+    "engines.max_queue": "engines.builtin.max_queue",
+    "engines.logprobs_from": "engines.builtin.logprobs_from",
+    "engines.device": "engines.builtin.device",
+    "engines.torch_threads": "engines.builtin.torch_threads",
+    "engines.max_restarts": "engines.builtin.max_restarts",
+}
 
 
 def _pop_path(table: dict[str, Any], path: list[str]) -> tuple[bool, Any]:
@@ -137,10 +151,13 @@ def move_old_keys(
         if not found:
             continue
         *parents, leaf = new.split(".")
-        node = out
+        node: Any = out
         for part in parents:
-            node = node.setdefault(part, {})
-        if not isinstance(node, dict) or leaf in node:
+            node = node.setdefault(part, {}) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            problems.append(f"{old} is now {new}, but {'.'.join(parents)} is not a table")
+            continue
+        if leaf in node:
             problems.append(f"{old} and {new} are both set: {old} is the old name; keep only {new}")
             continue
         node[leaf] = value

@@ -1,4 +1,4 @@
-"""[rollout] (with [rollout.sampling]) and [engines] sections."""
+"""[rollout] (with [rollout.sampling]) and [engines] (with [engines.builtin]) sections."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ class RolloutConfig(_Section):
     reward_timeout_s: float = 10.0
     mode: RolloutMode = "sync"
     # versions a trained sample may lag the policy, in both modes; -1 = automatic: what a fresh
-    # sample can lag (training.sync_every - 1, + 1 in async), so sync mode stays on-policy and
+    # sample can lag (weight_sync.every - 1, + 1 in async), so sync mode stays on-policy and
     # only resumed partial work is dropped (before it is resumed)
     max_staleness: int = -1
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
@@ -110,42 +110,59 @@ class RolloutConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class BuiltinEnginesConfig(_Section):
+    """[engines.builtin]: the `rollouts serve` processes the run starts (engines.kind =
+    "builtin"; read only then)."""
+
+    KEY: ClassVar[str] = "engines.builtin"
+
+    num_engines: int = 1
+    max_batch: int = 64
+    max_queue: int = 1024
+    logprobs_from: LogprobsFrom = "raw"
+    device: str = "cpu"
+    torch_threads: int = 0  # each engine's torch threads; 0 = a share of the cores on CPU
+    max_restarts: int = 3  # an engine that exits is restarted at most this many times
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        key = self.KEY
+        _check(p, self.num_engines >= 1, f"{key}.num_engines = {self.num_engines}: must be >= 1")
+        _check(p, self.max_batch >= 1, f"{key}.max_batch = {self.max_batch}: must be >= 1")
+        _check(p, self.max_queue >= 1, f"{key}.max_queue = {self.max_queue}: must be >= 1")
+        _check(
+            p,
+            self.max_restarts >= 0,
+            f"{key}.max_restarts = {self.max_restarts}: must be >= 0 (0 = never restart)",
+        )
+        _check(p, self.torch_threads >= 0, f"{key}.torch_threads: must be >= 0 (0 = default)")
+        return p
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class EnginesConfig(_Section):
-    """[engines]: the inference servers (built-in, SGLang or vLLM)."""
+    """[engines]: the inference servers: built-in ones this run starts ([engines.builtin]), or
+    SGLang / vLLM servers already up at `urls`."""
 
     KEY: ClassVar[str] = "engines"
 
     kind: EngineKind = "builtin"
     urls: list[str] = dataclasses.field(default_factory=list)  # for sglang / vllm
-    num_engines: int = 1  # built-in engines to start
-    max_batch: int = 64
-    max_queue: int = 1024
     api_key: str = ""
-    logprobs_from: LogprobsFrom = "raw"
-    device: str = "cpu"
-    torch_threads: int = 0  # built-in engines' torch threads; 0 = a share of the cores on CPU
     # every HTTP call (a generation, a weight reload); a hung engine is caught sooner, by
     # stall_timeout_s. The GPU presets raise it for long generations and big reloads
     request_timeout_s: float = 120.0
     startup_timeout_s: float = 120.0  # built-in engines' start; /health wait for URLs
     health_interval_s: float = 5.0
     max_retries: int = 3
-    max_restarts: int = 3  # a built-in engine that exits is restarted at most this many times
     wait_for_up_s: float = 60.0  # with every engine down, how long a request or a sync waits
     # silent on /health this long: hung; marked down, its requests go to the other engines
     stall_timeout_s: float = 15.0
+    builtin: BuiltinEnginesConfig = dataclasses.field(default_factory=BuiltinEnginesConfig)
 
     def problems(self) -> list[str]:
         p: list[str] = []
-        _check(p, self.num_engines >= 1, f"engines.num_engines = {self.num_engines}: must be >= 1")
-        _check(p, self.max_batch >= 1, "engines.max_batch: must be >= 1")
-        _check(p, self.max_queue >= 1, "engines.max_queue: must be >= 1")
         _check(p, self.max_retries >= 0, "engines.max_retries: must be >= 0")
-        _check(
-            p,
-            self.max_restarts >= 0,
-            f"engines.max_restarts = {self.max_restarts}: must be >= 0 (0 = never restart)",
-        )
         _check(
             p,
             self.request_timeout_s > 0,
@@ -166,7 +183,6 @@ class EnginesConfig(_Section):
             self.wait_for_up_s >= 0,
             f"engines.wait_for_up_s = {self.wait_for_up_s}: must be >= 0",
         )
-        _check(p, self.torch_threads >= 0, "engines.torch_threads: must be >= 0 (0 = default)")
         _check(
             p,
             self.kind == "builtin" or bool(self.urls),

@@ -62,7 +62,6 @@ class TrainingConfig(_Section):
     sft_epochs: int = 1
     sft_batch_size: int = 16
     sft_lr: float = 0.0  # 0 = optim.lr
-    sync_every: int = 1
     eval_every: int = 0  # 0 = only at the start and the end
     max_consecutive_nonfinite: int = 3
     # tokens per LM-head chunk (recomputed in backward when several); 0 = auto: 512 MiB of
@@ -73,8 +72,6 @@ class TrainingConfig(_Section):
     # others read 0 (prompts cost no head: verl and TRL do the same); "all": every position,
     # for a custom loss that reads the logprobs of untrained tokens
     logprob_positions: LogprobPositions = "trained"
-    weight_sync_dir: str = ""  # weights-only copies for engines; "" = /dev/shm (else a temp dir)
-    weight_sync_attempts: int = 3  # tries per engine before a sync fails
     # "auto": on CPU with built-in engines, pin the training thread, each engine and (async)
     # the driver to their own cores (training/placement.py); "off": leave it to the OS
     cpu_placement: CpuPlacement = "auto"
@@ -92,7 +89,6 @@ class TrainingConfig(_Section):
         _check(p, self.sft_steps >= 0, "training.sft_steps: must be >= 0")
         _check(p, self.sft_epochs >= 1, "training.sft_epochs: must be >= 1")
         _check(p, self.sft_batch_size >= 1, "training.sft_batch_size: must be >= 1")
-        _check(p, self.sync_every >= 1, "training.sync_every: must be >= 1")
         _check(p, self.eval_every >= 0, "training.eval_every: must be >= 0")
         _check(p, self.max_consecutive_nonfinite >= 1, "training.max_consecutive_nonfinite: >= 1")
         _check(
@@ -106,7 +102,6 @@ class TrainingConfig(_Section):
             "training.trainer_process = 'on' needs training.backend = 'pytorch' (FSDP ranks are "
             "their own processes already): set it to 'auto' or 'off'",
         )
-        _check(p, self.weight_sync_attempts >= 1, "training.weight_sync_attempts: must be >= 1")
         return p
 
 

@@ -1,4 +1,5 @@
-"""[weight_sync] section: how the trainer's weights reach the engines."""
+"""[weight_sync] section (with [weight_sync.distributed]): how and when the trainer's weights
+reach the engines."""
 
 from __future__ import annotations
 
@@ -12,6 +13,34 @@ SyncBackend = Literal["auto", "gloo", "nccl"]  # auto: nccl on cuda, else gloo
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DistributedSyncConfig(_Section):
+    """[weight_sync.distributed]: the process group of method = "distributed" (read only then)."""
+
+    KEY: ClassVar[str] = "weight_sync.distributed"
+
+    backend: SyncBackend = "auto"
+    bucket_mb: float = 256.0  # tensors per broadcast: one HTTP call + one collective per bucket
+    master_address: str = "127.0.0.1"  # the trainer's address as the engines reach it
+    master_port: int = 0  # 0 = a free port, picked each time the group forms
+    group_name: str = "rollouts_weights"
+    timeout_s: float = 300.0  # forming the group, and one whole sync
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        key = self.KEY
+        _check(p, self.bucket_mb > 0, f"{key}.bucket_mb = {self.bucket_mb}: must be > 0")
+        _check(
+            p,
+            0 <= self.master_port < 65536,
+            f"{key}.master_port = {self.master_port}: must be in [0, 65535] (0 = free port)",
+        )
+        _check(p, bool(self.master_address), f"{key}.master_address: must not be empty")
+        _check(p, bool(self.group_name), f"{key}.group_name: must not be empty")
+        _check(p, self.timeout_s > 0, f"{key}.timeout_s = {self.timeout_s}: must be > 0")
+        return p
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class WeightSyncConfig(_Section):
     """[weight_sync]: "disk" (HF safetensors in /dev/shm, reloaded by path) or "distributed"
     (broadcast over a process group the trainer forms with the engines: gloo on CPU, NCCL on
@@ -21,29 +50,22 @@ class WeightSyncConfig(_Section):
     KEY: ClassVar[str] = "weight_sync"
 
     method: SyncMethod = "disk"
-    bucket_mb: float = 256.0  # tensors per broadcast: one HTTP call + one collective per bucket
-    master_address: str = "127.0.0.1"  # the trainer's address as the engines reach it
-    master_port: int = 0  # 0 = a free port, picked each time the group forms
-    backend: SyncBackend = "auto"
-    group_name: str = "rollouts_weights"
-    timeout_s: float = 300.0  # forming the group, and one whole sync
+    every: int = 1  # RL steps per sync
+    # weights-only copies for the engines (the disk sync's files; with either method, the
+    # starting weights of external servers); "" = /dev/shm (else a temp dir)
+    dir: str = ""
+    attempts: int = 3  # disk: tries per engine before a sync fails
     # after each sync (and at start) every engine's logprobs of a fixed probe sequence must
-    # match the trainer's: a version label proves nothing (weight_check.py)
+    # match the trainer's: a version label proves nothing (weights/check.py)
     check: bool = True
     check_tokens: int = 32  # the probe's length
     check_tolerance: float = 0.0  # largest |engine - trainer| logprob; 0 = by model.dtype
+    distributed: DistributedSyncConfig = dataclasses.field(default_factory=DistributedSyncConfig)
 
     def problems(self) -> list[str]:
         p: list[str] = []
-        _check(p, self.bucket_mb > 0, f"weight_sync.bucket_mb = {self.bucket_mb}: must be > 0")
-        _check(
-            p,
-            0 <= self.master_port < 65536,
-            f"weight_sync.master_port = {self.master_port}: must be in [0, 65535] (0 = free port)",
-        )
-        _check(p, bool(self.master_address), "weight_sync.master_address: must not be empty")
-        _check(p, bool(self.group_name), "weight_sync.group_name: must not be empty")
-        _check(p, self.timeout_s > 0, f"weight_sync.timeout_s = {self.timeout_s}: must be > 0")
+        _check(p, self.every >= 1, f"weight_sync.every = {self.every}: must be >= 1")
+        _check(p, self.attempts >= 1, f"weight_sync.attempts = {self.attempts}: must be >= 1")
         _check(
             p,
             self.check_tokens >= 2,

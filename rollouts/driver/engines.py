@@ -1,14 +1,14 @@
 """Engines for a run: built-in `rollouts serve` processes, or running SGLang / vLLM servers.
 
 Either way the loop gets one `EnginePool` (an InferenceEngine) with periodic health checks, whose
-clients use `engines.request_timeout_s` and `engines.max_retries`. Built-in engines are started
-on the given model with the given weight version, die with the trainer (parent-death signal), are
-restarted (at most `engines.max_restarts` times each) when one exits, and are stopped when the
-block exits (also on Ctrl-C or an error); one with no restart left is gone for good, and
-no request waits for it (`EnginePool.mark_gone`); external servers are waited for (up to
-`engines.startup_timeout_s`, naming the URLs still loading) and then made to serve the run's
-starting weights with a weight sync. An engine that comes back loads the pool's current weights
-before it gets a request (`EnginePool.check_health`).
+clients use `engines.request_timeout_s` and `engines.max_retries`. Built-in engines
+([engines.builtin]) are started on the given model with the given weight version, die with the
+trainer (parent-death signal), are restarted (at most `engines.builtin.max_restarts` times each)
+when one exits, and are stopped when the block exits (also on Ctrl-C or an error); one with no
+restart left is gone for good, and no request waits for it (`EnginePool.mark_gone`); external
+servers are waited for (up to `engines.startup_timeout_s`, naming the URLs still loading) and
+then made to serve the run's starting weights with a weight sync. An engine that comes back
+loads the pool's current weights before it gets a request (`EnginePool.check_health`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ async def open_engines(
     Built-in engines reload weights only from inside `weights_roots` when any is given (the
     run's starting model and its weight-copy directory), so no other local process can make
     them serve weights of its choosing."""
-    e = config.engines
+    e, b = config.engines, config.engines.builtin
     pool: EnginePool | None = None  # built below; a restart asks it for the current weights
     async with trio.open_nursery() as nursery:
         if e.kind == "builtin":
@@ -69,16 +69,16 @@ async def open_engines(
                 functools.partial(
                     serve_engines,
                     model_dir,
-                    e.num_engines,
+                    b.num_engines,
                     api_key=e.api_key,
-                    max_batch=e.max_batch,
-                    max_queue=e.max_queue,
-                    logprobs_from=e.logprobs_from,
-                    device=e.device,
-                    torch_threads=cpu_share(e.torch_threads, e.device, e.num_engines),
+                    max_batch=b.max_batch,
+                    max_queue=b.max_queue,
+                    logprobs_from=b.logprobs_from,
+                    device=b.device,
+                    torch_threads=cpu_share(b.torch_threads, b.device, b.num_engines),
                     weight_version=version,
                     startup_timeout_s=e.startup_timeout_s,
-                    max_restarts=e.max_restarts,
+                    max_restarts=b.max_restarts,
                     restart_from=lambda: current_weights(pool),
                     on_gone=lambda url: pool.mark_gone(url) if pool is not None else None,
                     cpus_per_engine=cpus_per_engine,

@@ -8,7 +8,7 @@ process dies, so a lock left by a dead run is simply taken over (and said so), n
 from a pid that may have been reused. The run directory's lock is `<run dir>/run.lock`; the
 weight copies' lock sits beside their directory (`/dev/shm/rollouts-<run>.lock`, which the
 run's own clean-up of that directory leaves alone) or inside a configured
-`training.weight_sync_dir`. A new run removes every default weight-copy directory (/dev/shm,
+`weight_sync.dir`. A new run removes every default weight-copy directory (/dev/shm,
 the temp dir) whose lock is free: its run is dead (killed runs left them until resumed).
 """
 
@@ -31,7 +31,7 @@ from rollouts.config import Config
 from rollouts.trainer.disk_errors import write_error
 
 LOCK_NAME = "run.lock"  # in the run directory
-SYNC_LOCK_NAME = "owner.lock"  # in a configured training.weight_sync_dir
+SYNC_LOCK_NAME = "owner.lock"  # in a configured weight_sync.dir
 LOCK_SUFFIX = ".lock"  # beside a default weight-copy directory: /dev/shm/rollouts-<run>.lock
 WEIGHT_COPY_PREFIX = "rollouts-"
 BUSY_RETRY_S = 0.2  # a lock briefly held by another run's orphan scan is retried this long
@@ -209,14 +209,14 @@ def hold_run_locks(config: Config, bases: Sequence[Path] | None = None) -> Itera
     from rollouts.weights.disk import run_sync_root  # torch: not for a bare lock holder
 
     run_dir = Path(config.run.output_dir)
-    configured = bool(config.training.weight_sync_dir)
-    sync_root = run_sync_root(config.training.weight_sync_dir, config.run.name, run_dir)
+    configured = bool(config.weight_sync.dir)
+    sync_root = run_sync_root(config.weight_sync.dir, config.run.name, run_dir)
     locks: list[HeldLock] = []
     try:
         fix = "wait for it to end or stop it, or choose another run.output_dir"
         locks.append(acquire(run_dir / LOCK_NAME, f"run.output_dir = {str(run_dir)!r}", fix))
         what = f"the weight-copy directory {str(sync_root)!r}"
-        fix = "give each run its own training.weight_sync_dir"
+        fix = "give each run its own weight_sync.dir"
         locks.append(acquire(sync_lock_path(sync_root, configured), what, fix))
         for copies in remove_orphaned_weight_copies(
             weight_copy_bases() if bases is None else bases

@@ -2,8 +2,8 @@
 
 When the trainer and the built-in engines all run on this machine's CPU (`training.cpu_placement
 = "auto"`, the default, and no torch thread count set by hand), the cores this process may use
-are split as the torch thread shares are (`engines.cpu_share`): the first share for the training
-thread and the torch threads it starts, the next share for each engine process.
+are split as the torch thread shares are (`driver/engines.cpu_share`): the first share for the
+training thread and the torch threads it starts, the next share for each engine process.
 
 In async mode the driver's thread (HTTP to the engines, rewards, batch building, the weight
 file writer) runs on the engines' cores as well. Generation has slack there, while every slice
@@ -12,6 +12,9 @@ Python - lengthens the step that bounds async throughput. In sync mode the drive
 unpinned: it works while the trainer waits. `scripts/bench_rl_step.py --set
 training.cpu_placement="'off'"` measures without it. Pinning is Linux-only
 (`os.sched_setaffinity`); elsewhere nothing is pinned.
+
+Whether the RL phase trains in a child process is decided here too, in one function
+(`decide_trainer_process`) that returns the decision with its reason; the driver prints both.
 """
 
 from __future__ import annotations
@@ -23,8 +26,6 @@ import threading
 from collections.abc import Collection, Iterator, Sequence
 
 from rollouts.config import Config
-
-PLACEMENTS = ("auto", "off")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,34 +60,90 @@ def plan_cpus(cores: Collection[int], num_engines: int, *, pin_driver: bool) -> 
     return CpuPlan(trainer=trainer, engines=engines, driver=driver)
 
 
-def cpu_plan(config: Config) -> CpuPlan | None:
-    """The plan for an RL phase of `config` on this machine, or None (nothing pinned)."""
+def why_unplaced(config: Config) -> str:
+    """Why an RL phase of `config` pins nothing on this machine (naming the key or the fact);
+    "" when it pins (`cpu_plan`)."""
     t, e = config.training, config.engines
-    if t.cpu_placement == "off" or not hasattr(os, "sched_setaffinity"):
-        return None
-    if e.kind != "builtin" or e.device != "cpu" or t.backend != "pytorch":
-        return None  # remote or GPU engines; FSDP ranks are placed by torchrun
-    if t.torch_threads or e.torch_threads:
-        return None  # thread counts set by hand: so is their placement
+    if t.cpu_placement == "off":
+        return "training.cpu_placement = 'off'"
+    if not hasattr(os, "sched_setaffinity"):
+        return "this OS cannot pin threads"
+    if e.kind != "builtin":
+        return f"engines.kind = {e.kind!r} (servers of their own)"
+    if e.builtin.device != "cpu":
+        return f"engines.builtin.device = {e.builtin.device!r}"
+    if t.backend != "pytorch":
+        return f"training.backend = {t.backend!r} (torchrun places the ranks)"
+    if t.torch_threads or e.builtin.torch_threads:
+        return "torch threads set by hand (training.torch_threads, engines.builtin.torch_threads)"
     from rollouts.trainer.factories import resolve_device
 
-    if resolve_device(t.device).type != "cpu":
+    device = resolve_device(t.device)
+    if device.type != "cpu":
+        return f"the trainer is on {device} (training.device = {t.device!r})"
+    cores = len(os.sched_getaffinity(0))
+    if cores < e.builtin.num_engines + 1:
+        return f"{cores} core(s) for the trainer and {e.builtin.num_engines} engine(s)"
+    return ""
+
+
+def cpu_plan(config: Config) -> CpuPlan | None:
+    """The plan for an RL phase of `config` on this machine, or None (nothing pinned)."""
+    if why_unplaced(config):
         return None
     cores = os.sched_getaffinity(0)
-    return plan_cpus(cores, e.num_engines, pin_driver=config.rollout.mode == "async")
+    pin_driver = config.rollout.mode == "async"
+    return plan_cpus(cores, config.engines.builtin.num_engines, pin_driver=pin_driver)
 
 
-def wants_trainer_process(config: Config, plan: CpuPlan | None) -> bool:
-    """Whether the RL phase trains in a child process (`backends/process.py`): "on" always (for
-    the one-device backend), "auto" when async mode runs with a CPU `plan`: the driver then works
-    beside the training step, and in one process its Python holds the GIL the training thread
-    needs between torch ops."""
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerProcessDecision:
+    """Whether the RL phase trains in a child process (`trainer/process.py`), and why."""
+
+    own_process: bool
+    reason: str  # names the key (or the fact) that decided
+
+    def __post_init__(self) -> None:
+        assert self.reason, "a decision without its reason"
+
+    def describe(self, pid: int | None = None) -> str:
+        """The line the driver prints at start."""
+        where = "in its own process" if self.own_process else "in this process"
+        return f"training {where}{f' (pid {pid})' if pid is not None else ''}: {self.reason}"
+
+
+def decide_trainer_process(
+    config: Config, plan: CpuPlan | None, *, custom_backend: bool = False
+) -> TrainerProcessDecision:
+    """The one place that decides where the RL phase trains: `training.trainer_process` "on"
+    (one-device backend) or "off" as set; "auto" trains in a child process only in async mode
+    with a CPU `plan` (`cpu_plan`): the driver then works beside the training step, and in one
+    process its Python holds the GIL the training thread needs between torch ops. A caller's own
+    backend factory (`custom_backend`) and FSDP (torchrun's ranks) train where they are."""
     t = config.training
-    if t.trainer_process == "off" or t.backend != "pytorch":
-        return False
-    if t.trainer_process == "on":
-        return True
-    return plan is not None and config.rollout.mode == "async"
+    if t.backend != "pytorch":
+        return _decision(False, f"training.backend = {t.backend!r}: rank 0 of torchrun's")
+    if custom_backend:
+        return _decision(False, "the caller builds the backend (make_backend)")
+    if t.trainer_process != "auto":
+        return _decision(
+            t.trainer_process == "on", f"training.trainer_process = {t.trainer_process!r}"
+        )
+    auto = "(training.trainer_process = 'auto')"
+    if config.rollout.mode != "async":
+        return _decision(
+            False, f"rollout.mode = 'sync': the step trains while the driver waits {auto}"
+        )
+    if plan is None:
+        why = why_unplaced(config) or "no cores to pin"
+        return _decision(False, f"async, but no CPU placement: {why} {auto}")
+    return _decision(
+        True, f"async with CPU placement: the driver's Python stays off the trainer's GIL {auto}"
+    )
+
+
+def _decision(own_process: bool, reason: str) -> TrainerProcessDecision:
+    return TrainerProcessDecision(own_process=own_process, reason=reason)
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from rollouts.data.buffer import DataBuffer
 from rollouts.driver.engines import open_engines
 from rollouts.driver.evaluation import EvalSpec, evaluate
 from rollouts.driver.metrics import MetricsLogger, last_step
-from rollouts.driver.placement import CpuPlan, cpu_plan, pinned, wants_trainer_process
+from rollouts.driver.placement import CpuPlan, cpu_plan, decide_trainer_process, pinned
 from rollouts.driver.setup import (
     RL_METRICS,
     StopFlag,
@@ -97,7 +97,7 @@ async def rl_phase(
     """RL from `model_dir` (or from the latest RL checkpoint); returns the last step's metrics.
 
     `make_backend`: None builds the trainer as `training.backend` says, in this process or in
-    a trainer process (`placement.wants_trainer_process`); a factory (the torchrun hub, a
+    a trainer process (`placement.decide_trainer_process`); a factory (the torchrun hub, a
     test's) is used as it is.
     """
     root = checkpoint_root(config, run_dir, "rl")
@@ -106,7 +106,7 @@ async def rl_phase(
     tokenizer = load_tokenizer(model_dir)
     buffer, eval_items, reward = _rl_inputs(config, tokenizer, model_dir, reward_fn)
     plan = cpu_plan(config)
-    host = _trainer_host(config, plan) if make_backend is None else None
+    host = _trainer_host(config, plan, custom_backend=make_backend is not None)
     make = host.create if host is not None else make_backend or create_backend
     backend = ref = None
     try:
@@ -164,14 +164,16 @@ def _rl_inputs(
     return buffer, eval_items, with_response_text(reward, tokenizer)
 
 
-def _trainer_host(config: Config, plan: CpuPlan | None) -> TrainerProcess | None:
-    """A trainer process when placement asks for one (`placement.wants_trainer_process`)."""
-    if not wants_trainer_process(config, plan):
-        return None
-    host = TrainerProcess(
-        threads=torch.get_num_threads(), other_cores=plan.driver if plan is not None else ()
-    )
-    print(f"[train] training in its own process (pid {host.pid})", flush=True)
+def _trainer_host(
+    config: Config, plan: CpuPlan | None, *, custom_backend: bool
+) -> TrainerProcess | None:
+    """A trainer process when placement decides on one; the decision and its reason printed."""
+    decision = decide_trainer_process(config, plan, custom_backend=custom_backend)
+    host = None
+    if decision.own_process:
+        other_cores = plan.driver if plan is not None else ()
+        host = TrainerProcess(threads=torch.get_num_threads(), other_cores=other_cores)
+    print(f"[train] {decision.describe(host.pid if host is not None else None)}", flush=True)
     return host
 
 
@@ -241,8 +243,8 @@ async def _engines_start_weights(
     start on: the checkpoint's (or the starting) model; servers already up reload it in place,
     so the trainer writes it there with every tensor in the files (a tied head too)."""
     engine_model = latest / MODEL_DIR if latest is not None else model_dir
-    sync_root = run_sync_root(config.training.weight_sync_dir, config.run.name, run_dir)
-    configured = bool(config.training.weight_sync_dir)
+    sync_root = run_sync_root(config.weight_sync.dir, config.run.name, run_dir)
+    configured = bool(config.weight_sync.dir)
     await trio.to_thread.run_sync(clean_sync_root, sync_root, configured)
     if config.engines.kind != "builtin":
         engine_model = await trio.to_thread.run_sync(

@@ -48,7 +48,9 @@ async def _run(
     started = time.monotonic()
     e = config.engines
     on_cpu = resolve_device(config.training.device).type == "cpu" and e.kind == "builtin"
-    threads = cpu_share(config.training.torch_threads, "cpu" if on_cpu else "gpu", e.num_engines)
+    threads = cpu_share(
+        config.training.torch_threads, "cpu" if on_cpu else "gpu", e.builtin.num_engines
+    )
     if threads:
         torch.set_num_threads(threads)
     run_dir = prepare_run_dir(config, config_path, resume)

@@ -89,7 +89,7 @@ async def run_rl_training(
         loop_state, AdaptiveKL.from_config(config.algorithm), start_step, start_version
     )
     bound = staleness_bound(
-        config.rollout.max_staleness, config.rollout.mode, config.training.sync_every
+        config.rollout.max_staleness, config.rollout.mode, config.weight_sync.every
     )
     batches = BatchSource(
         rollout_manager,
@@ -257,7 +257,7 @@ def _due(ctx: _Ctx, st: LoopState, stopping: bool) -> _Due:
         bool(eval_every and step % eval_every == 0) or step == ctx.total
     )
     # a checkpoint step syncs too: a resumed run's engines start on its weights
-    sync_due = step % c.training.sync_every == 0 or eval_due or checkpoint_due
+    sync_due = step % c.weight_sync.every == 0 or eval_due or checkpoint_due
     return _Due(
         sync=sync_due and st.synced != st.version,
         urgent=eval_due or stopping or step == ctx.total,

@@ -3,19 +3,16 @@
 Layout: `protocol` (GenerateFn, GenerateContext, GroupFilter), `generate` (default single-turn
 generate fn and partial-resume helpers), `agent` (multi-turn token-in-token-out loop),
 `trajectory` (incremental rendering, trajectory_to_sample), `filters`, `planning` (pure
-over-sampling and staleness decisions), `batch` (pure batch building, sync iterator),
-`manager` (the trio wiring), `parallel` (keep N trajectories in flight).
+over-sampling and staleness decisions), `batch` (pure batch building), `manager` (the trio
+wiring).
 """
 
 from rollouts.rollout.agent import generate_multi_turn
 from rollouts.rollout.batch import (
     ShortBatchError,
-    apply_sample_transforms,
     build_batch_metadata,
     compute_response_lengths,
     convert_to_batch,
-    extract_sample_fields,
-    generate_rollout_batches,
 )
 from rollouts.rollout.filters import (
     check_min_reward,
@@ -27,7 +24,6 @@ from rollouts.rollout.filters import (
 )
 from rollouts.rollout.generate import generate_single_turn, sampling_params_from_config
 from rollouts.rollout.manager import AsyncRolloutManager, ShortBatchWarning
-from rollouts.rollout.parallel import ParallelRunStats, maintain_parallel_count
 from rollouts.rollout.planning import is_fresh_enough, sample_staleness, split_stale_groups
 from rollouts.rollout.protocol import FilterResult, GenerateContext, GenerateFn, GroupFilter
 from rollouts.rollout.trajectory import trajectory_to_sample
@@ -38,10 +34,8 @@ __all__ = [
     "GenerateContext",
     "GenerateFn",
     "GroupFilter",
-    "ParallelRunStats",
     "ShortBatchError",
     "ShortBatchWarning",
-    "apply_sample_transforms",
     "build_batch_metadata",
     "check_min_reward",
     "check_quality_and_diversity",
@@ -50,12 +44,9 @@ __all__ = [
     "check_reward_nonzero_std",
     "compute_response_lengths",
     "convert_to_batch",
-    "extract_sample_fields",
     "generate_multi_turn",
-    "generate_rollout_batches",
     "generate_single_turn",
     "is_fresh_enough",
-    "maintain_parallel_count",
     "resolve_filters",
     "sample_staleness",
     "sampling_params_from_config",

@@ -27,7 +27,7 @@ from rollouts.inference.protocol import Completion, FinishReason
 from rollouts.rollout.generate import DONE_STATUSES, fail_sample
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.rollout.trajectory import ChatRenderer
-from rollouts.types import Message, Sample, Status
+from rollouts.types import Sample, Status
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -193,8 +193,3 @@ def _to_sample(
         status=status,
         metadata=metadata,
     )
-
-
-def messages_of(sample: Sample) -> list[Message]:
-    """The message trajectory the agent loop recorded for `sample`."""
-    return list(sample.metadata.get("messages", []))

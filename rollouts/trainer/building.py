@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import typing
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,8 @@ import torch
 
 from rollouts.algorithms.advantages import needs_critic
 from rollouts.config import Config, OptimConfig
+from rollouts.config.model import ModelDtype
 from rollouts.trainer.core import BackendSettings
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -36,7 +36,7 @@ def resolve_device(name: str) -> torch.device:
 def load_hf_model(
     path: str | Path,
     *,
-    dtype: str = "float32",
+    dtype: ModelDtype = "float32",
     attn_implementation: str = "sdpa",
     gradient_checkpointing: bool = False,
     compile: bool = False,
@@ -46,10 +46,11 @@ def load_hf_model(
     compiled decoder layers (`compile_decoder_layers`)."""
     from transformers import AutoModelForCausalLM
 
+    assert dtype in typing.get_args(ModelDtype), f"{dtype=} not in {typing.get_args(ModelDtype)}"
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"model.path = {str(path)!r}: no config.json (not an HF model)")
     lm = AutoModelForCausalLM.from_pretrained(
-        path, dtype=DTYPES[dtype], attn_implementation=attn_implementation
+        path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
     )
     lm.config.use_cache = False
     if gradient_checkpointing:

@@ -13,7 +13,6 @@ from typing import Any
 
 from rollouts.config import Config
 from rollouts.trainer.building import (
-    DTYPES,
     backend_settings,
     create_adamw_optimizer,
     create_optimizer_with_head,
@@ -29,7 +28,6 @@ from rollouts.trainer.model import make_value_head
 from rollouts.trainer.pytorch import PyTorchBackend
 
 __all__ = [
-    "DTYPES",
     "backend_settings",
     "create_adamw_optimizer",
     "create_backend",

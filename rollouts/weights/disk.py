@@ -266,7 +266,7 @@ async def sync_pool(
 
 
 def default_sync_root(configured: str, run_name: str) -> Path:
-    """`training.weight_sync_dir`, else /dev/shm/rollouts-<run> when /dev/shm is there."""
+    """`weight_sync.dir`, else /dev/shm/rollouts-<run> when /dev/shm is there."""
     if configured:
         return Path(configured)
     shm = Path("/dev/shm")
@@ -321,8 +321,8 @@ def publish_weights(
             backend.save_weights(tmp).result()
         else:
             snapshots.write_weights(weights, tmp)
-    except Exception as e:  # a full /dev/shm: name it (training.weight_sync_dir moves it)
-        error = write_error("the weight-sync copy (training.weight_sync_dir)", tmp, e)
+    except Exception as e:  # a full /dev/shm: name it (weight_sync.dir moves it)
+        error = write_error("the weight-sync copy (weight_sync.dir)", tmp, e)
         shutil.rmtree(tmp, ignore_errors=True)
         if error.disk_full or isinstance(e, OSError):
             raise error from e

@@ -163,7 +163,8 @@ class DistributedWeightSync:
             pass  # `errors` names the engines
         except trio.TooSlowError:
             errors.setdefault(
-                "*", f"no progress within weight_sync.timeout_s = {self.options.timeout_s}"
+                "*",
+                f"no progress within weight_sync.distributed.timeout_s = {self.options.timeout_s}",
             )
         except Exception as exc:  # reported below with every engine: all are stale
             errors.setdefault("*", f"{type(exc).__name__}: {exc}")

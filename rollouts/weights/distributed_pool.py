@@ -103,7 +103,7 @@ async def _serving(
 
 
 def distributed_sync_for(config: Config) -> DistributedWeightSync | None:
-    """The distributed sync `[weight_sync]` asks for; None for method = "disk".
+    """The sync `[weight_sync.distributed]` asks for; None for weight_sync.method = "disk".
 
     backend "auto": NCCL when the trainer is on CUDA and so are the engines (external SGLang /
     vLLM servers, or built-in engines on a CUDA device), else gloo. NCCL refuses two ranks of a
@@ -112,26 +112,27 @@ def distributed_sync_for(config: Config) -> DistributedWeightSync | None:
     ws = config.weight_sync
     if ws.method != "distributed":
         return None
+    d = ws.distributed
     device = resolve_device(config.training.device)
     e = config.engines
-    backend = choose_backend(ws.backend, device.type == "cuda", e.kind, e.device)
+    backend = choose_backend(d.backend, device.type == "cuda", e.kind, e.builtin.device)
     if e.kind == "vllm" and (backend != "nccl" or device.type != "cuda"):
         raise ValueError(
             f"weight_sync.method = 'distributed' with engines.kind = 'vllm' needs NCCL from a "
-            f"trainer on CUDA (weight_sync.backend = {ws.backend!r}, training.device = "
-            f"{config.training.device!r}); use weight_sync.method = 'disk' otherwise. vLLM has "
+            f"trainer on CUDA (weight_sync.distributed.backend = {d.backend!r}, training.device "
+            f"= {config.training.device!r}); use weight_sync.method = 'disk' otherwise. vLLM has "
             "no CPU transfer backend: its CPU build (0.32) starts with --weight-transfer-config "
             "nccl but /init_weight_transfer_engine fails with 'Cannot access accelerator device "
             "when none is available.'"
         )
     options = DistSyncOptions(
-        bucket_bytes=max(1, int(ws.bucket_mb * 2**20)),
-        master_address=ws.master_address,
-        master_port=ws.master_port,
+        bucket_bytes=max(1, int(d.bucket_mb * 2**20)),
+        master_address=d.master_address,
+        master_port=d.master_port,
         backend=backend,
         device=str(device) if backend == "nccl" or config.engines.kind == "vllm" else "cpu",
-        group_name=ws.group_name,
-        timeout_s=ws.timeout_s,
+        group_name=d.group_name,
+        timeout_s=d.timeout_s,
     )
     return DistributedWeightSync(options)
 
@@ -139,9 +140,9 @@ def distributed_sync_for(config: Config) -> DistributedWeightSync | None:
 def choose_backend(
     requested: str, trainer_on_cuda: bool, engines_kind: str, engines_device: str
 ) -> str:
-    """`weight_sync.backend`, with "auto" resolved: NCCL when the trainer is on CUDA and the
-    engines are on GPUs of their own (external servers are taken to be; built-in engines are
-    on "cuda:N" with N not the trainer's GPU, cuda:0), else gloo."""
+    """`weight_sync.distributed.backend`, with "auto" resolved: NCCL when the trainer is on CUDA
+    and the engines are on GPUs of their own (external servers are taken to be; built-in engines
+    are on "cuda:N" with N not the trainer's GPU, cuda:0), else gloo."""
     if requested != "auto":
         return requested
     if not trainer_on_cuda:

@@ -31,7 +31,6 @@ DTYPES = {
     "uint8": torch.uint8,
     "bool": torch.bool,
 }
-BACKENDS = ("auto", "gloo", "nccl")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -152,14 +151,6 @@ def specs_from_request(names: object, dtypes: object, shapes: object) -> list[Te
             raise ValueError(f"shapes: {s!r} ({n}) is not a list of sizes")
         specs.append(TensorSpec(name=str(n), dtype=d, shape=tuple(s)))
     return specs
-
-
-def resolve_backend(backend: str, device: str | torch.device) -> str:
-    """ "auto" -> "nccl" when the tensors live on CUDA, else "gloo"."""
-    assert backend in BACKENDS, f"{backend=} not in {BACKENDS}"
-    if backend != "auto":
-        return backend
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
 def init_custom_group(

@@ -227,7 +227,7 @@ async def open_publisher(
         "probe_of": content_probe(config, backend, tokenizer),
         "pause_mode": "keep" if is_async else "abort",
     }
-    disk = {"root": sync_root, "attempts": config.training.weight_sync_attempts}
+    disk = {"root": sync_root, "attempts": config.weight_sync.attempts}
     try:
         async with trio.open_nursery() as nursery:
             if sender is not None:
@@ -241,4 +241,4 @@ async def open_publisher(
         if sender is not None:
             with trio.CancelScope(shield=True):
                 await sender.close(pool.engines)
-        clean_sync_root(sync_root, bool(config.training.weight_sync_dir))
+        clean_sync_root(sync_root, bool(config.weight_sync.dir))

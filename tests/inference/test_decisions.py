@@ -11,9 +11,11 @@ from rollouts.inference.pool import pick_engine
 from rollouts.inference.protocol import FinishReason, SamplingParams
 from rollouts.inference.server.sampling import (
     BadRequest,
+    BatchSampling,
     SamplingSpec,
-    choose_tokens,
     filter_logits,
+    needs_filter,
+    sample,
 )
 from rollouts.inference.server.scheduler import (
     admit_count,
@@ -26,6 +28,30 @@ from rollouts.inference.server.scheduler import (
 from rollouts.inference.server.wire import openai_spec, sglang_spec
 from rollouts.inference.sglang import generate_body
 from rollouts.inference.vllm import completion_body
+
+
+def choose_tokens(
+    logits_B_V: torch.Tensor,
+    specs: list[SamplingSpec],
+    generators: list[torch.Generator | None],
+    logprobs_from: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` for rows given as specs (the server builds the same batch from its slots,
+    `rows.Rows.sampling`); returns (tokens_B, logprobs_B)."""
+    assert len(specs) == len(generators) == logits_B_V.shape[0], f"{logits_B_V.shape=}"
+    greedy = [s.greedy for s in specs]
+    batch = BatchSampling(
+        temp_B=torch.tensor([s.temperature for s in specs]),
+        top_k_B=torch.tensor([s.top_k for s in specs]),
+        top_p_B=torch.tensor([s.top_p for s in specs]),
+        min_p_B=torch.tensor([s.min_p for s in specs]),
+        greedy_B=torch.tensor(greedy),
+        filtered=any(needs_filter(s) for s in specs),
+        greedy=any(greedy),
+        sampled=not all(greedy),
+        generators={i: g for i, g in enumerate(generators) if g is not None},
+    )
+    return sample(logits_B_V, batch, logprobs_from)
 
 
 def test_admission_fills_free_slots_up_to_the_prefill_cap() -> None:

@@ -104,10 +104,11 @@ def test_weight_sync_config_is_checked_and_resolved() -> None:
     assert dist is not None and dist.options.backend == "gloo" and dist.options.device == "cpu"
     assert dist.options.bucket_bytes == 256 * 2**20
     with pytest.raises(ConfigError) as info:
-        config_from_dict({"weight_sync": {"method": "nccl", "bucket_mb": 0, "master_port": 70000}})
+        distributed = {"bucket_mb": 0, "master_port": 70000}
+        config_from_dict({"weight_sync": {"method": "nccl", "distributed": distributed}})
     text = str(info.value)
-    assert "weight_sync.method = 'nccl'" in text and "weight_sync.bucket_mb = 0" in text
-    assert "weight_sync.master_port = 70000" in text
+    assert "weight_sync.method = 'nccl'" in text and "weight_sync.distributed.bucket_mb = 0" in text
+    assert "weight_sync.distributed.master_port = 70000" in text
 
 
 def test_auto_backend_is_nccl_only_between_distinct_gpus() -> None:

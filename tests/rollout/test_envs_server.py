@@ -1,16 +1,16 @@
-"""Step-reward games, a model-played user and the parallel-count runner on the real server.
+"""Step-reward games and a model-played user on the real server.
 
-One built-in engine server per module; a thin counting wrapper around the client records how
-many generate requests are in flight at once (it delegates everything to the real client).
+One built-in engine server per module; a thin wrapper around the client records the inputs of
+its generate requests (it delegates everything to the real client).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
+import trio
 
 from rollouts.envs import ConversationEnvironment, ModelUser, TextGameEnvironment
 from rollouts.inference.launch import EngineProcess
@@ -18,41 +18,33 @@ from rollouts.inference.protocol import Completion, SamplingParams
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.rewards.trajectory import TrajectoryRewardSpec, trajectory_reward
 from rollouts.rollout.agent import generate_multi_turn
-from rollouts.rollout.parallel import maintain_parallel_count
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.types import Sample, Status
 
 
-class CountingEngine:
-    """The real client, with the number of generate requests in flight recorded."""
+class RecordingEngine:
+    """The real client, with the inputs of its generate requests recorded."""
 
     def __init__(self, inner: SGLangEngine) -> None:
         self.inner = inner
         self.url = inner.url
-        self.in_flight = 0
-        self.max_in_flight = 0
         self.inputs: list[tuple[int, ...]] = []
 
     async def generate(
         self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None
     ) -> Completion:
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
         self.inputs.append(tuple(input_ids))
-        try:
-            return await self.inner.generate(input_ids, sampling, rid)
-        finally:
-            self.in_flight -= 1
+        return await self.inner.generate(input_ids, sampling, rid)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
 
 @pytest.fixture
-async def engine(server: EngineProcess) -> AsyncIterator[CountingEngine]:
+async def engine(server: EngineProcess) -> AsyncIterator[RecordingEngine]:
     client = SGLangEngine(server.url)
     try:
-        yield CountingEngine(client)
+        yield RecordingEngine(client)
     finally:
         await client.aclose()
 
@@ -71,34 +63,19 @@ def context(engine: Any, tok: Any, sample: Sample, env_factory: Any, max_turns: 
     )
 
 
-async def test_parallel_count_with_text_games(engine, tok) -> None:
-    counter = itertools.count()
-    in_flight, at_start = 0, []
+async def test_text_games_on_the_server(engine, tok) -> None:
+    samples: list[Sample] = []
 
-    def make_sample() -> Sample:
-        i = next(counter)
-        return Sample(index=i, group_index=i, prompt=f"q{i}:")
+    async def play(i: int) -> None:
+        sample = Sample(index=i, group_index=i, prompt=f"q{i}:")
+        ctx = context(engine, tok, sample, TextGameEnvironment, max_turns=2)
+        samples.append(await generate_multi_turn(sample, ctx))
 
-    async def generate(sample: Sample) -> Sample:
-        nonlocal in_flight
-        in_flight += 1
-        at_start.append(in_flight)
-        try:
-            ctx = context(engine, tok, sample, TextGameEnvironment, max_turns=2)
-            return await generate_multi_turn(sample, ctx)
-        finally:
-            in_flight -= 1
-
-    samples, stats = await maintain_parallel_count(make_sample, generate, num_parallel=3, total=7)
-    assert len(samples) == 7
-    assert sorted(s.index for s in samples) == list(range(7))
-    assert at_start == [1, 2, 3] + [3] * 4  # refilled on every finish, never more than 3
-    assert engine.max_in_flight == 3  # the server never saw more than 3 requests at once
-    assert (stats.num_started, stats.num_failed, stats.max_in_flight) == (7, 0, 3)
-    assert stats.response_length_max == max(s.response_length for s in samples)
-    assert sum(stats.response_length_hist["counts"]) == 7
-    assert stats.turns_mean == 2.0
-    assert stats.statuses == {"completed": 7}
+    async with trio.open_nursery() as nursery:
+        for i in range(3):
+            nursery.start_soon(play, i)
+    assert sorted(s.index for s in samples) == [0, 1, 2]
+    assert [s.metadata["turns"] for s in samples] == [2, 2, 2]
     # the tiny model's moves are gibberish: every stepped turn is an invalid action
     spec = TrajectoryRewardSpec(invalid_penalty=0.5)
     for s in samples:

@@ -7,19 +7,13 @@ import functools
 
 import pytest
 
-from rollouts.config import RolloutConfig, SamplingConfig
-from rollouts.data.buffer import DataBuffer
 from rollouts.inference.protocol import Completion, FinishReason, SamplingParams
 from rollouts.rollout import filters as F
 from rollouts.rollout.batch import (
-    ShortBatchError,
-    apply_sample_transforms,
     build_batch_metadata,
     compute_response_lengths,
     convert_to_batch,
     discarded_fraction,
-    extract_sample_fields,
-    generate_rollout_batches,
     length_histogram,
 )
 from rollouts.rollout.generate import apply_completion, prepare_request
@@ -33,7 +27,7 @@ from rollouts.rollout.planning import (
     split_stale_groups,
     staleness_bound,
 )
-from rollouts.types import PromptItem, Sample, Status
+from rollouts.types import Sample, Status
 
 
 def done(reward=None, response=(5, 6), status=Status.COMPLETED, versions=("1",), g=0) -> Sample:
@@ -127,12 +121,9 @@ def test_staleness() -> None:
         sample_staleness(("v1",), "2")
 
 
-def test_batch_fields_metadata_and_histogram() -> None:
+def test_batch_lengths_metadata_and_histogram() -> None:
     samples = [done(1.0, (5,)), done(0.0, (5, 6, 7))]
     assert compute_response_lengths(samples) == [1, 3]
-    fields = extract_sample_fields(samples)
-    assert fields["loss_masks"][1] == [0, 0, 1, 1, 1]
-    assert fields["rewards"] == [1.0, 0.0]
     assert length_histogram([1, 3, 3], num_bins=3) == {"edges": [1, 2, 3, 4], "counts": [1, 0, 2]}
     meta = build_batch_metadata(
         [tuple(samples)], dropped={"x": 2}, elapsed_s=2.0, generated_tokens=10
@@ -143,22 +134,6 @@ def test_batch_fields_metadata_and_histogram() -> None:
     assert len(batch.samples) == 2
     with pytest.raises(AssertionError, match="status"):
         convert_to_batch([[done(status=Status.ABORTED)]], {})
-
-
-def test_apply_sample_transforms_raising_reward_is_failed_not_zero() -> None:
-    def reward(s):
-        if s.response_length == 3:
-            raise RuntimeError("verifier crashed")
-        return float(s.response_length)
-
-    groups = [[done(None, (5,)), done(None, (5, 6))], [done(None, (5,)), done(None, (5, 6, 7))]]
-    kept, dropped = apply_sample_transforms(
-        groups, reward_fn=reward, filter_fn=F.check_reward_nonzero_std
-    )
-    assert [s.reward for s in kept[0]] == [1.0, 2.0]
-    assert dropped == {"failed": 1}
-    kept, dropped = apply_sample_transforms(groups[:1], reward_fn=lambda s: "high")
-    assert dropped == {"failed": 1}
 
 
 def completion(ids, reason=FinishReason.ABORT, version="1") -> Completion:
@@ -224,58 +199,3 @@ def test_discarded_fraction_counts_tokens_thrown_away_over_tokens_made() -> None
     assert discarded_fraction(5, 10) == 0.5
     assert discarded_fraction(30, 10) == 1.0  # a backlog of stale work dropped: at most 1
     assert discarded_fraction(3, 0) == 1.0
-
-
-def test_sync_path_over_samples_until_the_batch_is_full() -> None:
-    items = [PromptItem(index=i, prompt=f"p{i}") for i in range(10)]
-    buffer = DataBuffer(items, shuffle=False)
-
-    def generate(s: Sample) -> Sample:
-        if s.index == 3:
-            raise RuntimeError("boom")
-        n = 1 + s.index % 2 + len(s.metadata.get("k", ""))
-        return dataclasses.replace(
-            s,
-            tokens=(1,) * (n + 1),
-            loss_mask=(0,) + (1,) * n,
-            response_length=n,
-            status=Status.COMPLETED,
-        )
-
-    config = RolloutConfig(
-        batch_size=2,
-        n_samples_per_prompt=2,
-        over_sampling_factor=1.0,
-        max_over_sampling_rounds=4,
-        sampling=SamplingConfig(),
-    )
-    batches = generate_rollout_batches(
-        buffer, generate, config, reward_fn=lambda s: 1.0, num_batches=2
-    )
-    first = next(batches)
-    assert len(first.groups) == 2
-    second = next(batches)
-    assert second.metadata["drop_reasons"] == {"failed": 1}
-    filtered = generate_rollout_batches(
-        buffer,
-        generate,
-        config,
-        reward_fn=lambda s: 1.0,
-        filters=[F.check_reward_nonzero_std],
-        num_batches=1,
-    )
-    config_err = dataclasses.replace(config, on_short_batch="error")
-    with pytest.raises(ShortBatchError, match="0/2 groups kept after 4"):
-        next(
-            generate_rollout_batches(
-                buffer,
-                generate,
-                config_err,
-                reward_fn=lambda s: 1.0,
-                filters=[F.check_reward_nonzero_std],
-                num_batches=1,
-            )
-        )
-    short = next(filtered)
-    assert short.metadata["short_batch"] is True
-    assert short.metadata["rounds"] == 4

@@ -123,12 +123,3 @@ async def test_evaluation_where_every_reward_fails_names_the_function(engine, to
     items = [PromptItem(index=i, prompt=f"q{i}:") for i in range(2)]
     with pytest.raises(RuntimeError, match="every eval rollout failed.*returns_none returned None"):
         await evaluate(engine, tok, items, returns_none, EvalSpec(max_new_tokens=2))
-
-
-def test_the_sync_batch_path_rejects_infinities_too() -> None:
-    from rollouts.rollout.batch import with_reward
-
-    done = Sample(index=0, group_index=0, prompt="q", status=Status.COMPLETED)
-    for bad in (float("inf"), -float("inf"), float("nan"), (1.0, float("inf"))):
-        out = with_reward(done, bad)
-        assert out.status is Status.FAILED and "non-finite" in out.metadata["error"], out

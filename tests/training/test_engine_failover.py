@@ -57,10 +57,11 @@ def wait_gone(marker: str, timeout_s: float = 20.0) -> list[int]:
     return left
 
 
-def _config(model_dir: Path, **engines: object):
+def _config(model_dir: Path, builtin: dict | None = None, **engines: object):
+    builtin = {"num_engines": 2, "max_batch": 8} | (builtin or {})
     table = {
         "model": {"path": str(model_dir)},
-        "engines": {"num_engines": 2, "health_interval_s": 0.5, "max_batch": 8} | engines,
+        "engines": {"health_interval_s": 0.5, "builtin": builtin} | engines,
     }
     return config_from_dict(table, "test")
 
@@ -71,7 +72,7 @@ async def test_a_dead_engine_is_skipped_then_restarted_on_the_current_weights(
     start, v1, v2 = (tmp_path / name for name in ("start", "v1", "v2"))
     for copy in (start, v1, v2):  # the starting checkpoint and two weight copies
         shutil.copytree(tiny_model_dir, copy)
-    config = _config(tiny_model_dir, max_restarts=1, max_retries=1, request_timeout_s=30.0)
+    config = _config(tiny_model_dir, {"max_restarts": 1}, max_retries=1, request_timeout_s=30.0)
     sampling = SamplingParams(max_new_tokens=4, temperature=0.0)
     async with open_engines(config, start, "0") as pool:
         assert pool.engines[0].http.options.timeout_s == 30.0
@@ -98,7 +99,7 @@ async def test_a_dead_engine_is_skipped_then_restarted_on_the_current_weights(
 
 async def test_the_sync_stops_the_run_only_when_no_engine_is_left(tiny_model_dir: Path) -> None:
     config = _config(
-        tiny_model_dir, num_engines=1, max_restarts=0, max_retries=0, wait_for_up_s=1.0
+        tiny_model_dir, {"num_engines": 1, "max_restarts": 0}, max_retries=0, wait_for_up_s=1.0
     )
     async with open_engines(config, tiny_model_dir, "0") as pool:
         for engine in pool.engines:

@@ -1,5 +1,6 @@
 """CPU placement: the training thread, each built-in engine and (async) the driver on their own
-cores; the plan, the engine's --cpus flag, and a real async run whose threads are checked."""
+cores; the plan, the engine's --cpus flag, and a real async run whose threads are checked. And
+the one decision of where training runs (this process or its own), with its reason."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ import pytest
 
 from rollouts.config import config_from_dict
 from rollouts.driver.metrics import read_jsonl_rows
-from rollouts.driver.placement import CpuPlan, cpu_plan, plan_cpus
+from rollouts.driver.placement import (
+    CpuPlan,
+    cpu_plan,
+    decide_trainer_process,
+    plan_cpus,
+    why_unplaced,
+)
 from rollouts.driver.quick_start import quick_start_training
 from rollouts.inference.launch import EngineSpec, engine_process
 from rollouts.trainer.core import TrainerCore
@@ -64,6 +71,86 @@ def test_the_plan_applies_only_to_cpu_runs_left_to_the_defaults() -> None:
 def test_a_bad_placement_value_names_the_key() -> None:
     with pytest.raises(ValueError, match="training.cpu_placement"):
         _config(cpu_placement="pinned")
+
+
+PLAN = CpuPlan(trainer=(0,), engines=((1,),), driver=(1,))
+AUTO = "(training.trainer_process = 'auto')"
+OFF = {"cpu_placement": "off"}
+DECISIONS = [  # rollout.mode, [training], the CPU plan, a caller's backend -> own process, why
+    (
+        "sync",
+        {},
+        PLAN,
+        False,
+        False,
+        f"rollout.mode = 'sync': the step trains while the driver waits {AUTO}",
+    ),
+    (
+        "async",
+        {},
+        PLAN,
+        False,
+        True,
+        f"async with CPU placement: the driver's Python stays off the trainer's GIL {AUTO}",
+    ),
+    (
+        "async",
+        OFF,
+        None,
+        False,
+        False,
+        f"async, but no CPU placement: training.cpu_placement = 'off' {AUTO}",
+    ),
+    ("async", {"trainer_process": "on"}, None, False, True, "training.trainer_process = 'on'"),
+    ("sync", {"trainer_process": "on"}, None, False, True, "training.trainer_process = 'on'"),
+    ("async", {"trainer_process": "off"}, PLAN, False, False, "training.trainer_process = 'off'"),
+    (
+        "async",
+        {"backend": "fsdp"},
+        None,
+        False,
+        False,
+        "training.backend = 'fsdp': rank 0 of torchrun's",
+    ),
+    ("async", {}, PLAN, True, False, "the caller builds the backend (make_backend)"),
+]
+
+
+@pytest.mark.parametrize(("mode", "training", "plan", "custom", "own", "reason"), DECISIONS)
+def test_where_training_runs_is_one_decision_with_its_reason(
+    mode: str, training: dict, plan: CpuPlan | None, custom: bool, own: bool, reason: str
+) -> None:
+    config = config_from_dict({"rollout": {"mode": mode}, "training": training})
+    decision = decide_trainer_process(config, plan, custom_backend=custom)
+    assert (decision.own_process, decision.reason) == (own, reason)
+    where = "in its own process (pid 7)" if own else "in this process"
+    assert decision.describe(7 if own else None) == f"training {where}: {reason}"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pinning is Linux-only")
+def test_no_placement_names_the_key_that_turned_it_off() -> None:
+    def why(**sections: dict) -> str:
+        return why_unplaced(config_from_dict({"training": {"device": "cpu"}} | sections))
+
+    assert why(training={"cpu_placement": "off"}) == "training.cpu_placement = 'off'"
+    sglang = {"kind": "sglang", "urls": ["http://a:1"]}
+    assert why(engines=sglang).startswith("engines.kind = 'sglang'")
+    assert why(engines={"builtin": {"device": "cuda:1"}}) == "engines.builtin.device = 'cuda:1'"
+    assert why(training={"device": "cpu", "torch_threads": 2}).startswith("torch threads set")
+    assert why(training={"device": "cpu", "backend": "fsdp"}).startswith("training.backend")
+    assert why() == (
+        "" if len(CORES) >= 2 else f"{len(CORES)} core(s) for the trainer and 1 engine(s)"
+    )
+    assert (why() == "") == (
+        cpu_plan(config_from_dict({"training": {"device": "cpu"}})) is not None
+    )
+
+
+def test_bad_trainer_process_values_name_the_key() -> None:
+    with pytest.raises(ValueError, match=r"training.trainer_process = 'always': must be one of"):
+        config_from_dict({"training": {"trainer_process": "always"}})
+    with pytest.raises(ValueError, match="training.trainer_process = 'on' needs"):
+        config_from_dict({"training": {"trainer_process": "on", "backend": "fsdp"}})
 
 
 @needs_two_cores

@@ -55,7 +55,7 @@ over_sampling_factor = 1.0
 reward_fn = "tests.training.varied_reward.varied_reward"
 [rollout.sampling]
 max_new_tokens = 6
-[engines]
+[engines.builtin]
 max_batch = 8
 torch_threads = 1
 [checkpoint]

@@ -59,7 +59,8 @@ def test_the_last_trained_step_is_checkpointed_when_the_engines_die(
         training={"rl_steps": 12},
         rollout={"mode": mode},
         # no restart left: nothing to wait for (the 120 s would show in the time to stop)
-        engines={"max_restarts": 0, "wait_for_up_s": 120.0, "health_interval_s": 0.5},
+        engines={"wait_for_up_s": 120.0, "health_interval_s": 0.5},
+        engines__builtin={"max_restarts": 0},
         checkpoint={"every": 0},  # no periodic checkpoint: only the end (and the rescue)
     )
     run, marker, log = tmp_path / "run", str(tmp_path / "base"), tmp_path / "train.log"

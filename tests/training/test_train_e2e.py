@@ -54,7 +54,7 @@ def _config(tmp: Path, **sections: dict) -> Path:
             "reward_fn": "rollouts.rewards.verifiers.exact_match_reward",
         },
         "rollout.sampling": {"max_new_tokens": 8},
-        "engines": {"max_batch": 16},
+        "engines.builtin": {"max_batch": 16},
         "checkpoint": {"every": 1, "keep_last": 2},
         "logging": {"rollouts_per_step": 100},
     }

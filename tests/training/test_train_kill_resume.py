@@ -97,7 +97,8 @@ def test_an_engine_killed_mid_run_costs_no_step(tmp_path: Path) -> None:
         # steps of ~0.15 s: enough of them after the kill for a health check (every 0.5 s) to
         # find the dead engine and restart it before the run ends
         training={"rl_steps": 12},
-        engines={"num_engines": 2, "health_interval_s": 0.5, "max_retries": 1},
+        engines={"health_interval_s": 0.5, "max_retries": 1},
+        engines__builtin={"num_engines": 2},
     )
     run = tmp_path / "run"
     log = tmp_path / "train.log"

@@ -15,8 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollouts.config import config_from_dict
-from rollouts.driver.placement import cpu_plan, wants_trainer_process
 from rollouts.trainer.factories import create_pytorch_backend
 from rollouts.trainer.process import TrainerProcess, TrainerProcessError
 from rollouts.trainer.process_child import RNG_FILE
@@ -144,24 +142,6 @@ def test_a_killed_trainer_fails_every_call_with_its_pid_and_exit_code(
         remote.optim_step().result(timeout_s=60)
     remote.close()  # nothing left to stop: no error, no hang
     host.close()
-
-
-def test_auto_trains_in_a_process_only_for_async_runs_on_placed_cpus(tmp_path: Path) -> None:
-    def config(mode: str, **training: str):
-        return config_from_dict(
-            {"rollout": {"mode": mode}, "training": {"device": "cpu", **training}}
-        )
-
-    for mode in ("sync", "async"):
-        c = config(mode)
-        plan = cpu_plan(c)
-        assert wants_trainer_process(c, plan) == (mode == "async" and plan is not None)
-        assert wants_trainer_process(config(mode, trainer_process="on"), None)
-        assert not wants_trainer_process(config(mode, trainer_process="off"), plan)
-    with pytest.raises(ValueError, match="training.trainer_process"):
-        config("sync", trainer_process="always")
-    with pytest.raises(ValueError, match="training.trainer_process = 'on' needs"):
-        config("sync", trainer_process="on", backend="fsdp")
 
 
 def test_a_backend_that_cannot_be_built_fails_its_next_calls_with_the_reason(

@@ -153,25 +153,6 @@ class BatchSampling:
     generators: dict[int, torch.Generator]
 
 
-def batch_of(
-    specs: list[SamplingSpec], generators: list[torch.Generator | None], device: torch.device
-) -> BatchSampling:
-    """The BatchSampling of `specs` (row i samples with `generators[i]` when it is set)."""
-    assert len(specs) == len(generators), f"{len(specs)=} != {len(generators)=}"
-    greedy = [s.greedy for s in specs]
-    return BatchSampling(
-        temp_B=torch.tensor([s.temperature for s in specs], device=device),
-        top_k_B=torch.tensor([s.top_k for s in specs], device=device),
-        top_p_B=torch.tensor([s.top_p for s in specs], device=device),
-        min_p_B=torch.tensor([s.min_p for s in specs], device=device),
-        greedy_B=torch.tensor(greedy, device=device),
-        filtered=any(needs_filter(s) for s in specs),
-        greedy=any(greedy),
-        sampled=not all(greedy),
-        generators={i: g for i, g in enumerate(generators) if g is not None},
-    )
-
-
 def needs_filter(spec: SamplingSpec) -> bool:
     """Whether the spec uses top-k, top-p or min-p (a sampled row only)."""
     return not spec.greedy and (spec.top_k > 0 or spec.top_p < 1.0 or spec.min_p > 0.0)
@@ -221,17 +202,6 @@ def seeded_draws(probs_R_V: torch.Tensor, generators: list[torch.Generator]) -> 
     # right=True: the first token whose cumulative mass passes the draw (never a 0-mass one)
     tokens_R = torch.searchsorted(cdf_R_V, target_R, right=True).squeeze(1)
     return tokens_R.clamp_max(probs_R_V.shape[1] - 1)
-
-
-def choose_tokens(
-    logits_B_V: torch.Tensor,
-    specs: list[SamplingSpec],
-    generators: list[torch.Generator | None],
-    logprobs_from: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample` for rows given as specs; returns (tokens_B, logprobs_B)."""
-    assert logits_B_V.shape[0] == len(specs), f"{logits_B_V.shape=} {len(specs)=}"
-    return sample(logits_B_V, batch_of(specs, generators, logits_B_V.device), logprobs_from)
 
 
 def top_logprobs(logits_B_V: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
