@@ -33,6 +33,7 @@ import trio
 from rollouts.algorithms.kl import AdaptiveKL
 from rollouts.algorithms.schedule import load_schedule
 from rollouts.config import Config
+from rollouts.data.buffer import DataBuffer
 from rollouts.inference.http import EngineError
 from rollouts.inference.pool import EnginePool
 from rollouts.loop.batch import (
@@ -54,6 +55,7 @@ from rollouts.loop.state import (
 )
 from rollouts.loop.train_step import train_step
 from rollouts.rollout.batch import discarded_fraction
+from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.rollout.planning import staleness_bound
 from rollouts.trainer.protocol import TrainingBackend
 from rollouts.trainer.reference import ReferencePolicy
@@ -65,8 +67,8 @@ __all__ = ["RLHooks", "RLResult", "ReferencePolicy", "run_rl_training", "train_s
 
 async def run_rl_training(
     backend: TrainingBackend,
-    data_buffer: Any,
-    rollout_manager: Any,
+    data_buffer: DataBuffer,
+    rollout_manager: AsyncRolloutManager,
     engines: EnginePool,
     config: Config,
     metrics_logger: StepLog,

@@ -19,6 +19,8 @@ from typing import Any
 
 import trio
 
+from rollouts.data.buffer import DataBuffer
+from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.types import RolloutBatch, sample_from_dict, sample_to_dict
 
 Made = tuple[RolloutBatch, float]  # a batch and the seconds spent generating it
@@ -48,9 +50,9 @@ class BatchSource:
 
     def __init__(
         self,
-        manager: Any,
+        manager: AsyncRolloutManager,
         reward_fn: Any,
-        buffer: Any,
+        buffer: DataBuffer,
         staleness: Callable[[int], tuple[str, int]],
         engines_ready: Callable[[], Awaitable[None]] | None = None,  # no delivery in flight
     ) -> None:
