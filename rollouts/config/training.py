@@ -12,7 +12,7 @@ TrainingBackendName = Literal["pytorch", "fsdp"]
 TrainingDevice = Literal["auto", "cpu", "cuda"]
 MicroBatchLayout = Literal["pad", "pack"]  # length-bucketed, right-padded | one packed row
 LogprobPositions = Literal["trained", "all"]
-CpuPlacement = Literal["auto", "off"]
+CpuPlacement = Literal["auto", "colocate", "split", "off"]
 TrainerProcessMode = Literal["auto", "on", "off"]
 BestMode = Literal["max", "min"]
 WandbMode = Literal["offline", "online", "disabled"]
@@ -72,8 +72,10 @@ class TrainingConfig(_Section):
     # others read 0 (prompts cost no head: verl and TRL do the same); "all": every position,
     # for a custom loss that reads the logprobs of untrained tokens
     logprob_positions: LogprobPositions = "trained"
-    # "auto": on CPU with built-in engines, pin the training thread, each engine and (async)
-    # the driver to their own cores (training/placement.py); "off": leave it to the OS
+    # on CPU with built-in engines (driver/placement.py): "colocate": the trainer and the engines
+    # each get every core (sync mode: the phases alternate); "split": the training thread, each
+    # engine and (async) the driver on cores of their own (async mode: the phases overlap);
+    # "auto": colocate in sync mode, split in async mode; "off": leave it to the OS
     cpu_placement: CpuPlacement = "auto"
     # "auto": train in a child process when async mode runs with that CPU placement (the
     # driver's Python then never holds the training thread's GIL; backends/process.py);

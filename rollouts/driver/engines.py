@@ -22,6 +22,7 @@ from pathlib import Path
 import trio
 
 from rollouts.config import Config
+from rollouts.driver.placement import CpuPlan
 from rollouts.inference.factory import make_pool
 from rollouts.inference.launch import serve_engines
 from rollouts.inference.pool import EnginePool
@@ -41,6 +42,14 @@ def cpu_share(threads: int, device: str, num_engines: int) -> int:
     return max(1, (os.cpu_count() or 1) // (num_engines + 1))
 
 
+def engine_threads(config: Config, plan: CpuPlan | None) -> int:
+    """Each built-in engine's torch threads: the CPU plan's, else as set or a share."""
+    b = config.engines.builtin
+    if plan is not None:
+        return plan.engine_threads
+    return cpu_share(b.torch_threads, b.device, b.num_engines)
+
+
 def current_weights(pool: EnginePool | None) -> tuple[str, str] | None:
     """(model dir, version) the pool's engines serve now, for restarting a built-in engine."""
     if pool is None or pool.weights_path is None or pool.version is None:
@@ -54,7 +63,7 @@ async def open_engines(
     model_dir: Path,
     version: str,
     weights_roots: Sequence[Path] = (),
-    cpus_per_engine: Sequence[Sequence[int]] = (),
+    plan: CpuPlan | None = None,
 ) -> AsyncIterator[EnginePool]:
     """An EnginePool over built-in engine processes (started here, stopped on exit) or URLs.
 
@@ -75,13 +84,13 @@ async def open_engines(
                     max_queue=b.max_queue,
                     logprobs_from=b.logprobs_from,
                     device=b.device,
-                    torch_threads=cpu_share(b.torch_threads, b.device, b.num_engines),
+                    torch_threads=engine_threads(config, plan),
                     weight_version=version,
                     startup_timeout_s=e.startup_timeout_s,
                     max_restarts=b.max_restarts,
                     restart_from=lambda: current_weights(pool),
                     on_gone=lambda url: pool.mark_gone(url) if pool is not None else None,
-                    cpus_per_engine=cpus_per_engine,
+                    cpus_per_engine=plan.engines if plan is not None and not plan.colocated else (),
                     weights_roots=tuple(str(Path(r).resolve()) for r in weights_roots),
                 )
             )

@@ -1,17 +1,23 @@
-"""Which CPU cores the training thread, the built-in engines and the driver run on.
+"""Which CPU cores, and how many torch threads, the trainer, the built-in engines and the driver
+get in the RL phase (SFT runs alone: the trainer takes every core).
 
-When the trainer and the built-in engines all run on this machine's CPU (`training.cpu_placement
-= "auto"`, the default, and no torch thread count set by hand), the cores this process may use
-are split as the torch thread shares are (`driver/engines.cpu_share`): the first share for the
-training thread and the torch threads it starts, the next share for each engine process.
-
-In async mode the driver's thread (HTTP to the engines, rewards, batch building, the weight
-file writer) runs on the engines' cores as well. Generation has slack there, while every slice
-the driver takes on the training core - CPU time, and the GIL while the training thread runs
-Python - lengthens the step that bounds async throughput. In sync mode the driver is left
-unpinned: it works while the trainer waits. `scripts/bench_rl_step.py --set
-training.cpu_placement="'off'"` measures without it. Pinning is Linux-only
-(`os.sched_setaffinity`); elsewhere nothing is pinned.
+When the trainer and the built-in engines all run on this machine's CPU (`training.cpu_placement`
+not "off", and no torch thread count set by hand), there are two plans:
+- colocate (sync mode's default): generation and training alternate, so each phase gets the
+  whole machine: the trainer runs every core's worth of torch threads, each engine its share
+  of every core, nothing is pinned. The side that waits holds no core: an idle engine blocks on
+  its queue, and an idle trainer's OpenMP threads sleep after a short spin.
+- split (async mode's default): generation and training overlap, so the cores are split as
+  equal shares: the first for the training thread and the torch threads it starts, the next for
+  each engine process (pinned, `rollouts serve --cpus`). The driver's thread (HTTP to the
+  engines, rewards, batch building, the weight-file writer) runs on the engines' cores as well:
+  generation has slack there, while every slice the driver takes on the training core - CPU
+  time, and the GIL while the training thread runs Python - lengthens the step that bounds
+  async throughput.
+Oversubscribed OpenMP threads of processes that run at once spin against each other (measured
+30x slower on a 2-core box), which is why the overlapping phases never share a core.
+`scripts/bench_rl_step.py --set training.cpu_placement=...` compares the plans. Pinning is
+Linux-only (`os.sched_setaffinity`); elsewhere nothing is pinned.
 
 Whether the RL phase trains in a child process is decided here too, in one function
 (`decide_trainer_process`) that returns the decision with its reason; the driver prints both.
@@ -30,16 +36,34 @@ from rollouts.config import Config
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CpuPlan:
-    """Cores per part; `driver` () = the driver thread is not pinned."""
+    """Cores and torch threads per part; () = not pinned (any core)."""
 
     trainer: tuple[int, ...]
     engines: tuple[tuple[int, ...], ...]
     driver: tuple[int, ...]
+    trainer_threads: int = 0  # 0: len(trainer)
+    engine_threads: int = 0  # each engine's; 0: the size of its core set
+
+    def __post_init__(self) -> None:
+        if not self.trainer_threads:
+            object.__setattr__(self, "trainer_threads", len(self.trainer))
+        if not self.engine_threads and self.engines:
+            object.__setattr__(self, "engine_threads", len(self.engines[0]))
+        assert self.trainer_threads >= 1 and self.engine_threads >= 1, f"{self}"
+
+    @property
+    def colocated(self) -> bool:
+        return not self.trainer
 
     def describe(self) -> str:
+        if self.colocated:
+            return (
+                f"colocated: the trainer {self.trainer_threads} threads, each engine "
+                f"{self.engine_threads}, on every core (the phases alternate)"
+            )
         engines = ", ".join(_cores(c) for c in self.engines)
         driver = _cores(self.driver) if self.driver else "unpinned"
-        return f"trainer {_cores(self.trainer)}; engines {engines}; driver {driver}"
+        return f"split: trainer {_cores(self.trainer)}; engines {engines}; driver {driver}"
 
 
 def _cores(cores: Sequence[int]) -> str:
@@ -58,6 +82,20 @@ def plan_cpus(cores: Collection[int], num_engines: int, *, pin_driver: bool) -> 
     engines = tuple(tuple(ordered[share * (i + 1) : share * (i + 2)]) for i in range(num_engines))
     driver = tuple(c for c in ordered if c not in trainer) if pin_driver else ()
     return CpuPlan(trainer=trainer, engines=engines, driver=driver)
+
+
+def colocate_cpus(cores: Collection[int], num_engines: int) -> CpuPlan:
+    """Every core for the trainer; each engine an equal share of every core (the engines
+    generate at once); nothing pinned."""
+    assert num_engines >= 1, f"{num_engines=}"
+    n = len(cores)
+    return CpuPlan(
+        trainer=(),
+        engines=((),) * num_engines,
+        driver=(),
+        trainer_threads=n,
+        engine_threads=max(1, n // num_engines),
+    )
 
 
 def why_unplaced(config: Config) -> str:
@@ -82,7 +120,7 @@ def why_unplaced(config: Config) -> str:
     if device.type != "cpu":
         return f"the trainer is on {device} (training.device = {t.device!r})"
     cores = len(os.sched_getaffinity(0))
-    if cores < e.builtin.num_engines + 1:
+    if placement_of(config) == "split" and cores < e.builtin.num_engines + 1:
         return f"{cores} core(s) for the trainer and {e.builtin.num_engines} engine(s)"
     return ""
 
@@ -92,8 +130,18 @@ def cpu_plan(config: Config) -> CpuPlan | None:
     if why_unplaced(config):
         return None
     cores = os.sched_getaffinity(0)
-    pin_driver = config.rollout.mode == "async"
-    return plan_cpus(cores, config.engines.builtin.num_engines, pin_driver=pin_driver)
+    n = config.engines.builtin.num_engines
+    if placement_of(config) == "colocate":
+        return colocate_cpus(cores, n)
+    return plan_cpus(cores, n, pin_driver=config.rollout.mode == "async")
+
+
+def placement_of(config: Config) -> str:
+    """ "colocate" or "split": `training.cpu_placement`, "auto" chosen by `rollout.mode`."""
+    chosen = config.training.cpu_placement
+    if chosen == "auto":
+        return "colocate" if config.rollout.mode == "sync" else "split"
+    return chosen
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -20,7 +20,7 @@ import trio
 from rollouts.algorithms.algorithm import reference_needed
 from rollouts.config import Config
 from rollouts.data.buffer import DataBuffer
-from rollouts.driver.engines import open_engines
+from rollouts.driver.engines import cpu_share, open_engines
 from rollouts.driver.evaluation import EvalSpec, evaluate
 from rollouts.driver.metrics import MetricsLogger, last_step
 from rollouts.driver.placement import CpuPlan, cpu_plan, decide_trainer_process, pinned
@@ -44,7 +44,7 @@ from rollouts.trainer.checkpoint import (
     load_checkpoint,
     load_reference_params,
 )
-from rollouts.trainer.factories import create_backend, load_tokenizer
+from rollouts.trainer.factories import create_backend, load_tokenizer, resolve_device
 from rollouts.trainer.process import TrainerProcess
 from rollouts.trainer.protocol import TrainingBackend
 from rollouts.trainer.pytorch import MODEL_DIR
@@ -106,6 +106,7 @@ async def rl_phase(
     tokenizer = load_tokenizer(model_dir)
     buffer, eval_items, reward = _rl_inputs(config, tokenizer, model_dir, reward_fn)
     plan = cpu_plan(config)
+    _set_trainer_threads(config, plan)
     host = _trainer_host(config, plan, custom_backend=make_backend is not None)
     make = host.create if host is not None else make_backend or create_backend
     backend = ref = None
@@ -113,16 +114,16 @@ async def rl_phase(
         backend = make(config, model_path=model_dir, total_steps=config.training.rl_steps)
         if plan is not None:
             print(f"[train] CPU placement: {plan.describe()}", flush=True)
-            backend.pin_thread(plan.trainer)
+            if plan.trainer:
+                backend.pin_thread(plan.trainer)
         resumed = await _resume(backend, buffer, latest)
         ref = await _reference(config, model_dir, make, plan, latest)
         sync_root, engine_model = await _engines_start_weights(
             config, run_dir, backend, model_dir, latest, resumed.version
         )
-        cores = plan.engines if plan is not None else ()
         start = (engine_model, sync_root)
         async with open_engines(
-            config, engine_model, str(resumed.version), start, cpus_per_engine=cores
+            config, engine_model, str(resumed.version), start, plan=plan
         ) as pool:
             with pinned(plan.driver if plan is not None else ()):
                 run = RLRun(
@@ -175,6 +176,20 @@ def _trainer_host(
         host = TrainerProcess(threads=torch.get_num_threads(), other_cores=other_cores)
     print(f"[train] {decision.describe(host.pid if host is not None else None)}", flush=True)
     return host
+
+
+def _set_trainer_threads(config: Config, plan: CpuPlan | None) -> None:
+    """The RL trainer's torch threads (this process's, and a trainer process's): the plan's, or
+    a share of the cores beside the built-in engines on CPU (`engines.cpu_share`)."""
+    if plan is not None:
+        torch.set_num_threads(plan.trainer_threads)
+        return
+    e = config.engines
+    on_cpu = resolve_device(config.training.device).type == "cpu" and e.kind == "builtin"
+    device = "cpu" if on_cpu else "gpu"
+    threads = cpu_share(config.training.torch_threads, device, e.builtin.num_engines)
+    if threads:
+        torch.set_num_threads(threads)
 
 
 async def _resume(backend: TrainingBackend, buffer: DataBuffer, latest: Path | None) -> Resumed:

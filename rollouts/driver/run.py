@@ -46,11 +46,9 @@ async def _run(
     mode: str, config: Config, resume: bool, config_path: str, make_backend: BackendFactory | None
 ) -> int:
     started = time.monotonic()
-    e = config.engines
-    on_cpu = resolve_device(config.training.device).type == "cpu" and e.kind == "builtin"
-    threads = cpu_share(
-        config.training.torch_threads, "cpu" if on_cpu else "gpu", e.builtin.num_engines
-    )
+    # SFT runs alone: every core (the RL phase sets its own: driver/placement.py)
+    on_cpu = resolve_device(config.training.device).type == "cpu"
+    threads = cpu_share(config.training.torch_threads, "cpu" if on_cpu else "gpu", 0)
     if threads:
         torch.set_num_threads(threads)
     run_dir = prepare_run_dir(config, config_path, resume)

@@ -17,8 +17,10 @@ from rollouts.config import config_from_dict
 from rollouts.driver.metrics import read_jsonl_rows
 from rollouts.driver.placement import (
     CpuPlan,
+    colocate_cpus,
     cpu_plan,
     decide_trainer_process,
+    placement_of,
     plan_cpus,
     why_unplaced,
 )
@@ -44,6 +46,37 @@ def test_equal_shares_for_the_trainer_and_each_engine() -> None:
     assert plan_cpus([0], 1, pin_driver=True) is None  # fewer cores than parts: no pinning
 
 
+def test_colocated_every_part_gets_every_core_and_nothing_is_pinned() -> None:
+    plan = colocate_cpus([0, 1, 2, 3], 2)
+    assert plan.colocated and plan.trainer == () and plan.engines == ((), ()) and not plan.driver
+    assert (plan.trainer_threads, plan.engine_threads) == (4, 2)  # two engines generate at once
+    assert plan.describe().startswith("colocated: the trainer 4 threads, each engine 2")
+    split = plan_cpus([0, 1], 1, pin_driver=True)
+    assert split is not None and not split.colocated
+    assert (split.trainer_threads, split.engine_threads) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("mode", "placement", "chosen"),
+    [
+        ("sync", "auto", "colocate"),
+        ("async", "auto", "split"),
+        ("sync", "split", "split"),
+        ("async", "colocate", "colocate"),
+    ],
+)
+def test_auto_colocates_sync_mode_and_splits_async_mode(
+    mode: str, placement: str, chosen: str
+) -> None:
+    config = config_from_dict(
+        {"rollout": {"mode": mode}, "training": {"device": "cpu", "cpu_placement": placement}}
+    )
+    assert placement_of(config) == chosen
+    plan = cpu_plan(config)
+    if plan is not None:
+        assert plan.colocated == (chosen == "colocate")
+
+
 def _config(**training: Any) -> Any:
     return config_from_dict(
         {
@@ -62,7 +95,7 @@ def test_the_plan_applies_only_to_cpu_runs_left_to_the_defaults() -> None:
     sync = config_from_dict(
         {"model": {"path": "unused"}, "data": {"train_path": "unused.jsonl"}}, "test"
     )
-    assert cpu_plan(sync) in (None, plan_cpus(CORES, 1, pin_driver=False))  # device auto
+    assert cpu_plan(sync) in (None, colocate_cpus(CORES, 1))  # device auto; sync: colocated
     assert cpu_plan(_config(cpu_placement="off")) is None
     assert cpu_plan(_config(torch_threads=2)) is None  # set by hand: placed by hand
     assert cpu_plan(_config(backend="fsdp")) is None
@@ -138,7 +171,9 @@ def test_no_placement_names_the_key_that_turned_it_off() -> None:
     assert why(engines={"builtin": {"device": "cuda:1"}}) == "engines.builtin.device = 'cuda:1'"
     assert why(training={"device": "cpu", "torch_threads": 2}).startswith("torch threads set")
     assert why(training={"device": "cpu", "backend": "fsdp"}).startswith("training.backend")
-    assert why() == (
+    assert why() == ""  # sync mode colocates: one core is enough
+    split = {"training": {"device": "cpu", "cpu_placement": "split"}}
+    assert why(**split) == (
         "" if len(CORES) >= 2 else f"{len(CORES)} core(s) for the trainer and 1 engine(s)"
     )
     assert (why() == "") == (
@@ -246,3 +281,45 @@ def test_an_async_run_keeps_training_driver_and_engine_apart(
     assert seen["engine"] == {frozenset(plan.engines[0])}
     assert seen["driver"] and all(s <= frozenset(plan.driver) for s in seen["driver"]), seen
     assert os.sched_getaffinity(0) == set(CORES)  # the caller's thread is given back its cores
+
+
+@needs_two_cores
+def test_a_sync_run_gives_each_phase_every_core(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Colocated (sync mode's default): the trainer trains on every core's worth of threads, the
+    engine is not pinned and runs as many torch threads (one engine), nothing waits on a core."""
+    import torch
+
+    seen: dict[str, set] = {"train_threads": set(), "train_cores": set(), "engine": set()}
+    others = set(_child_pids())  # engines of module-scoped fixtures: not this run's
+    real_fb = TrainerCore.forward_backward
+
+    def recording_fb(self: Any, *args: Any, **kwargs: Any) -> Any:
+        seen["train_threads"].add(torch.get_num_threads())
+        seen["train_cores"].add(frozenset(os.sched_getaffinity(0)))
+        return real_fb(self, *args, **kwargs)
+
+    def reward(sample: Sample) -> float:
+        for pid in set(_child_pids()) - others:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"--torch-threads" in cmd:
+                threads = int(cmd[cmd.index(b"--torch-threads") + 1])
+                seen["engine"].add((frozenset(os.sched_getaffinity(pid)), threads))
+        return float(sample.response_length % 2)
+
+    monkeypatch.setattr(TrainerCore, "forward_backward", recording_fb)
+    quick_start_training(
+        tiny_model_dir,
+        [f"{a}+{a}=" for a in range(10, 20)],
+        reward,
+        num_iterations=2,
+        output_dir=tmp_path / "run",
+        overrides={
+            "rollout": {"mode": "sync", "sampling": {"max_new_tokens": 8}},
+            "logging": {"console": False},
+        },
+    )
+    assert seen["train_threads"] == {len(CORES)}
+    assert seen["train_cores"] == {frozenset(CORES)}
+    assert seen["engine"] == {(frozenset(CORES), len(CORES))}, seen
