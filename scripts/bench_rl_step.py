@@ -10,6 +10,9 @@ temperature 1, GRPO, no reference model, one optimizer step per batch, on the de
          `training.trainer_process = "auto"`);
   async-1p  (only with --modes ...,async-1p) async with the trainer in the driver's process,
          to show what the trainer process gains.
+  sync-split  (only with --modes ...,sync-split) sync with the cores split between the trainer
+         and the engine, as async mode does; sync colocates by default (each phase gets every
+         core), and the ratio shows what that gains.
 and prints seconds per step (the median of the timed steps, so a step slowed by the machine's
 other load does not move it), samples/s, the phases (medians too), and the ratios
 floor / sync step (target >= 0.9 on the tiny model) and async / sync samples/s (target >= 1.6).
@@ -64,9 +67,15 @@ WORKLOAD = [
 ]
 
 
-MODES = ("floor", "sync", "async", "async-1p")
-# async-1p: async with the trainer in the driver's process (the default trains in a child)
-MODE_OVERRIDES = {"async-1p": ["training.trainer_process='off'"]}
+MODES = ("floor", "sync", "async", "async-1p", "sync-split")
+# async-1p: async with the trainer in the driver's process (the default trains in a child);
+# sync-split: sync with the cores split as in async mode (the default colocates: every core for
+# each phase)
+MODE_OVERRIDES = {
+    "async-1p": ["training.trainer_process='off'"],
+    "sync-split": ["training.cpu_placement='split'"],
+}
+RL_MODE = {"floor": "sync", "async-1p": "async", "sync-split": "sync"}
 
 
 def bench_config(work: Path, mode: str, steps: int, model: str, overrides: list[str]) -> Config:
@@ -147,7 +156,7 @@ def floor(config: Config, steps: int, skip: int) -> dict[str, float]:
 def one_round(work: Path, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     out = {}
     for mode in args.modes:
-        rl_mode = {"floor": "sync", "async-1p": "async"}.get(mode, mode)
+        rl_mode = RL_MODE.get(mode, mode)
         overrides = [*args.overrides, *MODE_OVERRIDES.get(mode, [])]
         config = bench_config(work, rl_mode, args.steps, args.model, overrides)
         if mode == "floor":
@@ -175,6 +184,9 @@ def report(results: dict[str, dict[str, float]]) -> tuple[float, float]:
         gain = results["async"]["samples_per_s"] / results["async-1p"]["samples_per_s"]
         print(f"async-1p (trainer in the driver's process) / sync samples/s: {one:.2f}x")
         print(f"async / async-1p samples/s (the trainer process's gain): {gain:.2f}x")
+    if "sync-split" in results:
+        split = results["sync"]["samples_per_s"] / results["sync-split"]["samples_per_s"]
+        print(f"sync colocated / sync split samples/s (every core per phase): {split:.2f}x")
     sync = results["sync"]
     ceiling = sync["step_s"] / max(sync["generate"], sync["step_s"] - sync["generate"], 1e-9)
     print(f"async ceiling from the sync phases (step / slower stage): {ceiling:.2f}x")
@@ -203,7 +215,9 @@ def main() -> None:
     args.modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     unknown = sorted(set(args.modes) - set(MODES))
     if unknown or not {"floor", "sync", "async"} <= set(args.modes):
-        parser.error(f"--modes {','.join(args.modes)}: give floor, sync, async (+ async-1p)")
+        parser.error(
+            f"--modes {','.join(args.modes)}: give floor, sync, async (+ async-1p, sync-split)"
+        )
     if args.compile:
         args.overrides = ["model.compile=true", *args.overrides]
     threads = cpu_share(0, "cpu", 1)

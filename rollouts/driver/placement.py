@@ -1,22 +1,26 @@
 """Which CPU cores, and how many torch threads, the trainer, the built-in engines and the driver
-get in the RL phase (SFT runs alone: the trainer takes every core).
+get in the RL phase.
 
 When the trainer and the built-in engines all run on this machine's CPU (`training.cpu_placement`
 not "off", and no torch thread count set by hand), there are two plans:
-- colocate (sync mode's default): generation and training alternate, so each phase gets the
-  whole machine: the trainer runs every core's worth of torch threads, each engine its share
-  of every core, nothing is pinned. The side that waits holds no core: an idle engine blocks on
-  its queue, and an idle trainer's OpenMP threads sleep after a short spin.
-- split (async mode's default): generation and training overlap, so the cores are split as
-  equal shares: the first for the training thread and the torch threads it starts, the next for
-  each engine process (pinned, `rollouts serve --cpus`). The driver's thread (HTTP to the
-  engines, rewards, batch building, the weight-file writer) runs on the engines' cores as well:
-  generation has slack there, while every slice the driver takes on the training core - CPU
-  time, and the GIL while the training thread runs Python - lengthens the step that bounds
-  async throughput.
+- split (the default, "auto"): the cores are split as equal shares: the first for the training
+  thread and the torch threads it starts, the next for each engine process (pinned, `rollouts
+  serve --cpus`). In async mode, where generation and training overlap, the driver's thread
+  (HTTP to the engines, rewards, batch building, the weight-file writer) runs on the engines'
+  cores as well: generation has slack there, while every slice the driver takes on the training
+  core - CPU time, and the GIL while the training thread runs Python - lengthens the step that
+  bounds async throughput. In sync mode the driver is left unpinned.
+- colocate ("colocate", for sync mode on a machine the run has to itself): generation and
+  training alternate, so each phase gets the whole machine: the trainer (SFT too) runs every
+  core's worth of torch threads, each engine its share of every core, nothing is pinned; the
+  side that waits holds no core (an idle engine blocks on its queue, an idle trainer's OpenMP
+  threads sleep after a short spin).
 Oversubscribed OpenMP threads of processes that run at once spin against each other (measured
-30x slower on a 2-core box), which is why the overlapping phases never share a core.
-`scripts/bench_rl_step.py --set training.cpu_placement=...` compares the plans. Pinning is
+30x slower on a 2-core box), which is why overlapping phases never share a core. Colocated,
+sync mode took 1.14 s a step against 1.73 s split (1.51x) on a 2-core box, but 28 s against
+2.7 s while other processes wanted the cores (an OpenMP barrier waits for a thread the OS took
+away): so it is asked for, not the default. `scripts/bench_rl_step.py --modes
+floor,sync,async,sync-split --set training.cpu_placement=colocate` compares them. Pinning is
 Linux-only (`os.sched_setaffinity`); elsewhere nothing is pinned.
 
 Whether the RL phase trains in a child process is decided here too, in one function
@@ -137,11 +141,10 @@ def cpu_plan(config: Config) -> CpuPlan | None:
 
 
 def placement_of(config: Config) -> str:
-    """ "colocate" or "split": `training.cpu_placement`, "auto" chosen by `rollout.mode`."""
+    """ "colocate" or "split": `training.cpu_placement`; "auto" splits (see the module docstring:
+    colocated processes collapse when anything else wants the cores)."""
     chosen = config.training.cpu_placement
-    if chosen == "auto":
-        return "colocate" if config.rollout.mode == "sync" else "split"
-    return chosen
+    return "split" if chosen == "auto" else chosen
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

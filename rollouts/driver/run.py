@@ -46,9 +46,12 @@ async def _run(
     mode: str, config: Config, resume: bool, config_path: str, make_backend: BackendFactory | None
 ) -> int:
     started = time.monotonic()
-    # SFT runs alone: every core (the RL phase sets its own: driver/placement.py)
-    on_cpu = resolve_device(config.training.device).type == "cpu"
-    threads = cpu_share(config.training.torch_threads, "cpu" if on_cpu else "gpu", 0)
+    # SFT: a share of the cores, or every core when colocated (the RL phase sets its own threads:
+    # driver/placement.py)
+    e = config.engines
+    on_cpu = resolve_device(config.training.device).type == "cpu" and e.kind == "builtin"
+    beside = 0 if config.training.cpu_placement == "colocate" else e.builtin.num_engines
+    threads = cpu_share(config.training.torch_threads, "cpu" if on_cpu else "gpu", beside)
     if threads:
         torch.set_num_threads(threads)
     run_dir = prepare_run_dir(config, config_path, resume)

@@ -59,15 +59,14 @@ def test_colocated_every_part_gets_every_core_and_nothing_is_pinned() -> None:
 @pytest.mark.parametrize(
     ("mode", "placement", "chosen"),
     [
-        ("sync", "auto", "colocate"),
+        ("sync", "auto", "split"),
         ("async", "auto", "split"),
+        ("sync", "colocate", "colocate"),
         ("sync", "split", "split"),
         ("async", "colocate", "colocate"),
     ],
 )
-def test_auto_colocates_sync_mode_and_splits_async_mode(
-    mode: str, placement: str, chosen: str
-) -> None:
+def test_auto_splits_and_colocate_is_asked_for(mode: str, placement: str, chosen: str) -> None:
     config = config_from_dict(
         {"rollout": {"mode": mode}, "training": {"device": "cpu", "cpu_placement": placement}}
     )
@@ -95,7 +94,7 @@ def test_the_plan_applies_only_to_cpu_runs_left_to_the_defaults() -> None:
     sync = config_from_dict(
         {"model": {"path": "unused"}, "data": {"train_path": "unused.jsonl"}}, "test"
     )
-    assert cpu_plan(sync) in (None, colocate_cpus(CORES, 1))  # device auto; sync: colocated
+    assert cpu_plan(sync) in (None, plan_cpus(CORES, 1, pin_driver=False))  # device auto
     assert cpu_plan(_config(cpu_placement="off")) is None
     assert cpu_plan(_config(torch_threads=2)) is None  # set by hand: placed by hand
     assert cpu_plan(_config(backend="fsdp")) is None
@@ -171,9 +170,9 @@ def test_no_placement_names_the_key_that_turned_it_off() -> None:
     assert why(engines={"builtin": {"device": "cuda:1"}}) == "engines.builtin.device = 'cuda:1'"
     assert why(training={"device": "cpu", "torch_threads": 2}).startswith("torch threads set")
     assert why(training={"device": "cpu", "backend": "fsdp"}).startswith("training.backend")
-    assert why() == ""  # sync mode colocates: one core is enough
-    split = {"training": {"device": "cpu", "cpu_placement": "split"}}
-    assert why(**split) == (
+    colocate = {"training": {"device": "cpu", "cpu_placement": "colocate"}}
+    assert why(**colocate) == ""  # colocated: one core is enough
+    assert why() == (
         "" if len(CORES) >= 2 else f"{len(CORES)} core(s) for the trainer and 1 engine(s)"
     )
     assert (why() == "") == (
@@ -284,11 +283,11 @@ def test_an_async_run_keeps_training_driver_and_engine_apart(
 
 
 @needs_two_cores
-def test_a_sync_run_gives_each_phase_every_core(
+def test_a_colocated_sync_run_gives_each_phase_every_core(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Colocated (sync mode's default): the trainer trains on every core's worth of threads, the
-    engine is not pinned and runs as many torch threads (one engine), nothing waits on a core."""
+    """Colocated (`training.cpu_placement = "colocate"`): the trainer trains on every core's
+    worth of threads, the engine is not pinned and runs as many torch threads (one engine)."""
     import torch
 
     seen: dict[str, set] = {"train_threads": set(), "train_cores": set(), "engine": set()}
@@ -317,6 +316,7 @@ def test_a_sync_run_gives_each_phase_every_core(
         output_dir=tmp_path / "run",
         overrides={
             "rollout": {"mode": "sync", "sampling": {"max_new_tokens": 8}},
+            "training": {"cpu_placement": "colocate"},
             "logging": {"console": False},
         },
     )
