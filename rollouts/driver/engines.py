@@ -104,6 +104,7 @@ async def open_engines(
                 await sync_pool(pool, str(model_dir), version)
             await nursery.start(pool.run_health_checks)
             yield pool
-        finally:
-            await pool.aclose()
-            nursery.cancel_scope.cancel()
+        finally:  # the health checks stop before the clients close: a check due during
+            nursery.cancel_scope.cancel()  # the close would send on a closed client
+            with trio.CancelScope(shield=True):
+                await pool.aclose()

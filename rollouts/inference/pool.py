@@ -85,6 +85,7 @@ class EnginePool:
         self.version: str | None = None
         self.weights_path: str | None = None
         self.weights_lock = trio.Lock()  # held by a weight sync and by a returning engine's reload
+        self.closed = False  # aclose ran: the clients are gone
 
     def mark_down(self, index: int) -> None:
         """Stop routing to engine `index` until a health check passes."""
@@ -303,11 +304,13 @@ class EnginePool:
             task_status.started()
 
     async def _check_loop(self, i: int) -> None:
-        while True:
+        while not self.closed:
             await trio.sleep(self.health_interval_s)
-            await self._check_one(i)
+            if not self.closed:
+                await self._check_one(i)
 
     async def aclose(self) -> None:
-        """Close every engine's client."""
+        """Close every engine's client (health checks still running stop checking)."""
+        self.closed = True
         for engine in self.engines:
             await engine.aclose()
