@@ -115,7 +115,7 @@ async def rl_phase(
             print(f"[train] CPU placement: {plan.describe()}", flush=True)
             backend.pin_thread(plan.trainer)
         resumed = await _resume(backend, buffer, latest)
-        ref = await _reference(config, model_dir, make, plan, latest)
+        ref = await _reference(config, model_dir, make, plan, latest, backend)
         sync_root, engine_model = await _engines_start_weights(
             config, run_dir, backend, model_dir, latest, resumed.version
         )
@@ -197,11 +197,12 @@ async def _reference(
     make: BackendFactory,
     plan: CpuPlan | None,
     latest: Path | None,
+    policy: TrainingBackend,
 ) -> ReferencePolicy | None:
     """The reference policy when the algorithm needs one, restored from `latest` if it moved."""
-    ref = build_reference(config, model_dir, make)
-    if ref is None:
-        return None
+    ref = build_reference(config, model_dir, make, policy)
+    if ref is None or ref.backend is None:
+        return ref
     if plan is not None:
         ref.backend.pin_thread(plan.trainer)
     if latest is not None:
@@ -210,11 +211,19 @@ async def _reference(
 
 
 def build_reference(
-    config: Config, model_dir: Path, make_backend: BackendFactory = create_backend
+    config: Config,
+    model_dir: Path,
+    make_backend: BackendFactory = create_backend,
+    policy: TrainingBackend | None = None,
 ) -> ReferencePolicy | None:
-    """A reference model when the algorithm (or its schedule) can use KL; else None."""
+    """A reference model when the algorithm (or its schedule) can use KL; else None. With LoRA
+    it is the `policy`'s base model (its adapters off): no second model."""
     if not reference_needed(config.algorithm):
         return None
+    adapters = policy.lora_adapters() if policy is not None else None
+    if adapters is not None:
+        print("[train] reference model: the base model (the LoRA adapters off)", flush=True)
+        return ReferencePolicy.base_of(adapters)
     return ReferencePolicy(
         make_backend(config, model_path=model_dir, total_steps=1, value_head=False)
     )
