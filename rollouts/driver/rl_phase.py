@@ -250,12 +250,18 @@ async def _engines_start_weights(
 ) -> tuple[Path, Path]:
     """The run's weight-copy root (cleaned of a crashed run's copies) and the model the engines
     start on: the checkpoint's (or the starting) model; servers already up reload it in place,
-    so the trainer writes it there with every tensor in the files (a tied head too)."""
-    engine_model = latest / MODEL_DIR if latest is not None else model_dir
+    so the trainer writes it there with every tensor in the files (a tied head too).
+
+    LoRA: with adapter sync the engines serve the base model (the publisher's `check_start`
+    gives them the adapter); merged, a resumed run's engines start on the merged weights."""
+    lora = config.model.lora.enabled
+    engine_model = latest / MODEL_DIR if latest is not None and not lora else model_dir
     sync_root = run_sync_root(config.weight_sync.dir, config.run.name, run_dir)
     configured = bool(config.weight_sync.dir)
     await trio.to_thread.run_sync(clean_sync_root, sync_root, configured)
-    if config.engines.kind != "builtin":
+    if lora and config.weight_sync.lora == "adapter":
+        return sync_root, model_dir
+    if config.engines.kind != "builtin" or (lora and latest is not None):
         engine_model = await trio.to_thread.run_sync(
             publish_weights, backend, sync_root, str(version)
         )

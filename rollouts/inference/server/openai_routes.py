@@ -123,6 +123,7 @@ async def completions(request: Request) -> Response:
     state = state_of(request)
     body = await json_body(request)
     spec, n, extra = openai_spec(body, COMPLETION_EXTRA)
+    state.check_model(body.get("model"), "model")
     if "prompt" not in extra:
         raise BadRequest("prompt", "is required")
     top_n = as_type("logprobs", body.get("logprobs") or 0, int)
@@ -148,7 +149,7 @@ async def completions(request: Request) -> Response:
             "id": rid,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": state.info.served_model_name,
+            "model": body.get("model") or state.info.served_model_name,
             "choices": choices,
             "usage": usage(groups),
         }
@@ -234,6 +235,7 @@ async def chat_completions(request: Request) -> Response:
     state = state_of(request)
     body = await json_body(request)
     spec, n, extra = openai_spec(body, CHAT_EXTRA)
+    state.check_model(body.get("model"), "model")
     messages = extra.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages", "must be a non-empty list of {role, content} objects")
@@ -269,7 +271,7 @@ async def chat_completions(request: Request) -> Response:
             "id": rid,
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": state.info.served_model_name,
+            "model": body.get("model") or state.info.served_model_name,
             "choices": [chat_choice(state, s, i, body) for i, s in enumerate(groups[0])],
             "usage": usage(groups),
             "prompt_token_ids": prompt if body.get("return_token_ids") else None,
@@ -278,8 +280,9 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    """GET /v1/models with max_model_len."""
-    info = state_of(request).info
+    """GET /v1/models with max_model_len; a card per loaded LoRA adapter (its parent: the base)."""
+    state = state_of(request)
+    info = state.info
     card = {
         "id": info.served_model_name,
         "object": "model",
@@ -289,7 +292,11 @@ async def models(request: Request) -> Response:
         "parent": None,
         "max_model_len": info.context_len,
     }
-    return JSONResponse({"object": "list", "data": [card]})
+    adapters = [
+        card | {"id": name, "root": path, "parent": info.served_model_name}
+        for name, path in state.core.adapters.loaded.items()
+    ]
+    return JSONResponse({"object": "list", "data": [card, *adapters]})
 
 
 async def collective_rpc(request: Request) -> Response:
