@@ -252,15 +252,21 @@ async def _engines_start_weights(
     start on: the checkpoint's (or the starting) model; servers already up reload it in place,
     so the trainer writes it there with every tensor in the files (a tied head too).
 
-    LoRA: with adapter sync the engines serve the base model (the publisher's `check_start`
-    gives them the adapter); merged, a resumed run's engines start on the merged weights."""
+    LoRA: with adapter sync the engines serve the base model (servers already up reload it,
+    written out with every tensor; the publisher's `check_start` gives them the adapter);
+    merged, a resumed run's engines start on the merged weights."""
     lora = config.model.lora.enabled
     engine_model = latest / MODEL_DIR if latest is not None and not lora else model_dir
     sync_root = run_sync_root(config.weight_sync.dir, config.run.name, run_dir)
     configured = bool(config.weight_sync.dir)
     await trio.to_thread.run_sync(clean_sync_root, sync_root, configured)
-    if lora and config.weight_sync.lora == "adapter":
+    adapters = backend.lora_adapters() if config.weight_sync.lora == "adapter" else None
+    if adapters is not None and config.engines.kind == "builtin":
         return sync_root, model_dir
+    if adapters is not None:
+        base = sync_root / "v_base"
+        await trio.to_thread.run_sync(lambda: adapters.save_base_weights(base).result())
+        return sync_root, base
     if config.engines.kind != "builtin" or (lora and latest is not None):
         engine_model = await trio.to_thread.run_sync(
             publish_weights, backend, sync_root, str(version)

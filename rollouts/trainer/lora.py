@@ -129,17 +129,24 @@ def _lora_layers(base: nn.Module) -> dict[str, nn.Module]:
 
 
 @torch.no_grad()
-def merged_state_dict(lm: nn.Module) -> dict[str, torch.Tensor]:
-    """The HF state dict of base + adapter (CPU copies, HF names): each adapted layer's weight
-    is W + scaling * B @ A; the training model is left as it is."""
-    base = hf_model(lm)
-    layers = _lora_layers(base)
-    assert layers, "merged_state_dict of a model without LoRA layers"
+def base_state_dict(lm: nn.Module) -> dict[str, torch.Tensor]:
+    """The HF state dict of the frozen base model (CPU copies, HF names: no adapter tensors,
+    `.base_layer.` dropped)."""
     out: dict[str, torch.Tensor] = {}
-    for key, value in base.state_dict().items():
+    for key, value in hf_model(lm).state_dict().items():
         if ".lora_" in key:
             continue
         out[key.replace(".base_layer.", ".")] = value.detach().to("cpu", copy=True)
+    return out
+
+
+@torch.no_grad()
+def merged_state_dict(lm: nn.Module) -> dict[str, torch.Tensor]:
+    """The HF state dict of base + adapter (CPU copies, HF names): each adapted layer's weight
+    is W + scaling * B @ A; the training model is left as it is."""
+    layers = _lora_layers(hf_model(lm))
+    assert layers, "merged_state_dict of a model without LoRA layers"
+    out = base_state_dict(lm)
     for name, layer in layers.items():
         weight = layer.get_base_layer().weight
         delta = layer.get_delta_weight(ADAPTER_NAME).to(weight.dtype)

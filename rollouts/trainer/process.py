@@ -245,6 +245,9 @@ class ProcessBackend:
     def save_adapter(self, path: Path) -> TrainFuture[int]:
         return self._call("save_adapter", Path(path))
 
+    def save_base_weights(self, path: Path) -> TrainFuture[None]:
+        return self._call("save_base_weights", Path(path))
+
     def compute_base_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
         return self._call("compute_base_logprobs", batch)
 

@@ -47,6 +47,11 @@ class LoraAdapters(Protocol):
         (what vLLM's and SGLang's adapter loaders read); its size in bytes."""
         ...
 
+    def save_base_weights(self, path: Path) -> TrainFuture[None]:
+        """Write the frozen base model as an engine's weight files in `path` (every tensor, a
+        tied LM head too): what servers already up reload before their first adapter."""
+        ...
+
     def compute_base_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
         """`compute_logprobs` of the base model: the same weights with the adapters off."""
         ...

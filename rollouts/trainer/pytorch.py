@@ -286,6 +286,11 @@ class PyTorchBackend:
         assert self.adapters, "save_adapter of a backend without LoRA"
         return self._submit(lora.save_adapter, self.lm, self.tokenizer, Path(path))
 
+    def save_base_weights(self, path: Path) -> TrainFuture[None]:
+        """The frozen base model as engine weight files in `path` (a tied head written out)."""
+        assert self.adapters, "save_base_weights of a backend without LoRA"
+        return self._submit(lambda: self._save_full(Path(path), lora.base_state_dict(self.lm)))
+
     def compute_base_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
         """Per-sequence logprobs of the base model: the same weights, the adapters off."""
         assert self.adapters, "compute_base_logprobs of a backend without LoRA"

@@ -148,3 +148,15 @@ def test_load_weights_of_a_lora_backend_is_refused(tiny_model_dir: Path) -> None
     with pytest.raises(NotImplementedError, match="frozen base and an adapter"):
         backend.load_weights(weights)
     backend.close()
+
+
+def test_base_weights_for_engines_are_the_frozen_base(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """What a server already up reloads before its first adapter: the base, not the merged."""
+    backend = create_pytorch_backend(lora_config(tiny_model_dir))
+    _train(backend, range(2))
+    backend.lora_adapters().save_base_weights(tmp_path / "base").result()
+    backend.close()
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "base").state_dict()
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert saved.keys() == original.keys()
+    assert all(torch.equal(saved[k], original[k]) for k in original)
