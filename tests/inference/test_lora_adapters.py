@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rollouts.config import LoraConfig, ModelConfig
@@ -27,7 +28,7 @@ from rollouts.inference.sglang import SGLangEngine, batch_generate_body, generat
 from rollouts.inference.vllm import VLLMEngine
 from rollouts.trainer.factories import create_pytorch_backend
 from rollouts.weights.check import probe_ids, tolerance_for, trainer_probe
-from rollouts.weights.disk import publish_adapter, sync_weights_to_engines
+from rollouts.weights.disk import publish_adapter, publish_weights, sync_weights_to_engines
 from tests.training.backend_helpers import (
     make_batch,
     nll_loss,
@@ -140,3 +141,21 @@ async def test_adapter_sync_through_both_clients_passes_the_content_check(
     assert twice.status_code == 400 and "already been loaded" in twice.text
     assert unload.status_code == 404
     assert sglang_unload.status_code == 400 and sglang_unload.json()["success"] is False
+
+
+async def test_merged_sync_gives_engines_without_adapters_the_same_model(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """weight_sync.lora = "merged": the LoRA trainer's full weights (base + adapter, merged)
+    reload like any full sync, and the engine then serves the trainer's adapted model."""
+    backend = _lora_backend(tiny_model_dir, steps=3)
+    ids = probe_ids(200, 24, seed=1)
+    path = publish_weights(backend, tmp_path, "1")
+    probe = await trainer_probe(backend, ids, "1", tolerance_for("float32", 0.0))
+    backend.close()
+    assert not any("lora" in name for name in load_file(path / "model.safetensors"))
+    async with engine_server(tiny_model_dir, weight_version="0") as url:
+        engine = SGLangEngine(url)
+        report = await sync_weights_to_engines([engine], path, "1", probe=probe)
+        await engine.aclose()
+    assert report.ok and report.results[0].content_gap < 1e-4, report

@@ -39,7 +39,7 @@ async def vllm_load(request: Request) -> Response:
     try:
         await state.load_adapter(name, path)
     except AdapterError as exc:
-        return error_json(400, str(exc), "BadRequestError", "lora_name")
+        return error_json(400, str(exc), "InvalidUserInput", None)  # vLLM 0.32's answer
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
