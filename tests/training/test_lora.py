@@ -160,3 +160,36 @@ def test_base_weights_for_engines_are_the_frozen_base(tiny_model_dir: Path, tmp_
     original = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     assert saved.keys() == original.keys()
     assert all(torch.equal(saved[k], original[k]) for k in original)
+
+
+def test_lora_in_the_trainer_process_gives_the_same_numbers(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The adapter capability crosses the socket: base logprobs, the adapter's files."""
+    from rollouts.trainer.process import TrainerProcess
+
+    config = lora_config(tiny_model_dir)
+    here = create_pytorch_backend(config)
+    host = TrainerProcess(threads=1)
+    try:
+        there = host.create(config)
+        for backend in (here, there):
+            _train(backend, range(2))
+        adapters = there.lora_adapters()
+        assert adapters is not None
+        size = adapters.save_adapter(tmp_path / "a").result()
+        base_there = adapters.compute_base_logprobs(BATCHES[3]).result()
+        base_here = here.compute_base_logprobs(BATCHES[3]).result()
+        policy_there = there.compute_logprobs(BATCHES[3]).result()
+        policy_here = here.compute_logprobs(BATCHES[3]).result()
+        there.close()
+    finally:
+        host.close()
+        here.close()
+    assert (
+        size
+        == (tmp_path / "a" / "adapter_model.safetensors").stat().st_size
+        + (tmp_path / "a" / "adapter_config.json").stat().st_size
+    )
+    for a, b in zip(base_there + policy_there, base_here + policy_here, strict=True):
+        assert torch.equal(a, b)

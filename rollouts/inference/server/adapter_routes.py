@@ -3,7 +3,7 @@
 vLLM (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`): POST /v1/load_lora_adapter {"lora_name",
 "lora_path"} -> 200 with a plain-text "Success: ..." line; loading a name twice is a 400;
 POST /v1/unload_lora_adapter {"lora_name"} -> 200, or 404 for a name it does not know. Requests
-select an adapter with `model` (the OpenAI routes check it).
+name the adapter in `model` (the answer echoes it; the served weights are the merged ones).
 SGLang: POST /load_lora_adapter and /unload_lora_adapter with the same fields -> {"success",
 "error_message", "loaded_adapters"} (400 with success false on a failure). /generate selects an
 adapter with `lora_path` (its name).

@@ -7,8 +7,10 @@ SGLang's (`/load_lora_adapter`, `lora_path` in /generate); an adapter is a PEFT 
 
 One set of weights is served at a time: the adapter loaded last, merged into a copy of the base
 weights (the base of each adapted tensor is kept, so a later adapter or an unload restores it
-exactly). A request naming any loaded adapter, or the base model, gets the weights served now,
-as after a full reload (the version label says which). A full weight reload drops every adapter.
+exactly). Every request gets the weights served now, whatever adapter or model it names, as
+after a full reload (the version label says which); the OpenAI routes check no model name (as
+before LoRA), /generate refuses a `lora_path` that is not loaded (as SGLang does). A full weight
+reload drops every adapter.
 """
 
 from __future__ import annotations

@@ -14,12 +14,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rollouts.inference.server.sampling import BadRequest, SamplingSpec
-from rollouts.inference.server.state import (
-    ServerState,
-    ServiceUnavailable,
-    UnknownModel,
-    WeightPathForbidden,
-)
+from rollouts.inference.server.state import ServerState, ServiceUnavailable, WeightPathForbidden
 from rollouts.inference.server.weights import WeightLoadError
 
 log = logging.getLogger(__name__)
@@ -83,8 +78,6 @@ async def json_body(request: Request, *, allow_empty: bool = False) -> dict[str,
 
 async def on_bad_request(_request: Request, exc: Exception) -> Response:
     assert isinstance(exc, BadRequest), f"{exc!r}"
-    if isinstance(exc, UnknownModel):
-        return error_json(404, str(exc), "NotFoundError", exc.field)
     return error_json(400, str(exc), "BadRequestError", exc.field)
 
 

@@ -123,7 +123,6 @@ async def completions(request: Request) -> Response:
     state = state_of(request)
     body = await json_body(request)
     spec, n, extra = openai_spec(body, COMPLETION_EXTRA)
-    state.check_model(body.get("model"), "model")
     if "prompt" not in extra:
         raise BadRequest("prompt", "is required")
     top_n = as_type("logprobs", body.get("logprobs") or 0, int)
@@ -235,7 +234,6 @@ async def chat_completions(request: Request) -> Response:
     state = state_of(request)
     body = await json_body(request)
     spec, n, extra = openai_spec(body, CHAT_EXTRA)
-    state.check_model(body.get("model"), "model")
     messages = extra.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages", "must be a non-empty list of {role, content} objects")

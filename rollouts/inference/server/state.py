@@ -27,10 +27,6 @@ class ServiceUnavailable(RuntimeError):
     """The server cannot take the request now (queue full, paused): HTTP 503."""
 
 
-class UnknownModel(BadRequest):
-    """A request naming a model or LoRA adapter the server does not serve: HTTP 404."""
-
-
 class WeightPathForbidden(WeightLoadError):
     """A reload from outside every `--weights-root`: HTTP 403."""
 
@@ -305,15 +301,6 @@ class ServerState:
             reply(None)
 
         await self.command(run)
-
-    def check_model(self, name: Any, field: str) -> None:
-        """A request's model: absent, the served model, or a loaded adapter (else 404, as
-        vLLM answers an unknown model); every one is served by the weights loaded last."""
-        info = self.info
-        if name is None or name in (info.served_model_name, info.model_path):
-            return
-        if not isinstance(name, str) or not self.core.adapters.knows(name):
-            raise UnknownModel(field, f"The model `{name}` does not exist.")
 
     def check_adapter(self, name: Any, field: str) -> None:
         """SGLang's `lora_path` of a request: absent, or a loaded adapter's name (else 400, as
