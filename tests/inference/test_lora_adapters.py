@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from rollouts.config import LoraConfig, ModelConfig
 from rollouts.inference.adapters import AdapterSlots
 from rollouts.inference.launch import engine_server
+from rollouts.inference.pool import EnginePool
 from rollouts.inference.protocol import (
     AdapterLoader,
     GenerateRequest,
@@ -161,3 +162,23 @@ async def test_merged_sync_gives_engines_without_adapters_the_same_model(
         report = await sync_weights_to_engines([engine], path, "1", probe=probe)
         await engine.aclose()
     assert report.ok and report.results[0].content_gap < 1e-4, report
+
+
+async def test_an_engine_that_comes_back_loads_the_pools_adapter(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A restarted engine serves the base model: the pool's health check gives it the adapter
+    the others serve (and the version) before it is routed to again."""
+    backend = _lora_backend(tiny_model_dir, steps=2)
+    path, _ = publish_adapter(backend.lora_adapters(), tmp_path, "7")
+    probe = await trainer_probe(backend, probe_ids(200, 16, seed=2), "7", 1e-3)
+    backend.close()
+    async with engine_server(tiny_model_dir, weight_version="0") as url:
+        pool = EnginePool([SGLangEngine(url)])
+        pool.set_weights(str(path), "7", adapter=True)
+        pool.mark_down(0)  # it exited and came back on its starting model
+        await pool.check_health()
+        assert pool.up[0] and await pool.weight_version() == "7"
+        served = await pool.engines[0].prompt_logprobs(probe.ids)
+        await pool.aclose()
+    assert max(abs(a - b) for a, b in zip(served, probe.expected, strict=True)) < 1e-4
