@@ -40,7 +40,13 @@ from rollouts.config.loader import (
     config_to_dict,
     load_config,
 )
-from rollouts.config.model import DataConfig, ModelConfig, RunSection, TinyModelConfig
+from rollouts.config.model import (
+    DataConfig,
+    LoraConfig,
+    ModelConfig,
+    RunSection,
+    TinyModelConfig,
+)
 from rollouts.config.reward import LengthShapingConfig, RewardConfig
 from rollouts.config.rollout import (
     BuiltinEnginesConfig,
@@ -70,6 +76,7 @@ __all__ = [
     "KLConfig",
     "LengthShapingConfig",
     "LoggingConfig",
+    "LoraConfig",
     "ModelConfig",
     "OptimConfig",
     "PairwiseConfig",

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rollouts.config.algorithm import ALGORITHM_MOVED_KEYS, AlgorithmConfig
-from rollouts.config.base import ConfigError, _Section, is_literal, literal_problem
+from rollouts.config.base import ConfigError, _check, _Section, is_literal, literal_problem
 from rollouts.config.model import DataConfig, ModelConfig, RunSection
 from rollouts.config.reward import RewardConfig
 from rollouts.config.rollout import EnginesConfig, RolloutConfig
@@ -40,6 +40,39 @@ class Config(_Section):
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     weight_sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
+
+    def problems(self) -> list[str]:
+        return lora_problems(self)
+
+
+def lora_problems(config: Config) -> list[str]:
+    """What [model.lora] needs of the other sections (nothing when it is off)."""
+    if not config.model.lora.enabled:
+        return []
+    p: list[str] = []
+    _check(
+        p,
+        config.training.backend == "pytorch",
+        "model.lora.enabled with training.backend = 'fsdp': LoRA trains on the one-device "
+        "backend only for now; set training.backend = 'pytorch' (adapters are small: one "
+        "device holds their optimizer state)",
+    )
+    _check(
+        p,
+        config.algorithm.reference.update == "none",
+        f"model.lora.enabled with algorithm.reference.update = "
+        f"{config.algorithm.reference.update!r}: with LoRA the reference is the base model "
+        "(the adapter switched off), which never moves; set algorithm.reference.update = 'none'",
+    )
+    ws = config.weight_sync
+    _check(
+        p,
+        ws.lora == "merged" or ws.method == "disk",
+        "weight_sync.lora = 'adapter' with weight_sync.method = 'distributed': adapters go "
+        "to the engines as files (a few MB); set weight_sync.method = 'disk', or "
+        "weight_sync.lora = 'merged' to broadcast the merged weights",
+    )
+    return p
 
 
 def _type_name(tp: Any) -> str:

@@ -1,4 +1,4 @@
-"""[run], [model] (with [model.tiny]) and [data] sections."""
+"""[run], [model] (with [model.tiny] and [model.lora]) and [data] sections."""
 
 from __future__ import annotations
 
@@ -57,6 +57,44 @@ class TinyModelConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LoraConfig(_Section):
+    """[model.lora]: train low-rank adapters (PEFT LoRA) instead of every weight.
+
+    Only the adapters get gradients and optimizer state; the reference model is the base model
+    (the adapters switched off: no second copy); engines get the adapter (weight_sync.lora).
+    """
+
+    KEY: ClassVar[str] = "model.lora"
+
+    enabled: bool = False
+    rank: int = 16  # r: the adapters' inner dimension
+    alpha: float = 32.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapters' input while training (0: logprobs stay exact)
+    # "all-linear": every linear layer of the decoder (not the LM head); or module names
+    target_modules: str | list[str] = "all-linear"
+    # each checkpoint also holds the merged model (model/, a plain HF directory) beside the
+    # adapter (adapter/): the full model's bytes per checkpoint
+    save_merged: bool = False
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _check(p, self.rank >= 1, f"model.lora.rank = {self.rank}: must be >= 1")
+        _check(p, self.alpha > 0, f"model.lora.alpha = {self.alpha}: must be > 0")
+        _check(
+            p,
+            0.0 <= self.dropout < 1.0,
+            f"model.lora.dropout = {self.dropout}: must be in [0, 1)",
+        )
+        modules = self.target_modules
+        _check(
+            p,
+            bool(modules) and (isinstance(modules, str) or all(modules)),
+            f"model.lora.target_modules = {modules!r}: name modules, or 'all-linear'",
+        )
+        return p
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig(_Section):
     """[model]: which model to train and how to hold it."""
 
@@ -72,6 +110,7 @@ class ModelConfig(_Section):
     # compiles: tens of seconds on CPU, cached on disk for the next run)
     compile: bool = False
     tiny: TinyModelConfig = dataclasses.field(default_factory=TinyModelConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def problems(self) -> list[str]:
         p: list[str] = []

@@ -10,6 +10,9 @@ from rollouts.config.base import _check, _Section
 
 SyncMethod = Literal["disk", "distributed"]
 SyncBackend = Literal["auto", "gloo", "nccl"]  # auto: nccl on cuda, else gloo
+# with model.lora: "adapter" = only the adapter (engines load it by name); "merged" = the full
+# weights with the adapter merged in (engines without adapter routes)
+LoraSync = Literal["adapter", "merged"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,6 +63,7 @@ class WeightSyncConfig(_Section):
     check: bool = True
     check_tokens: int = 32  # the probe's length
     check_tolerance: float = 0.0  # largest |engine - trainer| logprob; 0 = by model.dtype
+    lora: LoraSync = "adapter"  # read only with model.lora.enabled
     distributed: DistributedSyncConfig = dataclasses.field(default_factory=DistributedSyncConfig)
 
     def problems(self) -> list[str]:

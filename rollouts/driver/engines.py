@@ -51,8 +51,10 @@ def engine_threads(config: Config, plan: CpuPlan | None) -> int:
 
 
 def current_weights(pool: EnginePool | None) -> tuple[str, str] | None:
-    """(model dir, version) the pool's engines serve now, for restarting a built-in engine."""
-    if pool is None or pool.weights_path is None or pool.version is None:
+    """(model dir, version) the pool's engines serve now, for restarting a built-in engine;
+    None when they serve a LoRA adapter (it restarts on its base model, then loads the adapter
+    before its first request: `EnginePool.check_health`)."""
+    if pool is None or pool.weights_path is None or pool.version is None or pool.weights_adapter:
         return None
     return pool.weights_path, pool.version
 

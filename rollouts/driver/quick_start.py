@@ -26,6 +26,7 @@ from rollouts.driver.rl_phase import rl_phase
 from rollouts.driver.setup import StopFlag, prepare_run_dir
 from rollouts.driver.trainer_io import checkpoint_root
 from rollouts.trainer.checkpoint import find_latest_checkpoint
+from rollouts.trainer.lora import ADAPTER_DIR
 from rollouts.trainer.pytorch import MODEL_DIR
 
 
@@ -56,8 +57,18 @@ class QuickStartResult:
 
     @property
     def model_dir(self) -> Path | None:
-        """The trained model (HF safetensors + tokenizer), loadable with from_pretrained."""
-        return None if self.checkpoint is None else self.checkpoint / MODEL_DIR
+        """The trained model (HF safetensors + tokenizer), loadable with from_pretrained (a LoRA
+        run has one only with `model.lora.save_merged`)."""
+        if self.checkpoint is None or not (self.checkpoint / MODEL_DIR).is_dir():
+            return None
+        return self.checkpoint / MODEL_DIR
+
+    @property
+    def adapter_dir(self) -> Path | None:
+        """A LoRA run's trained adapter (PEFT's directory), or None."""
+        if self.checkpoint is None or not (self.checkpoint / ADAPTER_DIR).is_dir():
+            return None
+        return self.checkpoint / ADAPTER_DIR
 
 
 def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -101,5 +112,6 @@ def quick_start_training(
     metrics = trio.run(rl_phase, config, run_dir, Path(model_path), False, StopFlag(), reward_fn)
     final = find_latest_checkpoint(checkpoint_root(config, run_dir, "rl"))
     result = QuickStartResult(metrics=metrics, run_dir=run_dir, checkpoint=final)
-    print(f"[quick_start] run dir {run_dir}; trained model {result.model_dir}", flush=True)
+    trained = result.model_dir or result.adapter_dir
+    print(f"[quick_start] run dir {run_dir}; trained model {trained}", flush=True)
     return result

@@ -117,7 +117,7 @@ async def rl_phase(
             if plan.trainer:
                 backend.pin_thread(plan.trainer)
         resumed = await _resume(backend, buffer, latest)
-        ref = await _reference(config, model_dir, make, plan, latest)
+        ref = await _reference(config, model_dir, make, plan, latest, backend)
         sync_root, engine_model = await _engines_start_weights(
             config, run_dir, backend, model_dir, latest, resumed.version
         )
@@ -212,11 +212,12 @@ async def _reference(
     make: BackendFactory,
     plan: CpuPlan | None,
     latest: Path | None,
+    policy: TrainingBackend,
 ) -> ReferencePolicy | None:
     """The reference policy when the algorithm needs one, restored from `latest` if it moved."""
-    ref = build_reference(config, model_dir, make)
-    if ref is None:
-        return None
+    ref = build_reference(config, model_dir, make, policy)
+    if ref is None or ref.backend is None:
+        return ref
     if plan is not None:
         ref.backend.pin_thread(plan.trainer)
     if latest is not None:
@@ -225,11 +226,19 @@ async def _reference(
 
 
 def build_reference(
-    config: Config, model_dir: Path, make_backend: BackendFactory = create_backend
+    config: Config,
+    model_dir: Path,
+    make_backend: BackendFactory = create_backend,
+    policy: TrainingBackend | None = None,
 ) -> ReferencePolicy | None:
-    """A reference model when the algorithm (or its schedule) can use KL; else None."""
+    """A reference model when the algorithm (or its schedule) can use KL; else None. With LoRA
+    it is the `policy`'s base model (its adapters off): no second model."""
     if not reference_needed(config.algorithm):
         return None
+    adapters = policy.lora_adapters() if policy is not None else None
+    if adapters is not None:
+        print("[train] reference model: the base model (the LoRA adapters off)", flush=True)
+        return ReferencePolicy.base_of(adapters)
     return ReferencePolicy(
         make_backend(config, model_path=model_dir, total_steps=1, value_head=False)
     )
@@ -256,12 +265,24 @@ async def _engines_start_weights(
 ) -> tuple[Path, Path]:
     """The run's weight-copy root (cleaned of a crashed run's copies) and the model the engines
     start on: the checkpoint's (or the starting) model; servers already up reload it in place,
-    so the trainer writes it there with every tensor in the files (a tied head too)."""
-    engine_model = latest / MODEL_DIR if latest is not None else model_dir
+    so the trainer writes it there with every tensor in the files (a tied head too).
+
+    LoRA: with adapter sync the engines serve the base model (servers already up reload it,
+    written out with every tensor; the publisher's `check_start` gives them the adapter);
+    merged, a resumed run's engines start on the merged weights."""
+    lora = config.model.lora.enabled
+    engine_model = latest / MODEL_DIR if latest is not None and not lora else model_dir
     sync_root = run_sync_root(config.weight_sync.dir, config.run.name, run_dir)
     configured = bool(config.weight_sync.dir)
     await trio.to_thread.run_sync(clean_sync_root, sync_root, configured)
-    if config.engines.kind != "builtin":
+    adapters = backend.lora_adapters() if config.weight_sync.lora == "adapter" else None
+    if adapters is not None and config.engines.kind == "builtin":
+        return sync_root, model_dir
+    if adapters is not None:
+        base = sync_root / "v_base"
+        await trio.to_thread.run_sync(lambda: adapters.save_base_weights(base).result())
+        return sync_root, base
+    if config.engines.kind != "builtin" or (lora and latest is not None):
         engine_model = await trio.to_thread.run_sync(
             publish_weights, backend, sync_root, str(version)
         )

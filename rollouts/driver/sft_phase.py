@@ -1,8 +1,12 @@
 """The SFT phase of a run: conversations -> tokenized examples with loss masks -> the SFT loop
-(`rollouts/loop/sft.py`) -> checkpoints/sft/step_N/model, the model RL starts from."""
+(`rollouts/loop/sft.py`) -> checkpoints/sft/step_N/model, the model RL starts from.
+
+With LoRA the SFT phase trains an adapter too; the last checkpoint then also gets model/, the
+base with that adapter merged in, and RL trains a new adapter on it."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import trio
@@ -15,6 +19,7 @@ from rollouts.driver.trainer_io import BackendFactory, checkpoint_root, save
 from rollouts.loop.sft import run_sft_training, split_eval, tokenize_all, total_sft_steps
 from rollouts.trainer.checkpoint import clean_leftovers, find_latest_checkpoint, load_checkpoint
 from rollouts.trainer.factories import create_backend, load_tokenizer
+from rollouts.trainer.protocol import TrainingBackend
 from rollouts.trainer.pytorch import MODEL_DIR
 
 
@@ -68,8 +73,19 @@ async def sft_phase(
             )
             logger.close()
             print(f"[train] SFT done: loss {result.final_loss:.4f} eval {result.eval_loss}")
+        final = find_latest_checkpoint(root)
+        assert final is not None, f"SFT wrote no checkpoint under {root}"
+        if config.model.lora.enabled and not (final / MODEL_DIR).is_dir():
+            await trio.to_thread.run_sync(_write_merged, backend, final / MODEL_DIR)
     finally:
         backend.close()
-    final = find_latest_checkpoint(root)
-    assert final is not None, f"SFT wrote no checkpoint under {root}"
     return final / MODEL_DIR
+
+
+def _write_merged(backend: TrainingBackend, path: Path) -> None:
+    """The backend's weights (LoRA: merged) as an HF directory at `path`, written under a
+    temporary name and renamed (a kill never leaves a half-written `path`)."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    backend.save_weights(tmp).result()
+    tmp.rename(path)

@@ -21,6 +21,7 @@ from typing import Any
 from rollouts.trainer.checkpoint import read_best
 
 MODEL_DIR = "model"
+ADAPTER_DIR = "adapter"  # a LoRA run's (trainer/lora.py)
 
 
 def quiet_progress_bars() -> None:
@@ -118,11 +119,15 @@ def summary_lines(
     files = ("config.json", "metrics.jsonl", "rollouts.jsonl", "sft_metrics.jsonl")
     present = [n for n in files if (run_dir / n).is_file()]
     lines.append(f"run dir:    {run_dir}  ({', '.join(present)})")
-    if checkpoint is not None:
+    lora = checkpoint is not None and (checkpoint / ADAPTER_DIR).is_dir()
+    if checkpoint is not None and lora:
+        adapter = checkpoint / ADAPTER_DIR
+        lines.append(f"checkpoint: {adapter}  (a LoRA adapter: PeftModel.from_pretrained)")
+    if checkpoint is not None and (not lora or (checkpoint / MODEL_DIR).is_dir()):
         model = checkpoint / MODEL_DIR
         lines.append(f"checkpoint: {model}  (AutoModelForCausalLM.from_pretrained loads it)")
     if best is not None and checkpoint is not None and best["name"] != checkpoint.name:
-        where = checkpoint.parent / str(best["name"]) / MODEL_DIR
+        where = checkpoint.parent / str(best["name"]) / (ADAPTER_DIR if lora else MODEL_DIR)
         lines.append(f"best:       {where}  ({best['metric']} {float(best['value']):.3f})")
     if plots:
         names = ", ".join(p.name for p in plots)

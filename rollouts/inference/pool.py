@@ -30,6 +30,7 @@ import trio
 from rollouts.inference.http import EngineError, EngineUnavailable
 from rollouts.inference.hung import CallWatch, WatchedEngine
 from rollouts.inference.protocol import (
+    AdapterLoader,
     Completion,
     EngineLoad,
     GenerateRequest,
@@ -84,6 +85,7 @@ class EnginePool:
         # the weights every engine must serve (None: not known yet; any version is fine)
         self.version: str | None = None
         self.weights_path: str | None = None
+        self.weights_adapter = False  # weights_path is a LoRA adapter (on the base model)
         self.weights_lock = trio.Lock()  # held by a weight sync and by a returning engine's reload
         self.closed = False  # aclose ran: the clients are gone
 
@@ -162,9 +164,11 @@ class EnginePool:
                 await trio.sleep(min(0.2, self.health_interval_s))
         return any(self.up)
 
-    def set_weights(self, path: str, version: str) -> None:
-        """Record the weights every engine serves (after a sync, or the starting model)."""
+    def set_weights(self, path: str, version: str, *, adapter: bool = False) -> None:
+        """Record the weights every engine serves (after a sync, or the starting model);
+        `adapter`: `path` is a LoRA adapter the engines load on their base model."""
         self.weights_path, self.version = str(path), str(version)
+        self.weights_adapter = adapter
 
     async def _each_up(self, call: Callable[[InferenceEngine], Awaitable[Any]]) -> list[Any]:
         """`call` on every engine that is up, concurrently; an unreachable one is marked down."""
@@ -287,7 +291,10 @@ class EnginePool:
         if self.weights_path is None or self.version is None:
             return False
         try:
-            await engine.update_weights_from_disk(self.weights_path, self.version)
+            if self.weights_adapter and isinstance(engine, AdapterLoader):
+                await engine.load_adapter(self.weights_path, self.version)
+            else:
+                await engine.update_weights_from_disk(self.weights_path, self.version)
             return await engine.weight_version() == self.version
         except EngineError:
             return False

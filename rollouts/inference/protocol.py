@@ -178,6 +178,25 @@ def batches_requests(engine: object) -> bool:
     return isinstance(engine, BatchGenerator) and bool(engine.batch_generate)
 
 
+@runtime_checkable
+class AdapterLoader(Protocol):
+    """An engine that loads LoRA adapters at run time (vLLM and SGLang with `--enable-lora`, the
+    built-in server): an adapter sync gives it the adapter alone (`weight_sync.lora`)."""
+
+    url: str
+
+    async def load_adapter(self, path: str, version: str) -> None:
+        """Load the PEFT adapter directory `path` under `version`'s name (`adapter_name`),
+        address every later request (prompt logprobs too) to it, and serve `version`. The
+        adapter it replaces stays loaded (requests in flight may name it); older ones go."""
+        ...
+
+
+def adapter_name(version: str) -> str:
+    """The name an engine knows the adapter of weight version `version` by."""
+    return f"policy-v{version}"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class WeightGroupSpec:
     """The trainer's weight-update process group, as the engines are told to join it."""

@@ -2,10 +2,13 @@
 
 Works against SGLang itself and against the built-in server (`rollouts serve`), which answers
 the same routes. Request bodies are built by pure functions so a test pins their field names.
+A LoRA adapter (SGLang with `--enable-lora`) is loaded with `/load_lora_adapter` and selected by
+its name in each request's `lora_path`.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from operator import itemgetter
 from typing import Any
@@ -13,6 +16,7 @@ from typing import Any
 import httpx
 import trio
 
+from rollouts.inference.adapters import AdapterSlots
 from rollouts.inference.http import EngineError, EngineHttp, EngineRequestError, HttpOptions
 from rollouts.inference.protocol import (
     PAUSE_MODES,
@@ -23,9 +27,11 @@ from rollouts.inference.protocol import (
     SamplingParams,
     TensorSpecLike,
     WeightGroupSpec,
+    adapter_name,
 )
 from rollouts.inference.versions import SyncBracket, completion_version, span_versions
 
+log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 5.0
 WAIT_POLL_S = 0.05
 # our pause modes -> SGLang's /pause_generation modes ("wait" has none: drain, then retract).
@@ -57,9 +63,13 @@ def sampling_body(sampling: SamplingParams) -> dict[str, Any]:
 
 
 def generate_body(
-    input_ids: Sequence[int], sampling: SamplingParams, rid: str | None
+    input_ids: Sequence[int],
+    sampling: SamplingParams,
+    rid: str | None,
+    adapter: str | None = None,
 ) -> dict[str, Any]:
-    """The POST /generate body: token ids in, logprobs of the output tokens back."""
+    """The POST /generate body: token ids in, logprobs of the output tokens back; `adapter`,
+    the name of a loaded LoRA adapter, goes in `lora_path`."""
     assert len(input_ids) > 0, "input_ids must not be empty"
     body: dict[str, Any] = {
         "input_ids": list(input_ids),
@@ -69,12 +79,17 @@ def generate_body(
     }
     if rid is not None:
         body["rid"] = rid
+    if adapter is not None:
+        body["lora_path"] = adapter
     return body
 
 
-def batch_generate_body(requests: Sequence[GenerateRequest]) -> dict[str, Any]:
+def batch_generate_body(
+    requests: Sequence[GenerateRequest], adapter: str | None = None
+) -> dict[str, Any]:
     """The POST /generate body of a batch: one entry per prompt in input_ids, sampling_params
-    and rid (every request has a rid, or none has: SGLang takes a list of strings or nothing)."""
+    and rid (every request has a rid, or none has: SGLang takes a list of strings or nothing),
+    and `lora_path` when an adapter is named."""
     assert requests, "an empty batch"
     rids = [r.rid for r in requests]
     assert all(rids) or not any(rids), f"some requests have a rid, some not: {rids}"
@@ -86,18 +101,23 @@ def batch_generate_body(requests: Sequence[GenerateRequest]) -> dict[str, Any]:
     }
     if all(rids):
         body["rid"] = rids
+    if adapter is not None:
+        body["lora_path"] = [adapter] * len(requests)
     return body
 
 
-def input_logprobs_body(input_ids: Sequence[int]) -> dict[str, Any]:
+def input_logprobs_body(input_ids: Sequence[int], adapter: str | None = None) -> dict[str, Any]:
     """POST /generate asking for the prompt tokens' logprobs (`logprob_start_len` 0)."""
     assert len(input_ids) >= 2, "a prompt-logprobs probe needs two tokens"
-    return {
+    body: dict[str, Any] = {
         "input_ids": list(input_ids),
         "sampling_params": {"max_new_tokens": 0},  # score the prompt, generate nothing
         "return_logprob": True,
         "logprob_start_len": 0,
     }
+    if adapter is not None:
+        body["lora_path"] = adapter
+    return body
 
 
 def parse_input_logprobs(answer: Any, input_ids: Sequence[int]) -> tuple[float, ...]:
@@ -209,6 +229,7 @@ class SGLangEngine:
         self.http = EngineHttp(url, api_key=api_key, options=options, transport=transport)
         self.url = self.http.url
         self._paused = False  # between this client's pause and resume
+        self.adapters = AdapterSlots()  # LoRA adapters loaded here; requests name the newest
         self.bracket = SyncBracket()
         self._group_name = "weight_update_group"  # SGLang's default; set by init_weight_group
 
@@ -217,7 +238,7 @@ class SGLangEngine:
     ) -> Completion:
         """POST /generate with input_ids; an abort answers 200 with the partial output."""
         submitted = self.bracket.at_submit()
-        body = generate_body(input_ids, sampling, rid)
+        body = generate_body(input_ids, sampling, rid, self.adapters.current)
         return self._completion(
             await self.http.json("POST", "/generate", json_body=body), submitted
         )
@@ -228,7 +249,8 @@ class SGLangEngine:
         """One batch POST /generate (a list of prompts, each with its own sampling params and
         rid); the answer is a list in the same order."""
         submitted = self.bracket.at_submit()
-        answers = await self.http.json("POST", "/generate", json_body=batch_generate_body(requests))
+        body = batch_generate_body(requests, self.adapters.current)
+        answers = await self.http.json("POST", "/generate", json_body=body)
         if not isinstance(answers, list) or len(answers) != len(requests):
             got = len(answers) if isinstance(answers, list) else type(answers).__name__
             raise EngineError(f"batch /generate of {len(requests)} prompts answered {got}")
@@ -262,6 +284,42 @@ class SGLangEngine:
             raise EngineError(f"{self.url}: weight update failed: {answer.get('message')}")
         self.bracket.served(str(version))
 
+    async def load_adapter(self, path: str, version: str) -> None:
+        """POST /load_lora_adapter as `adapter_name(version)`, then /update_weight_version;
+        later requests name it in `lora_path`; adapters older than the one it replaces go."""
+        name = adapter_name(version)
+        body = {"lora_name": name, "lora_path": str(path)}
+        self.bracket.begin_sync()
+        try:
+            await self._adapter_call("/load_lora_adapter", body)
+        except EngineError as exc:  # loaded by an attempt whose answer was lost
+            if "already" not in str(exc):
+                raise
+            await self._unload(name)
+            await self._adapter_call("/load_lora_adapter", body)
+        update = {"new_version": str(version), "abort_all_requests": False}
+        await self.http.call("POST", "/update_weight_version", json_body=update)
+        for stale in self.adapters.add(name):
+            await self._unload(stale)
+        self.bracket.served(str(version))
+
+    async def _adapter_call(self, path: str, body: dict[str, Any]) -> None:
+        """An adapter route: {"success", "error_message"}; a failure raises with the message."""
+        answer = await self.http.json("POST", path, json_body=body)
+        if not isinstance(answer, dict) or not answer.get("success", False):
+            message = answer.get("error_message") if isinstance(answer, dict) else answer
+            raise EngineError(f"{self.url}{path}: {message}")
+
+    async def _unload(self, name: str) -> None:
+        """POST /unload_lora_adapter; a name the server does not know is already gone."""
+        self.adapters.forget(name)
+        try:
+            await self._adapter_call("/unload_lora_adapter", {"lora_name": name})
+        except EngineError as exc:
+            if isinstance(exc, EngineRequestError) and exc.status >= 500:
+                raise
+            log.info("%s: LoRA adapter %r was not unloaded (%s)", self.url, name, exc)
+
     async def pause(self, mode: str = "abort") -> None:
         """POST /pause_generation: abort -> abort, keep -> retract; wait polls /v1/loads until
         nothing runs (bounded by the client timeout), then pauses with retract."""
@@ -289,7 +347,8 @@ class SGLangEngine:
 
     async def prompt_logprobs(self, input_ids: Sequence[int]) -> tuple[float, ...]:
         """POST /generate with `logprob_start_len: 0`: each prompt token's logprob."""
-        answer = await self.http.json("POST", "/generate", json_body=input_logprobs_body(input_ids))
+        body = input_logprobs_body(input_ids, self.adapters.current)
+        answer = await self.http.json("POST", "/generate", json_body=body)
         return parse_input_logprobs(answer, input_ids)
 
     async def health(self) -> bool:

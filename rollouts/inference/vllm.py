@@ -3,7 +3,9 @@
 Generation is `/v1/completions` with token-id prompts, `return_token_ids` and `logprobs: 0`
 (the sampled token's logprob only). Weight reload, pause and abort use vLLM's dev-mode routes
 (`VLLM_SERVER_DEV_MODE=1`, vLLM >= 0.27): `/collective_rpc reload_weights` then
-`/update_weight_version {"new_version"}`. vLLM < 0.33 ignores `return_weight_versions`: the
+`/update_weight_version {"new_version"}`. A LoRA adapter (`--enable-lora`,
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`) is loaded with `/v1/load_lora_adapter` and selected by
+naming it in each request's `model`. vLLM < 0.33 ignores `return_weight_versions`: the
 client then says so once and takes each sample's version from its sync bracket (`versions.py`).
 The built-in server answers the same routes.
 """
@@ -16,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from rollouts.inference.adapters import AdapterSlots
 from rollouts.inference.http import EngineError, EngineHttp, EngineRequestError, HttpOptions
 from rollouts.inference.protocol import (
     PAUSE_MODES,
@@ -25,6 +28,7 @@ from rollouts.inference.protocol import (
     SamplingParams,
     TensorSpecLike,
     WeightGroupSpec,
+    adapter_name,
 )
 from rollouts.inference.versions import SyncBracket, completion_version, span_versions
 
@@ -184,7 +188,8 @@ class VLLMEngine:
     ) -> None:
         self.http = EngineHttp(url, api_key=api_key, options=options, transport=transport)
         self.url = self.http.url
-        self.model = model
+        self.model = model  # the served model's name (None: not sent)
+        self.adapters = AdapterSlots()  # LoRA adapters loaded here; requests name the newest
         self.bracket = SyncBracket()
         self.reports_versions: bool | None = None  # does the server answer weight_versions?
         self._in_flight = 0
@@ -196,7 +201,7 @@ class VLLMEngine:
         """POST /v1/completions with a token-id prompt."""
         if self.bracket.version is None and self.reports_versions is not True:
             await self.weight_version()  # the bracket needs a starting version
-        body = completion_body(input_ids, sampling, rid, self.model)
+        body = completion_body(input_ids, sampling, rid, self.served())
         submitted = self.bracket.at_submit()
         self._in_flight += 1
         if rid is not None:
@@ -243,12 +248,47 @@ class VLLMEngine:
         rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
         self.bracket.begin_sync()
         await self.http.call("POST", "/collective_rpc", json_body=rpc)
+        await self._set_version(str(version))
+        self.bracket.served(str(version))
+
+    def served(self) -> str | None:
+        """The `model` requests name: the newest LoRA adapter, else the configured model."""
+        return self.adapters.current or self.model
+
+    async def load_adapter(self, path: str, version: str) -> None:
+        """POST /v1/load_lora_adapter as `adapter_name(version)`, `/update_weight_version`;
+        later requests name it; adapters older than the one it replaces are unloaded."""
+        name = adapter_name(version)
+        body = {"lora_name": name, "lora_path": str(path)}
+        self.bracket.begin_sync()
+        try:
+            await self.http.call("POST", "/v1/load_lora_adapter", json_body=body)
+        except EngineRequestError as exc:  # loaded by an attempt whose answer was lost
+            if exc.status != 400 or "already" not in exc.message:
+                raise
+            await self._unload(name)
+            await self.http.call("POST", "/v1/load_lora_adapter", json_body=body)
+        await self._set_version(str(version))
+        for stale in self.adapters.add(name):
+            await self._unload(stale)
+        self.bracket.served(str(version))
+
+    async def _unload(self, name: str) -> None:
+        """POST /v1/unload_lora_adapter; a name the server does not know is already gone."""
+        self.adapters.forget(name)
+        try:
+            await self.http.call("POST", "/v1/unload_lora_adapter", json_body={"lora_name": name})
+        except EngineRequestError as exc:
+            if exc.status not in (400, 404):
+                raise
+            log.info("%s: LoRA adapter %r was not loaded (%s)", self.url, name, exc.message)
+
+    async def _set_version(self, version: str) -> None:
         answer = await self.http.json(
-            "POST", "/update_weight_version", json_body={"new_version": str(version)}
+            "POST", "/update_weight_version", json_body={"new_version": version}
         )
         if not isinstance(answer, dict) or answer.get("success") is not True:
             raise EngineError(f"{self.url}: /update_weight_version answered {answer!r}")
-        self.bracket.served(str(version))
 
     async def pause(self, mode: str = "abort") -> None:
         """POST /pause?mode=abort|wait|keep."""
@@ -287,7 +327,7 @@ class VLLMEngine:
 
     async def prompt_logprobs(self, input_ids: Sequence[int]) -> tuple[float, ...]:
         """`prompt_logprobs: 0` of POST /v1/completions: each prompt token's logprob."""
-        body = prompt_logprobs_body(input_ids, self.model)
+        body = prompt_logprobs_body(input_ids, self.served())
         answer = await self.http.json("POST", "/v1/completions", json_body=body)
         return parse_prompt_logprobs(answer, input_ids)
 

@@ -24,6 +24,7 @@ from rollouts.trainer.building import (
     wants_value_head,
     warmup_cosine_factor,
 )
+from rollouts.trainer.lora import apply_lora
 from rollouts.trainer.model import make_value_head
 from rollouts.trainer.pytorch import PyTorchBackend
 
@@ -54,6 +55,8 @@ def create_pytorch_backend(
     """A one-device backend for `config` (`model_path` overrides model.path).
 
     `value_head`: add the critic head (None = when algorithm.advantage is "gae").
+    With `model.lora.enabled` the model is wrapped with LoRA adapters (`lora.apply_lora`) and
+    the optimizer holds only theirs (and the critic head's) parameters.
     """
     path = model_path_of(config, model_path)
     device = resolve_device(config.training.device)
@@ -68,6 +71,8 @@ def create_pytorch_backend(
     )
     tokenizer = load_tokenizer(m.tokenizer_path or path)
     head = make_value_head(lm) if wants_value_head(config, value_head) else None
+    if m.lora.enabled:  # only the adapters train: the optimizer holds only their state
+        lm = apply_lora(lm, m.lora, seed=config.run.seed)
     optimizer = create_optimizer_with_head(lm.parameters(), head, config, lr)
     steps = config.training.rl_steps if total_steps is None else total_steps
     scheduler = create_warmup_cosine_scheduler(optimizer, config.optim, steps)
@@ -80,6 +85,7 @@ def create_pytorch_backend(
         device=device,
         tokenizer=tokenizer,
         value_head=head,
+        save_merged=m.lora.save_merged,
     )
 
 

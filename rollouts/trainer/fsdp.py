@@ -250,6 +250,10 @@ class FSDPBackend:
         """No snapshots: weights are gathered and written when published."""
         return None
 
+    def lora_adapters(self) -> None:
+        """No LoRA under FSDP yet (the config refuses model.lora with training.backend = fsdp)."""
+        return None
+
     def pin_thread(self, cores: Collection[int]) -> None:
         """Nothing to pin: torchrun places the ranks."""
         return None

@@ -148,6 +148,10 @@ class MirroredBackend:
         """No snapshots: weights are gathered and written when published."""
         return None
 
+    def lora_adapters(self) -> None:
+        """No LoRA under FSDP yet."""
+        return None
+
     def pin_thread(self, cores: Collection[int]) -> None:
         """Nothing to pin: torchrun places the ranks."""
         return None

@@ -159,7 +159,7 @@ class TrainerProcess:
         returns at once (the child builds it in order before the backend's first call)."""
         backend_id = next(self._backend_ids)
         self.call_unchecked(backend_id, "create", config, **kwargs)
-        return ProcessBackend(self, backend_id)
+        return ProcessBackend(self, backend_id, adapters=config.model.lora.enabled)
 
     def close(self) -> None:
         """Stop the child (its backends finish their queued work first); kill it if it hangs."""
@@ -181,9 +181,10 @@ class ProcessBackend:
     rank = 0
     world_size = 1
 
-    def __init__(self, host: TrainerProcess, backend_id: int) -> None:
+    def __init__(self, host: TrainerProcess, backend_id: int, *, adapters: bool = False) -> None:
         self.host = host
         self.backend_id = backend_id
+        self.adapters = adapters  # built with model.lora.enabled (the child's backend trains LoRA)
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> TrainFuture[Any]:
         return TrainFuture(self.host.call(self.backend_id, name, *args, **kwargs))
@@ -236,6 +237,19 @@ class ProcessBackend:
     def weight_snapshots(self) -> ProcessBackend:
         """This backend: it takes snapshots (`snapshot_weights`, `write_weights`)."""
         return self
+
+    def lora_adapters(self) -> ProcessBackend | None:
+        """This backend when the child's trains LoRA adapters."""
+        return self if self.adapters else None
+
+    def save_adapter(self, path: Path) -> TrainFuture[int]:
+        return self._call("save_adapter", Path(path))
+
+    def save_base_weights(self, path: Path) -> TrainFuture[None]:
+        return self._call("save_base_weights", Path(path))
+
+    def compute_base_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
+        return self._call("compute_base_logprobs", batch)
 
     def barrier(self) -> None:
         """One device: nothing to wait for."""

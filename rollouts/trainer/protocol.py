@@ -38,6 +38,26 @@ class WeightSnapshots(Protocol):
 
 
 @runtime_checkable
+class LoraAdapters(Protocol):
+    """A backend that trains LoRA adapters on a frozen base model ([model.lora]): the adapter
+    sync writes only the adapter, and the reference model is the base (the adapters off)."""
+
+    def save_adapter(self, path: Path) -> TrainFuture[int]:
+        """Write the adapter as a PEFT directory in `path`, in order after the submitted work
+        (what vLLM's and SGLang's adapter loaders read); its size in bytes."""
+        ...
+
+    def save_base_weights(self, path: Path) -> TrainFuture[None]:
+        """Write the frozen base model as an engine's weight files in `path` (every tensor, a
+        tied LM head too): what servers already up reload before their first adapter."""
+        ...
+
+    def compute_base_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
+        """`compute_logprobs` of the base model: the same weights with the adapters off."""
+        ...
+
+
+@runtime_checkable
 class TrainingBackend(Protocol):
     """One model, its optimizer and schedule, on one device or sharded over ranks."""
 
@@ -63,7 +83,8 @@ class TrainingBackend(Protocol):
         ...
 
     def get_weights(self) -> dict[str, torch.Tensor]:
-        """The full HF state dict on CPU (on rank 0; other ranks get {})."""
+        """The full HF state dict on CPU (on rank 0; other ranks get {}); with LoRA, the base
+        with the adapter merged in."""
         ...
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
@@ -79,11 +100,16 @@ class TrainingBackend(Protocol):
         ...
 
     def save_weights(self, path: Path) -> TrainFuture[None]:
-        """Write only what an engine needs to reload (HF safetensors + config + tokenizer)."""
+        """Write only what an engine needs to reload (HF safetensors + config + tokenizer); with
+        LoRA, the merged model."""
         ...
 
     def weight_snapshots(self) -> WeightSnapshots | None:
         """The backend's snapshot capability, or None (weights are written when published)."""
+        ...
+
+    def lora_adapters(self) -> LoraAdapters | None:
+        """The backend's adapters when it trains LoRA, else None."""
         ...
 
     def pin_thread(self, cores: Collection[int]) -> None:

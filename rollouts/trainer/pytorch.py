@@ -5,6 +5,11 @@ comes back as a `TrainFuture`. Checkpoint files: `model/` (HF safetensors + conf
 `optimizer.pt`, `scheduler.pt`, `backend.json`, and `value_head.pt` when the model has a critic
 head (PPO with GAE): the head is outside `model/`, so engines always load a plain HF causal LM.
 It also resumes a checkpoint of the FSDP backend (its optimizer is a DCP directory).
+
+With LoRA (`lm` a PEFT model, `lora.py`) the checkpoint holds `adapter/` (PEFT's directory) and,
+when `save_merged`, `model/` with the adapter merged in; the weights it gives (`get_weights`,
+`save_weights`, snapshots) are always the merged full model, and `lora_adapters()` adds the
+adapter's own files and the base model's logprobs (the adapters off: the free reference).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from rollouts.trainer import lora
 from rollouts.trainer.core import BackendSettings, LocalCollective, TrainerCore
 from rollouts.trainer.model import VALUE_HEAD_FILE, TokenLogprobModel
 from rollouts.trainer.protocol import Metrics
@@ -119,8 +125,12 @@ class PyTorchBackend:
         device: torch.device,
         tokenizer: Any = None,
         value_head: torch.nn.Module | None = None,
+        save_merged: bool = False,
     ) -> None:
-        self.lm = lm
+        self.lm = lm  # an HF causal LM, or a PEFT model holding one (LoRA)
+        self.hf = lora.hf_model(lm)  # the HF model: config, embeddings, save_pretrained
+        self.adapters = lora.is_lora(lm)
+        self.save_merged = save_merged  # LoRA: checkpoints also hold the merged model/
         self.tokenizer = tokenizer
         self.device = device
         self.value_head = value_head  # the critic (its params must be in `optimizer` too)
@@ -171,10 +181,13 @@ class PyTorchBackend:
         """A CPU copy of the full HF state dict, taken on the training thread in order after
         the work submitted before it."""
 
-        def work() -> dict[str, torch.Tensor]:
-            return {k: v.detach().to("cpu", copy=True) for k, v in self.lm.state_dict().items()}
+        return self._submit(self._full_state_dict)
 
-        return self._submit(work)
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        """CPU copies of the HF state dict (with LoRA: base + adapter, merged)."""
+        if self.adapters:
+            return lora.merged_state_dict(self.lm)
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.lm.state_dict().items()}
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the full HF state dict."""
@@ -189,6 +202,11 @@ class PyTorchBackend:
         self._submit(self._load_weights, weights).result()
 
     def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        if self.adapters:
+            raise NotImplementedError(
+                "load_weights of a LoRA backend: its weights are a frozen base and an adapter "
+                "(load_checkpoint restores the adapter); a full state dict has no place here"
+            )
         missing, unexpected = self.lm.load_state_dict(dict(weights), strict=False)
         tied = set(getattr(self.lm, "_tied_weights_keys", None) or {})
         missing = [k for k in missing if k not in tied]
@@ -197,22 +215,28 @@ class PyTorchBackend:
 
     def save_weights(self, path: Path) -> TrainFuture[None]:
         """HF safetensors + config + tokenizer in `path`, for engines to reload."""
-        return self._submit(
-            lambda: save_hf(self.lm, self.tokenizer, Path(path), engine_state_dict(self.lm))
-        )
+        return self._submit(lambda: self._save_full(Path(path), self._full_state_dict()))
+
+    def _save_full(self, path: Path, weights: Mapping[str, torch.Tensor]) -> None:
+        save_hf(self.hf, self.tokenizer, path, engine_state_dict(self.hf, weights))
 
     def write_weights(self, weights: Mapping[str, torch.Tensor], path: Path) -> None:
         """`save_weights` of a `snapshot_weights` copy, on the calling thread: the training thread
         goes on with the next step while the files are written (only the config and the
         tokenizer are read from the live model)."""
-        save_hf(self.lm, self.tokenizer, Path(path), engine_state_dict(self.lm, weights))
+        self._save_full(Path(path), weights)
 
     def save_checkpoint(self, path: Path) -> TrainFuture[None]:
         """Model, tokenizer, optimizer, scheduler and counters into directory `path`."""
         return self._submit(self._save_checkpoint, Path(path))
 
     def _save_checkpoint(self, path: Path) -> None:
-        save_hf(self.lm, self.tokenizer, path / MODEL_DIR, None)
+        if self.adapters:
+            lora.save_adapter(self.lm, self.tokenizer, path / lora.ADAPTER_DIR)
+            if self.save_merged:
+                self._save_full(path / MODEL_DIR, lora.merged_state_dict(self.lm))
+        else:
+            save_hf(self.lm, self.tokenizer, path / MODEL_DIR, None)
         torch.save(self.core.optimizer.state_dict(), path / "optimizer.pt")
         torch.save(self.core.scheduler.state_dict(), path / "scheduler.pt")
         (path / "backend.json").write_text(json.dumps(self.core.state_dict()))
@@ -224,7 +248,10 @@ class PyTorchBackend:
         return self._submit(self._load_checkpoint, Path(path))
 
     def _load_checkpoint(self, path: Path) -> None:
-        self._load_weights(load_hf_weights(path / MODEL_DIR))
+        if self.adapters:
+            lora.load_adapter(self.lm, path / lora.ADAPTER_DIR)
+        else:
+            self._load_weights(load_hf_weights(path / MODEL_DIR))
         if self.value_head is not None:
             self.value_head.load_state_dict(load_value_head(path, self.device))
         self._load_optimizer(path)
@@ -248,6 +275,31 @@ class PyTorchBackend:
     def weight_snapshots(self) -> PyTorchBackend:
         """This backend: it takes snapshots (`snapshot_weights`, `write_weights`)."""
         return self
+
+    def lora_adapters(self) -> PyTorchBackend | None:
+        """This backend when it trains LoRA adapters (`save_adapter`, base logprobs)."""
+        return self if self.adapters else None
+
+    def save_adapter(self, path: Path) -> TrainFuture[int]:
+        """The adapter's PEFT directory in `path` (in order after the submitted work); its
+        size in bytes."""
+        assert self.adapters, "save_adapter of a backend without LoRA"
+        return self._submit(lora.save_adapter, self.lm, self.tokenizer, Path(path))
+
+    def save_base_weights(self, path: Path) -> TrainFuture[None]:
+        """The frozen base model as engine weight files in `path` (a tied head written out)."""
+        assert self.adapters, "save_base_weights of a backend without LoRA"
+        return self._submit(lambda: self._save_full(Path(path), lora.base_state_dict(self.lm)))
+
+    def compute_base_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
+        """Per-sequence logprobs of the base model: the same weights, the adapters off."""
+        assert self.adapters, "compute_base_logprobs of a backend without LoRA"
+
+        def work() -> tuple[torch.Tensor, ...]:
+            with lora.base_model_off(self.lm):
+                return self.core.compute_logprobs(batch, gather_local)
+
+        return self._submit(work)
 
     def barrier(self) -> None:
         """One device: nothing to wait for."""

@@ -26,9 +26,9 @@ import trio
 
 from rollouts.inference.http import EngineUnavailable
 from rollouts.inference.pool import EnginePool
-from rollouts.inference.protocol import InferenceEngine
+from rollouts.inference.protocol import AdapterLoader, InferenceEngine
 from rollouts.trainer.disk_errors import write_error
-from rollouts.trainer.protocol import TrainingBackend
+from rollouts.trainer.protocol import LoraAdapters, TrainingBackend
 from rollouts.weights.check import WeightProbe, check_engine
 
 RESUME_TIMEOUT_S = 30.0
@@ -104,6 +104,19 @@ class _Clock:
         return elapsed
 
 
+def load_from_disk(engine: InferenceEngine, path: str, version: str, adapter: bool) -> Any:
+    """The engine's load of `path` as `version`: a LoRA adapter directory (`AdapterLoader`),
+    or a full HF model directory."""
+    if not adapter:
+        return engine.update_weights_from_disk(path, version)
+    if not isinstance(engine, AdapterLoader):
+        raise TypeError(
+            f"{engine.url}: this engine client loads no LoRA adapters; set "
+            "weight_sync.lora = 'merged' to send it merged full weights"
+        )
+    return engine.load_adapter(path, version)
+
+
 async def _attempt(
     engine: InferenceEngine,
     path: str,
@@ -111,6 +124,7 @@ async def _attempt(
     pause_mode: str,
     timeout_s: float,
     probe: WeightProbe | None,
+    adapter: bool = False,
 ) -> dict[str, float]:
     """One pause -> load -> resume -> verify (the version label, then the content when there
     is a probe); resume runs even when the pause or load fails."""
@@ -120,7 +134,7 @@ async def _attempt(
         try:
             await engine.pause(pause_mode)
             times["pause_s"] = clock.lap()
-            await engine.update_weights_from_disk(path, version)
+            await load_from_disk(engine, path, version, adapter)
             times["load_s"] = clock.lap()
         finally:
             with trio.CancelScope(shield=True), trio.fail_after(RESUME_TIMEOUT_S):
@@ -148,15 +162,17 @@ async def sync_engine(
     pause_mode: str = "abort",
     retry_delay_s: float = 0.5,
     probe: WeightProbe | None = None,
+    adapter: bool = False,
 ) -> EngineSyncResult:
     """Sync one engine, retrying up to `attempts` times; never raises for an engine failure.
-    With a `probe`, an engine that does not serve the trainer's weights has failed too."""
+    With a `probe`, an engine that does not serve the trainer's weights has failed too.
+    `adapter`: `path` is a LoRA adapter directory (`AdapterLoader.load_adapter`)."""
     assert attempts >= 1, f"{attempts=}"
     start = time.perf_counter()
     error = "no attempt made"
     for attempt in range(1, attempts + 1):
         try:
-            times = await _attempt(engine, path, version, pause_mode, timeout_s, probe)
+            times = await _attempt(engine, path, version, pause_mode, timeout_s, probe, adapter)
         except Exception as exc:  # an engine failure: reported, retried, never lost
             error = f"{type(exc).__name__}: {exc}"
             if attempt < attempts:
@@ -179,16 +195,20 @@ async def sync_weights_to_engines(
     retry_delay_s: float = 0.5,
     strict: bool = True,
     probe: WeightProbe | None = None,
+    adapter: bool = False,
 ) -> SyncReport:
-    """Reload `checkpoint_path` (an HF model dir) on every engine at once as `version`.
+    """Reload `checkpoint_path` (an HF model dir; with `adapter`, a LoRA adapter dir) on every
+    engine at once as `version`.
 
     Raises WeightSyncError (holding the report) if any engine still fails after its retries and
     `strict`; otherwise the report lists the failures.
     """
     assert engines, "no engines to sync"
     path = str(checkpoint_path)
-    if not (Path(path) / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: no config.json; weight sync needs an HF model directory")
+    marker = "adapter_config.json" if adapter else "config.json"
+    if not (Path(path) / marker).is_file():
+        kind = "a LoRA adapter" if adapter else "an HF model"
+        raise FileNotFoundError(f"{path}: no {marker}; weight sync needs {kind} directory")
     start = time.perf_counter()
     results: list[EngineSyncResult | None] = [None] * len(engines)
 
@@ -202,6 +222,7 @@ async def sync_weights_to_engines(
             pause_mode=pause_mode,
             retry_delay_s=retry_delay_s,
             probe=probe,
+            adapter=adapter,
         )
 
     async with trio.open_nursery() as nursery:
@@ -227,9 +248,11 @@ async def sync_pool(
     pause_mode: str = "abort",
     retry_delay_s: float = 0.5,
     probe: WeightProbe | None = None,
+    adapter: bool = False,
 ) -> SyncReport:
-    """Sync every engine of `pool` that is up; the failing ones (also those that do not serve
-    the trainer's weights by the `probe`) are marked down, not fatal.
+    """Sync every engine of `pool` that is up (`adapter`: a LoRA adapter directory); the
+    failing ones (also those that do not serve the trainer's weights by the `probe`) are
+    marked down, not fatal.
 
     The pool records (path, version) so that engines coming back load these weights first.
     Raises EngineUnavailable when no engine is up within `pool.wait_for_up_s`, and
@@ -254,12 +277,13 @@ async def sync_pool(
             retry_delay_s=retry_delay_s,
             strict=False,
             probe=probe,
+            adapter=adapter,
         )
         for i, result in zip(live, report.results, strict=True):
             if not result.ok:
                 pool.mark_down(i)
                 print(f"[engines] {result.url} marked down: {result.error}", flush=True)
-        pool.set_weights(str(checkpoint_path), version)
+        pool.set_weights(str(checkpoint_path), version, adapter=adapter)
     if len(report.failed) == len(report.results):
         raise WeightSyncError(report)
     return dataclasses.replace(report, engines_down=len(pool.engines) - len(live))
@@ -328,10 +352,43 @@ def publish_weights(
             raise error from e
         raise
     if backend.rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        olds = sorted((p for p in root.glob("v_*") if p != final), key=lambda p: p.stat().st_mtime)
-        for old in olds[: max(len(olds) - (keep_last - 1), 0)]:
-            shutil.rmtree(old, ignore_errors=True)
+        _swap_in(tmp, final, keep_last)
     backend.barrier()
     return final
+
+
+def _swap_in(tmp: Path, final: Path, keep_last: int) -> None:
+    """Rename `tmp` to `final` and keep only the `keep_last` newest `v_*` beside it."""
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    root = final.parent
+    olds = sorted((p for p in root.glob("v_*") if p != final), key=lambda p: p.stat().st_mtime)
+    for old in olds[: max(len(olds) - (keep_last - 1), 0)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def publish_adapter(
+    adapters: LoraAdapters, root: str | Path, version: str, *, keep_last: int = 2
+) -> tuple[Path, int]:
+    """Write the LoRA adapter alone to `root/v_<version>` (atomically, in order after the
+    trainer's submitted work), prune older versions; (its directory, its bytes). Blocking."""
+    assert keep_last >= 1, f"{keep_last=}"
+    root = Path(root)
+    final, tmp = root / f"v_{version}", root / f".tmp-v_{version}"
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        size = adapters.save_adapter(tmp).result()
+    except Exception as e:  # a full /dev/shm: name it (weight_sync.dir moves it)
+        error = write_error("the adapter copy (weight_sync.dir)", tmp, e)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if error.disk_full or isinstance(e, OSError):
+            raise error from e
+        raise
+    _swap_in(tmp, final, keep_last)
+    return final, size
+
+
+def weight_bytes(path: Path) -> int:
+    """The bytes of the weight files in `path` (what a disk sync moves)."""
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))

@@ -7,6 +7,10 @@
                                step trains; a step that must be served now waits (async mode)
         DistributedPublisher   broadcast over a process group the trainer forms with the
                                engines (weight_sync.method = "distributed")
+        AdapterPublisher       LoRA: only the adapter (a few MB) is written, and every engine
+                               loads it under the version's name (model.lora, weight_sync.lora
+                               = "adapter"); with "merged", the disk publishers above send the
+                               merged full weights
 
 The loop calls `publish(version, urgent=...)` when a sync is due, `settle()` before it evaluates,
 and `idle()` before it generates (no batch starts while a delivery is in flight). Every delivery
@@ -27,14 +31,20 @@ import trio
 
 from rollouts.config import Config
 from rollouts.inference.pool import EnginePool
-from rollouts.trainer.protocol import TrainingBackend
+from rollouts.trainer.protocol import LoraAdapters, TrainingBackend
 from rollouts.weights.check import (
     WeightProbe,
     check_engines_at_start,
     content_probe,
     probe_metrics,
 )
-from rollouts.weights.disk import clean_sync_root, publish_weights, sync_pool
+from rollouts.weights.disk import (
+    clean_sync_root,
+    publish_adapter,
+    publish_weights,
+    sync_pool,
+    weight_bytes,
+)
 from rollouts.weights.distributed import DistributedWeightSync
 from rollouts.weights.distributed_pool import distributed_sync_for, sync_pool_distributed
 
@@ -115,7 +125,43 @@ class DiskPublisher(_Publisher):
             pause_mode=self.pause_mode,
             probe=probe,
         )
-        return report.metrics() | probe_metrics(probe)
+        return report.metrics() | probe_metrics(probe) | {"bytes": float(weight_bytes(path))}
+
+
+@dataclasses.dataclass(kw_only=True)
+class AdapterPublisher(_Publisher):
+    """LoRA: the adapter alone under `root/v_<version>`; every engine loads it by name
+    (`AdapterLoader`) on the base model it serves, and its requests name it from then on."""
+
+    root: Path
+    attempts: int
+    adapters: LoraAdapters
+
+    async def check_start(self, version: str) -> None:
+        """The engines start on the base model: give them the starting (or resumed) adapter,
+        checked like every sync."""
+        metrics = await self.publish(version, urgent=True)
+        size, took = metrics["sync/bytes"], metrics["sync/total_s"]
+        print(
+            f"[engines] the engines serve the LoRA adapter of version {version} "
+            f"({size / 2**20:.2f} MiB, loaded in {took:.2f}s)",
+            flush=True,
+        )
+
+    async def publish(self, version: str, *, urgent: bool) -> Metrics:
+        probe = await self.probe(version)
+        write = functools.partial(publish_adapter, self.adapters, self.root, version)
+        path, size = await trio.to_thread.run_sync(write)
+        report = await sync_pool(
+            self.pool,
+            path,
+            version,
+            attempts=self.attempts,
+            pause_mode=self.pause_mode,
+            probe=probe,
+            adapter=True,
+        )
+        return as_sync_metrics(report.metrics() | probe_metrics(probe) | {"bytes": float(size)})
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -228,9 +274,12 @@ async def open_publisher(
         "pause_mode": "keep" if is_async else "abort",
     }
     disk = {"root": sync_root, "attempts": config.weight_sync.attempts}
+    adapters = backend.lora_adapters() if config.weight_sync.lora == "adapter" else None
     try:
         async with trio.open_nursery() as nursery:
-            if sender is not None:
+            if adapters is not None:
+                yield AdapterPublisher(**common, **disk, adapters=adapters)
+            elif sender is not None:
                 yield DistributedPublisher(**common, sender=sender)
             elif is_async:
                 yield OverlappedDiskPublisher(**common, **disk, nursery=nursery)

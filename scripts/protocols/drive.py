@@ -6,10 +6,11 @@ Starts the server's own ASGI app (SGLang's or vLLM's, a stub model behind it; se
 sglang_app.py / vllm_app.py) with uvicorn on 127.0.0.1 in a thread, then runs the client:
 readiness wait, generate, a batch generate (a group in one request; SGLang) with an abort by rid
 prefix inside it, an async-mode sync (pause keep -> reload -> resume) with a request
-running through it, abort- and wait-mode syncs, the served version, abort_all, load. Any body the
-server refuses raises (EngineRequestError with its message); any field the client needs and does
-not find fails an assert or the client's own parsing. Prints one line per step and exits 0 when
-all pass. Run inside `.venv-protocols` (scripts/test_protocols.sh).
+running through it, abort- and wait-mode syncs, the served version, abort_all, load, and
+(SGLang) LoRA adapter syncs: load by name, requests naming it in `lora_path`, stale ones
+unloaded. Any body the server refuses raises (EngineRequestError with its message); any field
+the client needs and does not find fails an assert or the client's own parsing. Prints one line
+per step and exits 0 when all pass. Run inside `.venv-protocols` (scripts/test_protocols.sh).
 """
 
 from __future__ import annotations
@@ -111,7 +112,25 @@ async def batch_requests(engine: Any, probe: Any) -> None:
     step("abort by rid prefix inside a batch: the two named prompts ABORT, the third finishes")
 
 
-async def cycle(client: Any, url: str, model_dir: str) -> None:
+async def adapter_syncs(engine: Any, stub: Any, model_dir: str) -> None:
+    """SGLang's LoRA routes: three adapter syncs (pause, load by name, version, resume); each
+    request names the served adapter; the oldest is unloaded (two stay)."""
+    for version in ("4", "5", "6"):
+        await engine.pause("keep")
+        await engine.load_adapter(model_dir, version)
+        await engine.resume()
+        done = await engine.generate([5, 6], SHORT)
+        assert done.weight_version == version, done.weight_version
+        assert stub.lora_paths[-1] == f"policy-v{version}", stub.lora_paths[-1]
+    got = await engine.generate_many(
+        [GenerateRequest(input_ids=(5, 6), sampling=SHORT, rid=f"lora-{i}") for i in range(2)]
+    )
+    assert len(got) == 2 and stub.lora_paths[-2:] == ["policy-v6", "policy-v6"], stub.lora_paths
+    assert sorted(stub.adapters) == ["policy-v5", "policy-v6"], stub.adapters
+    step("LoRA: adapters loaded by name, requests name the newest, the oldest unloaded")
+
+
+async def cycle(client: Any, url: str, model_dir: str, stub: Any = None) -> None:
     """The whole cycle through one client; raises at the first refusal or missing field."""
     engine = client(url)
     # SGLang's load comes from /v1/loads (any client sees it); vLLM's is the client's own count
@@ -155,6 +174,8 @@ async def cycle(client: Any, url: str, model_dir: str) -> None:
     load = await engine.load()
     assert load.total == 0, load
     step("generate after the cycle serves version '3'; load is 0")
+    if stub is not None:
+        await adapter_syncs(engine, stub, model_dir)
     await engine.aclose()
     if probe is not engine:
         await probe.aclose()
@@ -173,7 +194,7 @@ def main() -> int:
     app, _stub = server.build_app(model_dir)
     url = serve_in_thread(app)
     print(f"{kind} {server.version()}: its own app on {url}, {client.__name__}", flush=True)
-    trio.run(cycle, client, url, model_dir)
+    trio.run(cycle, client, url, model_dir, _stub if kind == "sglang" else None)
     print(f"PASS {kind} {server.version()}", flush=True)
     return 0
 

@@ -6,7 +6,10 @@ in for the TokenizerManager + scheduler is `StubTokenizerManager`: it makes up t
 `STEP_S`), keeps SGLang's pause semantics (abort / retract / in_place; a weight update that
 flushes the cache is refused while an in_place pause holds running requests, as the scheduler's
 `flush_cache` does) and builds meta_info with SGLang's own finish-reason and weight-version-span
-code. Run only inside `.venv-protocols` (scripts/test_protocols.sh).
+code. LoRA adapters: SGLang's /load_lora_adapter and /unload_lora_adapter routes and request
+models (LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput, LoRAUpdateOutput) with the stub
+keeping the names (a /generate naming an adapter it has not loaded fails, as SGLang's does).
+Run only inside `.venv-protocols` (scripts/test_protocols.sh).
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class StubTokenizerManager:
         self.runs: dict[str, Run] = {}
         self.startup_time = time.time()
         self.bodies: list[tuple[str, Any]] = []  # what each control call received
+        self.adapters: dict[str, str] = {}  # LoRA adapter name -> path
+        self.lora_paths: list[Any] = []  # each /generate prompt's lora_path
 
     def config_value(self, key: str) -> Any:
         if key == "weight_version":
@@ -87,6 +92,10 @@ class StubTokenizerManager:
 
     async def _one(self, obj: Any) -> dict[str, Any]:
         self._check_sampling(dict(obj.sampling_params or {}))
+        lora = getattr(obj, "lora_path", None)
+        if lora is not None and lora not in self.adapters:
+            raise ValueError(f"The following requested LoRA adapters are not loaded: {lora}")
+        self.lora_paths.append(lora)
         while self.paused is not None:
             await asyncio.sleep(STEP_S)
         params = obj.sampling_params or {}
@@ -168,6 +177,26 @@ class StubTokenizerManager:
     async def update_weight_version(self, obj: Any) -> None:
         self.bodies.append(("update_weight_version", obj.new_version))
         self.weight_version = obj.new_version
+
+    def _lora_answer(self, error: str | None) -> Any:
+        from sglang.srt.managers.io_struct import LoRAUpdateOutput
+
+        return LoRAUpdateOutput(
+            success=error is None, error_message=error, loaded_adapters=dict(self.adapters)
+        )
+
+    async def load_lora_adapter(self, obj: Any, request: Any = None) -> Any:
+        self.bodies.append(("load_lora_adapter", (obj.lora_name, obj.lora_path)))
+        if obj.lora_name in self.adapters:
+            return self._lora_answer(f"LoRA adapter {obj.lora_name!r} is already loaded")
+        self.adapters[obj.lora_name] = obj.lora_path
+        return self._lora_answer(None)
+
+    async def unload_lora_adapter(self, obj: Any, request: Any = None) -> Any:
+        self.bodies.append(("unload_lora_adapter", obj.lora_name))
+        if self.adapters.pop(obj.lora_name, None) is None:
+            return self._lora_answer(f"LoRA adapter {obj.lora_name!r} is not loaded")
+        return self._lora_answer(None)
 
     async def get_loads(self, include: Any = None, dp_rank: Any = None) -> list[Any]:
         from sglang.srt.managers.load_snapshot import LoadSnapshot

@@ -3,7 +3,8 @@
 `scripts/test_vllm.sh` builds the vLLM environment and sets ROLLOUTS_VLLM_PYTHON; without it these
 tests are skipped (the plain suite, `scripts/test.sh`, has no vLLM). Four servers start at once:
 "tiny" and "tiny2" (the demo's model shape: head_dim 32, untied; the pool of two), "tied" (the
-same shape with a tied LM head) and "smollm2" (the packaged SmolLM2-135M-Instruct, tied). `-O0`
+same shape with a tied LM head) and "smollm2" (the packaged SmolLM2-135M-Instruct, tied; with
+LoRA on: `--enable-lora`, adapters loaded at run time, as the LoRA runs need it). `-O0`
 skips vLLM's compile: start-up is then Python imports and a warm-up (tens of seconds each);
 "tiny2" runs at vLLM's default level (compiled, as users run it), where seeded requests crashed
 the CPU engine with chunked prefill on.
@@ -27,25 +28,38 @@ from rollouts.models.tiny import TinyModelSpec, make_tiny_model
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 420.0
 DEMO_SHAPE = dict(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=256)
+# LoRA adapters loaded at run time (/v1/load_lora_adapter): the served one and the one before
+LORA_ARGS = ("--enable-lora", "--max-lora-rank", "16", "--max-loras", "2")
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
 class VLLMServer:
     """One `scripts/serve_vllm.sh` process group and where it answers."""
 
     def __init__(
-        self, name: str, model: Path, core: int, log_dir: Path, args: tuple[str, ...] = ("-O0",)
+        self,
+        name: str,
+        model: Path,
+        core: int,
+        log_dir: Path,
+        args: tuple[str, ...] = ("-O0",),
+        env: dict[str, str] | None = None,
     ) -> None:
         assert (model / "config.json").is_file(), f"{model}: not an HF model directory"
         self.name, self.model = name, model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"vllm-{name}.log"
-        env = os.environ | {
-            "VLLM_VENV": str(Path(os.environ["ROLLOUTS_VLLM_PYTHON"]).parents[1]),
-            "VLLM_CPU_OMP_THREADS_BIND": str(core),
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "MAX_MODEL_LEN": "2048",  # room for requests long enough to abort mid-way
-        }
+        env = (
+            os.environ
+            | {
+                "VLLM_VENV": str(Path(os.environ["ROLLOUTS_VLLM_PYTHON"]).parents[1]),
+                "VLLM_CPU_OMP_THREADS_BIND": str(core),
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "MAX_MODEL_LEN": "2048",  # room for requests long enough to abort mid-way
+            }
+            | (env or {})
+        )
         env.pop("OMP_NUM_THREADS", None)  # vLLM sets its own (one per bound core)
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(
@@ -110,9 +124,14 @@ def vllm(
     logs = tmp_path_factory.mktemp("vllm-logs")
     started = time.monotonic()
     servers = {
-        name: VLLMServer(name, model_dirs[name], core=i % 2, log_dir=logs, args=args)
-        for i, (name, args) in enumerate(
-            (("tiny", ("-O0",)), ("tiny2", ()), ("tied", ("-O0",)), ("smollm2", ("-O0",)))
+        name: VLLMServer(name, model_dirs[name], core=i % 2, log_dir=logs, args=args, env=env)
+        for i, (name, args, env) in enumerate(
+            (
+                ("tiny", ("-O0",), None),
+                ("tiny2", (), None),
+                ("tied", ("-O0",), None),
+                ("smollm2", ("-O0", *LORA_ARGS), LORA_ENV),
+            )
         )
     }
     try:

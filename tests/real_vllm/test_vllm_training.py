@@ -49,7 +49,9 @@ def _config(tmp: Path, model: Path, urls: list[str], mode: str, **sections: dict
     return write_config(tmp / "config.toml", base, sections)
 
 
-def _train(config: Path, timeout_s: float = 400) -> list[dict]:
+def _train(
+    config: Path, timeout_s: float = 400, start_line: str = "serves the trainer's weights"
+) -> list[dict]:
     done = subprocess.run(
         [sys.executable, str(TRAIN), "--mode", "rl", "--config", str(config)],
         capture_output=True,
@@ -58,7 +60,7 @@ def _train(config: Path, timeout_s: float = 400) -> list[dict]:
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "serves the trainer's weights" in done.stdout  # the start check ran
+    assert start_line in done.stdout  # the start check ran
     rows = (config.parent / "run" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in rows if line.strip()]
 

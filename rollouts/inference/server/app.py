@@ -20,7 +20,13 @@ import trio
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
-from rollouts.inference.server import dist_routes, http_util, openai_routes, sglang_routes
+from rollouts.inference.server import (
+    adapter_routes,
+    dist_routes,
+    http_util,
+    openai_routes,
+    sglang_routes,
+)
 from rollouts.inference.server.core import CoreOptions, EngineCore
 from rollouts.inference.server.dist_weights import DistWeights
 from rollouts.inference.server.state import ServerInfo, ServerState
@@ -113,7 +119,11 @@ def build_app(state: ServerState, api_key: str = "") -> Starlette:
     """The Starlette app with every route, JSON errors, and the API-key check if a key is set."""
     middleware = [Middleware(http_util.ApiKeyMiddleware, api_key=api_key)] if api_key else []
     app = Starlette(
-        routes=http_util.ROUTES + sglang_routes.ROUTES + openai_routes.ROUTES + dist_routes.ROUTES,
+        routes=http_util.ROUTES
+        + sglang_routes.ROUTES
+        + openai_routes.ROUTES
+        + dist_routes.ROUTES
+        + adapter_routes.ROUTES,
         middleware=middleware,
         exception_handlers=http_util.EXCEPTION_HANDLERS,
     )

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from rollouts.inference.protocol import FinishReason
+from rollouts.inference.server.adapters import ServedAdapters
 from rollouts.inference.server.batch import BatchOptions, RunningBatch, Sequence
 from rollouts.inference.server.scheduler import (
     GATHER_GAP_S,
@@ -71,6 +72,7 @@ class EngineCore:
     def __init__(self, model: Any, tokenizer: Any, options: CoreOptions, version: str) -> None:
         self.model, self.tokenizer, self.options = model, tokenizer, options
         self.weight_version = version
+        self.adapters = ServedAdapters(model)  # LoRA adapters by name, the last one merged in
         self.paused = False
         self._cv = threading.Condition()
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
@@ -264,9 +266,22 @@ class EngineCore:
     def reload(self, path: str, version: str | None) -> None:
         """Load HF safetensors weights from `path` into the model; set the version."""
         load_weights(self.model, path)
+        self.adapters.reset()  # the new weights are the base: the adapters' bases are gone
         self.weights_changed()
         if version is not None:
             self.set_version(version)
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Load the LoRA adapter at `path` as `name`, merged into the served weights."""
+        self.adapters.load(name, path)
+        self.weights_changed()
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget adapter `name` (the base weights come back if it was the merged one)."""
+        active = self.adapters.active == name
+        self.adapters.unload(name)
+        if active:
+            self.weights_changed()
 
     def weights_changed(self) -> None:
         """The model's weights were replaced in place: running rows (a keep pause) are prefilled

@@ -148,7 +148,7 @@ async def completions(request: Request) -> Response:
             "id": rid,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": state.info.served_model_name,
+            "model": body.get("model") or state.info.served_model_name,
             "choices": choices,
             "usage": usage(groups),
         }
@@ -269,7 +269,7 @@ async def chat_completions(request: Request) -> Response:
             "id": rid,
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": state.info.served_model_name,
+            "model": body.get("model") or state.info.served_model_name,
             "choices": [chat_choice(state, s, i, body) for i, s in enumerate(groups[0])],
             "usage": usage(groups),
             "prompt_token_ids": prompt if body.get("return_token_ids") else None,
@@ -278,8 +278,9 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    """GET /v1/models with max_model_len."""
-    info = state_of(request).info
+    """GET /v1/models with max_model_len; a card per loaded LoRA adapter (its parent: the base)."""
+    state = state_of(request)
+    info = state.info
     card = {
         "id": info.served_model_name,
         "object": "model",
@@ -289,7 +290,11 @@ async def models(request: Request) -> Response:
         "parent": None,
         "max_model_len": info.context_len,
     }
-    return JSONResponse({"object": "list", "data": [card]})
+    adapters = [
+        card | {"id": name, "root": path, "parent": info.served_model_name}
+        for name, path in state.core.adapters.loaded.items()
+    ]
+    return JSONResponse({"object": "list", "data": [card, *adapters]})
 
 
 async def collective_rpc(request: Request) -> Response:

@@ -144,6 +144,8 @@ async def generate(request: Request) -> Response:
     top_n = as_type("top_logprobs_num", body.get("top_logprobs_num") or 0, int)
     params = _per_prompt("sampling_params", body.get("sampling_params") or {}, len(prompts))
     rids = _per_prompt("rid", body.get("rid"), len(prompts))
+    for i, adapter in enumerate(_per_prompt("lora_path", body.get("lora_path"), len(prompts))):
+        state.check_adapter(adapter, f"lora_path[{i}]" if is_batch else "lora_path")
     work = []
     for p, sp, rid in zip(prompts, params, rids, strict=True):
         spec, n = sglang_spec(sp, top_n)

@@ -271,6 +271,46 @@ class ServerState:
 
         await self.command(run)
 
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load a LoRA adapter as `name` (merged into the served weights): at once when paused,
+        else after the running requests finish, like a weight reload."""
+        self.check_weights_path(path)
+
+        def run(reply: Callable[[Any], None]) -> None:
+            def load() -> None:  # may run later, from the worker loop: must always reply
+                try:
+                    self.core.load_adapter(name, path)
+                except Exception as exc:
+                    log.warning("loading LoRA adapter %r from %s failed: %s", name, path, exc)
+                    reply(exc if isinstance(exc, ValueError) else WeightLoadError(repr(exc)))
+                    return
+                reply(None)
+
+            if self.core.paused:
+                load()
+            else:
+                self.core.when_idle(load)
+
+        await self.command(run)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Forget LoRA adapter `name` (an AdapterError when it is not loaded)."""
+
+        def run(reply: Callable[[Any], None]) -> None:
+            self.core.unload_adapter(name)
+            reply(None)
+
+        await self.command(run)
+
+    def check_adapter(self, name: Any, field: str) -> None:
+        """SGLang's `lora_path` of a request: absent, or a loaded adapter's name (else 400, as
+        SGLang refuses an adapter it has not loaded)."""
+        if name is None:
+            return
+        if not isinstance(name, str) or not self.core.adapters.knows(name):
+            loaded = sorted(self.core.adapters.loaded)
+            raise BadRequest(field, f"the LoRA adapter {name!r} is not loaded (loaded: {loaded})")
+
     async def prompt_logprobs(self, prompt_ids: list[int], top: int) -> list[PromptLogprob]:
         """The served weights' logprob of each prompt token (`EngineCore.prompt_logprobs`), run
         in the worker between steps (also while paused: a weight sync checks it there)."""

@@ -75,6 +75,7 @@ NEUTRAL = {
 
 # SGLang's GenerateReqInput fields the built-in server reads (besides the prompt fields)
 GENERATE_KEYS = {
+    "lora_path",  # the name of a loaded LoRA adapter (or a list, one per prompt)
     "text",
     "input_ids",
     "input_embeds",
@@ -121,7 +122,6 @@ GENERATE_UNSUPPORTED = {
     "return_routed_experts",
     "return_indexer_topk",
     "session_params",
-    "lora_path",
     "lora_id",
     "custom_logit_processor",
     "positional_embed_overrides",
