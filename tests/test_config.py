@@ -217,3 +217,17 @@ def test_the_old_keys_are_exactly_the_moved_ones() -> None:
     from rollouts.config.loader import MOVED_KEYS
 
     assert set(OLD_KEYS) == set(MOVED_KEYS)
+
+
+def test_engines_sleep_needs_sync_mode_and_a_sync_every_step() -> None:
+    assert config_from_dict({}).engines.sleep_level == 0
+    ok = config_from_dict({"engines": {"sleep_level": 2}, "rollout": {"mode": "sync"}})
+    assert ok.engines.sleep_level == 2
+    with pytest.raises(ConfigError, match=r"engines.sleep_level = 3: must be 0 \(awake\), 1 or 2"):
+        config_from_dict({"engines": {"sleep_level": 3}})
+    with pytest.raises(ConfigError, match="set rollout.mode = 'sync'"):
+        config_from_dict({"engines": {"sleep_level": 1}, "rollout": {"mode": "async"}})
+    with pytest.raises(ConfigError, match="set weight_sync.every = 1"):
+        config_from_dict(
+            {"engines": {"sleep_level": 1}, "rollout": {"mode": "sync"}, "weight_sync": {"every": 2}}
+        )

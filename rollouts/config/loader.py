@@ -42,7 +42,28 @@ class Config(_Section):
     weight_sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
 
     def problems(self) -> list[str]:
-        return lora_problems(self)
+        return lora_problems(self) + sleep_problems(self)
+
+
+def sleep_problems(config: Config) -> list[str]:
+    """What engines.sleep_level needs of the other sections (nothing when it is 0)."""
+    level = config.engines.sleep_level
+    if not level:
+        return []
+    p: list[str] = []
+    _check(
+        p,
+        config.rollout.mode == "sync",
+        f"engines.sleep_level = {level} with rollout.mode = 'async': async engines generate "
+        "while the trainer trains; set rollout.mode = 'sync', or engines.sleep_level = 0",
+    )
+    _check(
+        p,
+        config.weight_sync.every == 1,
+        f"engines.sleep_level = {level} with weight_sync.every = {config.weight_sync.every}: "
+        "a woken engine gets its weights from the step's sync; set weight_sync.every = 1",
+    )
+    return p
 
 
 def lora_problems(config: Config) -> list[str]:

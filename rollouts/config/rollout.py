@@ -158,6 +158,10 @@ class EnginesConfig(_Section):
     wait_for_up_s: float = 60.0  # with every engine down, how long a request or a sync waits
     # silent on /health this long: hung; marked down, its requests go to the other engines
     stall_timeout_s: float = 15.0
+    # colocated sync mode: the engines release their memory while the trainer trains (vLLM's
+    # sleep levels: 1 keeps the weights in host memory, 2 discards them; the step's weight sync
+    # reloads them after the wake-up). 0 = they stay awake
+    sleep_level: int = 0
     builtin: BuiltinEnginesConfig = dataclasses.field(default_factory=BuiltinEnginesConfig)
 
     def problems(self) -> list[str]:
@@ -182,6 +186,11 @@ class EnginesConfig(_Section):
             p,
             self.wait_for_up_s >= 0,
             f"engines.wait_for_up_s = {self.wait_for_up_s}: must be >= 0",
+        )
+        _check(
+            p,
+            self.sleep_level in (0, 1, 2),
+            f"engines.sleep_level = {self.sleep_level}: must be 0 (awake), 1 or 2",
         )
         _check(
             p,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import trio
 
@@ -36,6 +36,7 @@ from rollouts.inference.protocol import (
     GenerateRequest,
     InferenceEngine,
     SamplingParams,
+    Sleeper,
     batches_requests,
 )
 
@@ -88,6 +89,7 @@ class EnginePool:
         self.weights_adapter = False  # weights_path is a LoRA adapter (on the base model)
         self.weights_lock = trio.Lock()  # held by a weight sync and by a returning engine's reload
         self.closed = False  # aclose ran: the clients are gone
+        self.asleep = False  # `sleep` ran and `wake_up` not yet: checks ask only liveness
 
     def mark_down(self, index: int) -> None:
         """Stop routing to engine `index` until a health check passes."""
@@ -188,6 +190,24 @@ class EnginePool:
             raise EngineUnavailable(f"no engine of {self.url} is up")
         return [results[i] for i in sorted(results)]
 
+    async def sleep(self, level: int) -> None:
+        """Every up engine releases its memory (`Sleeper`: what runs is aborted first) while a
+        colocated trainer trains; health checks ask only liveness until `wake_up`."""
+        async with self.weights_lock:
+            self.asleep = True
+            await self._each_up(lambda e: cast(Sleeper, e).sleep(level))
+
+    async def wake_up(self) -> None:
+        """Every up engine takes its memory back (after a level-2 sleep the caller reloads the
+        weights before it generates)."""
+        async with self.weights_lock:
+            down = [i for i, up in enumerate(self.up) if not up and not self.gone[i]]
+            await self._each_up(lambda e: cast(Sleeper, e).wake_up())
+            for i in down:  # marked down while asleep (a slow check): awake when it is back
+                with trio.move_on_after(self.stall_timeout_s), contextlib.suppress(EngineError):
+                    await cast(Sleeper, self.engines[i]).wake_up()
+            self.asleep = False
+
     async def update_weights_from_disk(self, path: str, version: str) -> None:
         """Reload on every engine that is up; engines brought back later load it too."""
         async with self.weights_lock:
@@ -245,13 +265,15 @@ class EnginePool:
         elif not self.watch.hung[i] and now - (self.last_answer[i] or now) >= self.stall_timeout_s:
             self._stalled(i, now - (self.last_answer[i] or now))
             return
-        if alive and self.version is not None:
+        if alive and self.asleep and not self.up[i]:
+            return  # it proves its weights once the pool is awake
+        if alive and self.version is not None and not self.asleep:
             async with self.weights_lock:  # a returning engine must prove it; an up one may not say
                 current = await self._serves_current(i, proof_required=not self.up[i])
             if not current:  # alive with other weights: never routed to
                 self.up[i] = False
                 return
-        if alive and self.watch.hung[i]:  # back from a hang: undo a pause it took meanwhile
+        if alive and self.watch.hung[i] and not self.asleep:  # back from a hang: undo a pause
             with trio.move_on_after(self.stall_timeout_s), contextlib.suppress(EngineError):
                 await self.engines[i].resume()
             self.watch.clear(i)

@@ -192,6 +192,25 @@ class AdapterLoader(Protocol):
         ...
 
 
+@runtime_checkable
+class Sleeper(Protocol):
+    """An engine that releases its memory while a colocated trainer trains (vLLM's dev-mode
+    /sleep and /wake_up, SGLang's /release_memory_occupation and /resume_memory_occupation, the
+    built-in server's same routes): `engines.sleep_level`."""
+
+    url: str
+
+    async def sleep(self, level: int) -> None:
+        """Abort what runs, then release memory: 1 keeps the weights in host memory, 2 discards
+        them (what a sleeping SGLang does without --enable-weights-cpu-backup). Requests sent
+        while asleep wait; after a wake-up of level 2 the weights must be reloaded."""
+        ...
+
+    async def wake_up(self) -> None:
+        """Take the memory back and generate again."""
+        ...
+
+
 def adapter_name(version: str) -> str:
     """The name an engine knows the adapter of weight version `version` by."""
     return f"policy-v{version}"

@@ -336,6 +336,19 @@ class SGLangEngine:
         await self.http.call("POST", "/continue_generation", json_body={})
         self._paused = False
 
+    async def sleep(self, level: int) -> None:
+        """Pause (abort), then POST /release_memory_occupation (every tag). Whether SGLang keeps
+        the weights is its own flag (--enable-weights-cpu-backup): `level` cannot choose, and
+        the caller reloads them after the wake-up either way."""
+        assert level in (1, 2), f"{level=}"
+        await self.pause("abort")  # SGLang refuses to release memory under running requests
+        await self.http.call("POST", "/release_memory_occupation", json_body={"tags": None})
+
+    async def wake_up(self) -> None:
+        """POST /resume_memory_occupation (every tag), then /continue_generation."""
+        await self.http.call("POST", "/resume_memory_occupation", json_body={"tags": None})
+        await self.resume()
+
     async def abort_all(self) -> None:
         """POST /abort_request {"abort_all": true}."""
         await self.http.call("POST", "/abort_request", json_body={"abort_all": True})

@@ -299,6 +299,17 @@ class VLLMEngine:
         """POST /resume."""
         await self.http.call("POST", "/resume")
 
+    async def sleep(self, level: int) -> None:
+        """POST /sleep?level=&mode=abort (vLLM needs --enable-sleep-mode, on CUDA)."""
+        assert level in (1, 2), f"{level=}"
+        await self.http.call("POST", "/sleep", params={"level": str(level), "mode": "abort"})
+
+    async def wake_up(self) -> None:
+        """POST /wake_up (every tag: weights, KV cache, scheduling)."""
+        answer = await self.http.json("POST", "/wake_up")
+        if not isinstance(answer, dict) or answer.get("status") != "awake":
+            raise EngineError(f"{self.url}/wake_up answered {answer!r}, not fully awake")
+
     async def abort_all(self) -> None:
         """POST /abort_requests with no ids (= all)."""
         await self.http.call("POST", "/abort_requests", json_body={"request_ids": []})

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import trio
@@ -61,6 +62,8 @@ from rollouts.trainer.protocol import TrainingBackend
 from rollouts.trainer.reference import ReferencePolicy
 from rollouts.types import RolloutBatch
 from rollouts.weights.publisher import WeightPublisher
+
+WAKE_ON_ERROR_S = 30.0  # a failed step still wakes the engines, for at most this long
 
 __all__ = ["RLHooks", "RLResult", "ReferencePolicy", "run_rl_training", "train_step"]
 
@@ -103,6 +106,7 @@ async def run_rl_training(
     held = batches.restore_held((loop_state or {}).get("next_batch"))
     assert held is None or held == st.batches + 1, f"{held=} does not follow {st.batches=}"
     ctx = _Ctx(
+        engines=engines,
         backend=backend,
         batches=batches,
         config=config,
@@ -150,6 +154,7 @@ async def _one_step_or_empty(
 class _Ctx:
     """What every batch of a run uses (fixed for the run)."""
 
+    engines: EnginePool
     backend: TrainingBackend
     batches: BatchSource
     config: Config
@@ -215,18 +220,19 @@ async def _one_batch(ctx: _Ctx, st: LoopState) -> dict[str, float] | None:
     step = st.step + 1
     algo = st.kl_ctl.steer(ctx.schedule(step - 1))  # the adaptive KL coefficient, if any
     st.in_backend = True
-    train_metrics, train_times = await train_step(
-        ctx.backend, prep.groups, algo, ctx.config, ctx.ref
-    )
-    metrics |= train_metrics
-    if "train/reward_kl_seq_mean" in train_metrics:  # verl: n_steps = the batch size
-        n_seqs = sum(len(g) for g in prep.groups)
-        st.kl_ctl = st.kl_ctl.update(train_metrics["train/reward_kl_seq_mean"], n_seqs)
-    times |= train_times
-    st.version += 1
-    st.step, st.step_batch, st.batches = step, number, number
-    if ctx.ref is not None:
-        await ctx.ref.update(ctx.backend, algo, step)
+    async with _engines_asleep(ctx, times):
+        train_metrics, train_times = await train_step(
+            ctx.backend, prep.groups, algo, ctx.config, ctx.ref
+        )
+        metrics |= train_metrics
+        if "train/reward_kl_seq_mean" in train_metrics:  # verl: n_steps = the batch size
+            n_seqs = sum(len(g) for g in prep.groups)
+            st.kl_ctl = st.kl_ctl.update(train_metrics["train/reward_kl_seq_mean"], n_seqs)
+        times |= train_times
+        st.version += 1
+        st.step, st.step_batch, st.batches = step, number, number
+        if ctx.ref is not None:
+            await ctx.ref.update(ctx.backend, algo, step)
     st.in_backend = False
     ctx.batches.forget_before(number + 1)
     metrics["rollout/empty_batches"] = float(st.empty_since_step)
@@ -236,6 +242,30 @@ async def _one_batch(ctx: _Ctx, st: LoopState) -> dict[str, float] | None:
         ctx.hooks.log_samples(step, rollout)
     times |= await _after_training(ctx, st, metrics)
     return metrics | _timing(times, time.monotonic() - started, rollout, st.version)
+
+
+@contextlib.asynccontextmanager
+async def _engines_asleep(ctx: _Ctx, times: dict[str, float]) -> AsyncIterator[None]:
+    """With `engines.sleep_level` (colocated sync mode), the engines sleep while the trainer
+    trains and wake before the step's weight sync (which reloads a level-2 sleep's weights).
+    On an error they are woken (bounded, its own error dropped) so a next run finds them up."""
+    level = ctx.config.engines.sleep_level
+    if not level:
+        yield
+        return
+    started = time.monotonic()
+    await ctx.engines.sleep(level)
+    times["sleep"] = time.monotonic() - started
+    try:
+        yield
+    except BaseException:
+        shield = trio.CancelScope(shield=True)
+        with shield, trio.move_on_after(WAKE_ON_ERROR_S), contextlib.suppress(Exception):
+            await ctx.engines.wake_up()
+        raise
+    started = time.monotonic()
+    await ctx.engines.wake_up()
+    times["wake"] = time.monotonic() - started
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ sglang_app.py / vllm_app.py) with uvicorn on 127.0.0.1 in a thread, then runs th
 readiness wait, generate, a batch generate (a group in one request; SGLang) with an abort by rid
 prefix inside it, an async-mode sync (pause keep -> reload -> resume) with a request
 running through it, abort- and wait-mode syncs, the served version, abort_all, load, and
+a colocated sleep (sleep with a request running, wake-up, reload), and
 (SGLang) LoRA adapter syncs: load by name, requests naming it in `lora_path`, stale ones
 unloaded. Any body the server refuses raises (EngineRequestError with its message); any field
 the client needs and does not find fails an assert or the client's own parsing. Prints one line
@@ -130,6 +131,34 @@ async def adapter_syncs(engine: Any, stub: Any, model_dir: str) -> None:
     step("LoRA: adapters loaded by name, requests name the newest, the oldest unloaded")
 
 
+async def sleep_cycle(engine: Any, probe: Any, url: str, model_dir: str, stub: Any) -> None:
+    """The colocated step (`engines.sleep_level`): sleep with a request running (it is
+    aborted), wake up, reload, generate."""
+    import httpx
+
+    box: list[Any] = []
+
+    async def run() -> None:
+        box.append(await engine.generate([9], LONG))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run)
+        await until_running(probe)
+        await engine.sleep(2)
+    assert box[0].finish_reason is FinishReason.ABORT, box[0]
+    if stub is None:  # vLLM: GET /is_sleeping
+        async with httpx.AsyncClient(base_url=url) as http:
+            assert (await http.get("/is_sleeping")).json() == {"is_sleeping": True}
+    else:
+        assert stub.released == {"weights", "kv_cache", "cuda_graph"}, stub.released
+    assert await engine.health()  # alive while asleep (SGLang's client asks /model_info)
+    await engine.wake_up()
+    await engine.update_weights_from_disk(model_dir, "10")
+    done = await engine.generate([5, 6], SHORT)
+    assert done.weight_version == "10" and done.completion_tokens == 4, done
+    step("sleep (level 2) aborts the running request; wake-up, reload, generate on version '10'")
+
+
 async def cycle(client: Any, url: str, model_dir: str, stub: Any = None) -> None:
     """The whole cycle through one client; raises at the first refusal or missing field."""
     engine = client(url)
@@ -174,6 +203,7 @@ async def cycle(client: Any, url: str, model_dir: str, stub: Any = None) -> None
     load = await engine.load()
     assert load.total == 0, load
     step("generate after the cycle serves version '3'; load is 0")
+    await sleep_cycle(engine, probe, url, model_dir, stub)
     if stub is not None:
         await adapter_syncs(engine, stub, model_dir)
     await engine.aclose()

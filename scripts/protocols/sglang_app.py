@@ -9,6 +9,8 @@ flushes the cache is refused while an in_place pause holds running requests, as 
 code. LoRA adapters: SGLang's /load_lora_adapter and /unload_lora_adapter routes and request
 models (LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput, LoRAUpdateOutput) with the stub
 keeping the names (a /generate naming an adapter it has not loaded fails, as SGLang's does).
+Sleep: /release_memory_occupation and /resume_memory_occupation (their request models), the stub
+refusing a release under running requests as SGLang's scheduler does.
 Run only inside `.venv-protocols` (scripts/test_protocols.sh).
 """
 
@@ -64,6 +66,7 @@ class StubTokenizerManager:
         self.bodies: list[tuple[str, Any]] = []  # what each control call received
         self.adapters: dict[str, str] = {}  # LoRA adapter name -> path
         self.lora_paths: list[Any] = []  # each /generate prompt's lora_path
+        self.released: set[str] = set()  # memory tags released (/release_memory_occupation)
 
     def config_value(self, key: str) -> Any:
         if key == "weight_version":
@@ -197,6 +200,19 @@ class StubTokenizerManager:
         if self.adapters.pop(obj.lora_name, None) is None:
             return self._lora_answer(f"LoRA adapter {obj.lora_name!r} is not loaded")
         return self._lora_answer(None)
+
+    async def release_memory_occupation(self, obj: Any, request: Any = None) -> None:
+        """SGLang's scheduler asserts the server idle (waiting requests aside when paused)."""
+        self.bodies.append(("release_memory_occupation", obj.tags))
+        running = [r for r in self.runs.values() if not r.aborted]
+        assert not running or self.paused is not None, (
+            "release_memory_occupation should be called only when server is idle."
+        )
+        self.released = set(obj.tags or ("weights", "kv_cache", "cuda_graph"))
+
+    async def resume_memory_occupation(self, obj: Any, request: Any = None) -> None:
+        self.bodies.append(("resume_memory_occupation", obj.tags))
+        self.released -= set(obj.tags or ("weights", "kv_cache", "cuda_graph"))
 
     async def get_loads(self, include: Any = None, dp_rank: Any = None) -> list[Any]:
         from sglang.srt.managers.load_snapshot import LoadSnapshot

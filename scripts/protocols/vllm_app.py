@@ -3,7 +3,8 @@
 Mounted as in `vllm serve` with VLLM_SERVER_DEV_MODE=1: `/v1/completions` (CompletionRequest,
 `to_sampling_params`, CompletionResponse), the RL routes (`/pause`, `/resume`,
 `/abort_requests`, `/update_weight_version`, `/weight_info`), `/collective_rpc`, `/health`,
-`/version`, and vLLM's exception handlers. What stands in for AsyncLLM and the serving object is
+`/version`, `/sleep`, `/wake_up`, `/is_sleeping`, and vLLM's exception handlers. What stands
+in for AsyncLLM and the serving object is
 `StubLLM` (an AsyncLLM subclass, as `/abort_requests` asserts) and `StubCompletions`: made-up
 tokens, vLLM's pause modes, the answer built from vLLM's own response models. Run only inside
 `.venv-protocols` (scripts/test_protocols.sh).
@@ -43,6 +44,7 @@ def stub_llm_class() -> type:
             self.runs: dict[str, Run] = {}
             self.output_processor = SimpleNamespace(request_states=self.runs, parent_requests={})
             self.calls: list[tuple[str, Any]] = []
+            self.asleep: set[str] = set()
 
         async def check_health(self) -> None:
             return None
@@ -61,6 +63,22 @@ def stub_llm_class() -> type:
 
         async def is_paused(self) -> bool:
             return self.paused is not None
+
+        async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+            """The scheduler paused in `mode`, then the memory of `level` released."""
+            self.calls.append(("sleep", (level, mode)))
+            await self.pause_generation(mode=mode)
+            self.asleep = {"weights", "kv_cache"} if level else set()
+
+        async def wake_up(self, tags: list[str] | None = None) -> bool:
+            self.calls.append(("wake_up", tags))
+            self.asleep -= set(tags or ("weights", "kv_cache"))
+            if not self.asleep:
+                self.paused = None
+            return not self.asleep
+
+        async def is_sleeping(self) -> bool:
+            return bool(self.asleep) or self.paused is not None
 
         async def abort(self, request_id: Any, internal: bool = False) -> None:
             ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -163,11 +181,12 @@ def build_app(model_dir: str) -> tuple[Any, Any]:
     from vllm.entrypoints.openai.completion import api_router as completion
     from vllm.entrypoints.rl.online import api_router as rl
     from vllm.entrypoints.serve.dev.rpc import api_router as rpc
+    from vllm.entrypoints.serve.dev.sleep import api_router as sleep
     from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
     from vllm.entrypoints.serve.instrumentator import basic, health
 
     app = FastAPI()
-    for module in (completion, rl, rpc, basic, health):
+    for module in (completion, rl, rpc, sleep, basic, health):
         app.include_router(module.router)
     init_exception_handler(app)
     llm = stub_llm_class()()

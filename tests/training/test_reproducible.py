@@ -1,6 +1,7 @@
 """Runs that repeat (issue 27, item 7), with train.py, real engines and real processes.
 
-Two sync-mode runs with the same `run.seed` log the same metrics and end on the same weights:
+Two sync-mode runs with the same `run.seed` log the same metrics and end on the same weights
+(the second with its engine asleep while it trains):
 every request carries a sampling seed derived from the run seed, the batch and the sample. The
 one figure that is not bit-equal is the engine's logprob of a sampled token: the built-in engine
 batches requests as they arrive, and a row's floats depend (by ~1e-9) on its batch. (A resumed
@@ -44,12 +45,18 @@ def _weights(run: Path, step: int) -> dict:
 
 
 def test_two_sync_runs_with_the_same_seed_log_the_same_metrics(tmp_path: Path) -> None:
+    """Run b also puts its engine to sleep while it trains (`engines.sleep_level = 2`: the
+    weights are discarded and come back by each step's sync): nothing it logs may differ."""
     runs = []
-    for name in ("a", "b"):
+    for name, sleep_level in (("a", 0), ("b", 2)):
         work = tmp_path / name
         work.mkdir()
         config = _config(
-            work, data={"eval_size": 2}, training={"rl_steps": 3}, rollout={"mode": "sync"} | REWARD
+            work,
+            data={"eval_size": 2},
+            training={"rl_steps": 3},
+            rollout={"mode": "sync"} | REWARD,
+            engines={"sleep_level": sleep_level},
         )
         done = _train("--mode", "rl", "--config", str(config))
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -57,6 +64,8 @@ def test_two_sync_runs_with_the_same_seed_log_the_same_metrics(tmp_path: Path) -
     a, b = (_rows(run) for run in runs)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2, 3]
     assert any(r.get("train/grad_norm", 0.0) > 0.0 for r in a), a  # the steps did train
+    assert all("time/sleep_s" in r and "time/wake_s" in r for r in b[1:]), b
+    assert not any("time/sleep_s" in r for r in a), a
     for ra, rb in zip(a, b, strict=True):
         ra, rb = _comparable(ra), _comparable(rb)
         assert ra.keys() == rb.keys()

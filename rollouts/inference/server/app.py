@@ -26,6 +26,7 @@ from rollouts.inference.server import (
     http_util,
     openai_routes,
     sglang_routes,
+    sleep_routes,
 )
 from rollouts.inference.server.core import CoreOptions, EngineCore
 from rollouts.inference.server.dist_weights import DistWeights
@@ -123,7 +124,8 @@ def build_app(state: ServerState, api_key: str = "") -> Starlette:
         + sglang_routes.ROUTES
         + openai_routes.ROUTES
         + dist_routes.ROUTES
-        + adapter_routes.ROUTES,
+        + adapter_routes.ROUTES
+        + sleep_routes.ROUTES,
         middleware=middleware,
         exception_handlers=http_util.EXCEPTION_HANDLERS,
     )

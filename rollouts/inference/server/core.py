@@ -33,6 +33,7 @@ from rollouts.inference.server.scheduler import (
     can_enqueue,
     keep_gathering,
 )
+from rollouts.inference.server.sleep import SleepState
 from rollouts.inference.server.weights import load_weights
 
 __all__ = ["CoreOptions", "EngineCore", "PromptLogprob", "Sequence"]
@@ -74,6 +75,7 @@ class EngineCore:
         self.weight_version = version
         self.adapters = ServedAdapters(model)  # LoRA adapters by name, the last one merged in
         self.paused = False
+        self.sleep = SleepState()  # memory released by a sleep: generation waits for a wake-up
         self._cv = threading.Condition()
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._waiting: collections.deque[Sequence] = collections.deque()
@@ -149,14 +151,18 @@ class EngineCore:
     def _has_work(self) -> bool:
         if self._when_idle and not self._batch:
             return True
-        return not self.paused and (bool(self._batch) or bool(self._waiting))
+        return not self._held() and (bool(self._batch) or bool(self._waiting))
+
+    def _held(self) -> bool:
+        """No step runs: paused, or asleep (vLLM queues requests until fully awake)."""
+        return self.paused or self.sleep.asleep
 
     def _step(self) -> None:
         if self._when_idle and not self._batch:
             actions, self._when_idle = self._when_idle, []
             for action in actions:
                 action()
-        if self.paused:
+        if self._held():
             return
         if self._batch:
             start, rows = time.perf_counter(), len(self._batch)
@@ -265,7 +271,9 @@ class EngineCore:
 
     def reload(self, path: str, version: str | None) -> None:
         """Load HF safetensors weights from `path` into the model; set the version."""
+        self.sleep.check_resident("reload weights")
         load_weights(self.model, path)
+        self.sleep.weights_lost = False
         self.adapters.reset()  # the new weights are the base: the adapters' bases are gone
         self.weights_changed()
         if version is not None:
@@ -273,6 +281,7 @@ class EngineCore:
 
     def load_adapter(self, name: str, path: str) -> None:
         """Load the LoRA adapter at `path` as `name`, merged into the served weights."""
+        self.sleep.check_resident("load a LoRA adapter")
         self.adapters.load(name, path)
         self.weights_changed()
 
@@ -303,6 +312,7 @@ class EngineCore:
         weights being served, without the KV cache. Position 0 has no entry."""
         assert len(prompt_ids) >= 1, "an empty prompt"
         assert top >= 0, f"{top=}"
+        self.sleep.check_servable("score a prompt")
         device = next(self.model.parameters()).device
         ids_T = torch.tensor(prompt_ids, dtype=torch.long, device=device)
         with torch.inference_mode():
@@ -328,6 +338,40 @@ class EngineCore:
                 )
             )
         return out
+
+    def go_to_sleep(self, level: int) -> None:
+        """vLLM's sleep levels: 0 holds scheduling; 1 also moves the weights to host memory
+        (already there on CPU) and drops the idle KV cache; 2 discards the weights (they come
+        back as zeros on wake-up and must be reloaded before anything is served). Rows a
+        `keep` sleep holds keep their KV cache, prefilled again if the weights change."""
+        assert level in (0, 1, 2), f"{level=}"
+        self.sleep.tags.add("scheduling")
+        if level:
+            self.release({"weights", "kv_cache"}, keep_weights=level == 1)
+
+    def release(self, tags: set[str], *, keep_weights: bool) -> None:
+        """Release the memory of `tags` (SGLang's /release_memory_occupation discards the
+        weights, as it does without --enable-weights-cpu-backup)."""
+        if "weights" in tags and "weights" not in self.sleep.tags:
+            if keep_weights:
+                self.sleep.offload(self.model)
+            else:
+                self.adapters.reset()  # their base copy goes with the weights
+                self.sleep.discard(self.model)
+        self.sleep.tags |= tags
+        if self.model_device().type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: set[str] | None) -> bool:
+        """Take back `tags` (all when None); True when fully awake (scheduling resumes)."""
+        tags = set(self.sleep.tags) if tags is None else tags
+        if "weights" in tags and "weights" in self.sleep.tags:
+            self.sleep.restore(self.model, self.model_device())
+        self.sleep.tags -= tags
+        return not self.sleep.asleep
+
+    def model_device(self) -> torch.device:
+        return self.sleep.device or next(self.model.parameters()).device
 
     def idle(self) -> bool:
         """No running and no waiting sequence."""

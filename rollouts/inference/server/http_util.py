@@ -14,6 +14,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rollouts.inference.server.sampling import BadRequest, SamplingSpec
+from rollouts.inference.server.sleep import AsleepError
 from rollouts.inference.server.state import ServerState, ServiceUnavailable, WeightPathForbidden
 from rollouts.inference.server.weights import WeightLoadError
 
@@ -110,6 +111,7 @@ EXCEPTION_HANDLERS = {
     Exception: on_crash,
     BadRequest: on_bad_request,
     ServiceUnavailable: on_unavailable,
+    AsleepError: on_unavailable,
     PayloadTooLarge: on_too_large,
     WeightLoadError: on_weight_error,
     trio.TooSlowError: on_timeout,

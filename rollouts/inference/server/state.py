@@ -16,6 +16,7 @@ from rollouts.inference.protocol import FinishReason
 from rollouts.inference.server.core import EngineCore, PromptLogprob, Sequence
 from rollouts.inference.server.sampling import BadRequest, SamplingSpec
 from rollouts.inference.server.scheduler import Stop, allowed_new_tokens
+from rollouts.inference.server.sleep import AsleepError
 from rollouts.inference.server.weights import WeightLoadError
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,10 @@ class ServerState:
         caller gives up (timeout, client gone: any cancellation) its sequences are aborted."""
         if self.reject_new:
             raise ServiceUnavailable("the server is paused; POST /resume first")
+        if self.core.sleep.weights_lost:
+            raise ServiceUnavailable(
+                "a level-2 sleep discarded the weights: reload them before generating"
+            )
         self.check_count(sum(n for *_, n in prompts), "n")
         events: list[trio.Event] = []
         groups = [self._sequences(*prompt, events) for prompt in prompts]
@@ -257,6 +262,9 @@ class ServerState:
             def load() -> None:  # may run later, from the worker loop: must always reply
                 try:
                     self.core.reload(path, version)
+                except AsleepError as exc:  # a 503: wake the weights first
+                    reply(exc)
+                    return
                 except Exception as exc:
                     log.warning("weight reload from %s failed: %s", path, exc)
                     message = str(exc) if isinstance(exc, WeightLoadError) else f"{path}: {exc!r}"
@@ -280,6 +288,9 @@ class ServerState:
             def load() -> None:  # may run later, from the worker loop: must always reply
                 try:
                     self.core.load_adapter(name, path)
+                except AsleepError as exc:
+                    reply(exc)
+                    return
                 except Exception as exc:
                     log.warning("loading LoRA adapter %r from %s failed: %s", name, path, exc)
                     reply(exc if isinstance(exc, ValueError) else WeightLoadError(repr(exc)))
@@ -315,6 +326,31 @@ class ServerState:
         """The served weights' logprob of each prompt token (`EngineCore.prompt_logprobs`), run
         in the worker between steps (also while paused: a weight sync checks it there)."""
         return await self.command(lambda reply: reply(self.core.prompt_logprobs(prompt_ids, top)))
+
+    async def sleep(self, level: int, mode: str) -> None:
+        """vLLM's /sleep: hold scheduling as a pause in `mode` would (abort: the running
+        requests end; wait: they finish first; keep: they stay), then release memory
+        (`EngineCore.go_to_sleep`). Requests sent meanwhile wait for the wake-up."""
+        assert mode in ("abort", "wait", "keep"), f"{mode=}"
+
+        def run(reply: Callable[[Any], None]) -> None:
+            if mode == "abort":
+                self.core.abort(None)
+
+            def now() -> None:
+                self.core.go_to_sleep(level)
+                reply(None)
+
+            if mode == "wait":
+                self.core.when_idle(now)
+                return
+            now()
+
+        await self.command(run)
+
+    async def wake_up(self, tags: set[str] | None) -> bool:
+        """vLLM's /wake_up: take back `tags` (all when None); True when fully awake."""
+        return await self.command(lambda reply: reply(self.core.wake_up(tags)))
 
     async def set_version(self, version: str) -> None:
         """Set the reported weight version without touching the weights."""
