@@ -228,6 +228,5 @@ def test_engines_sleep_needs_sync_mode_and_a_sync_every_step() -> None:
     with pytest.raises(ConfigError, match="set rollout.mode = 'sync'"):
         config_from_dict({"engines": {"sleep_level": 1}, "rollout": {"mode": "async"}})
     with pytest.raises(ConfigError, match="set weight_sync.every = 1"):
-        config_from_dict(
-            {"engines": {"sleep_level": 1}, "rollout": {"mode": "sync"}, "weight_sync": {"every": 2}}
-        )
+        every_2 = {"engines": {"sleep_level": 1}, "weight_sync": {"every": 2}}
+        config_from_dict(every_2 | {"rollout": {"mode": "sync"}})

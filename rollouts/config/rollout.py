@@ -6,6 +6,7 @@ import dataclasses
 from typing import ClassVar, Literal
 
 from rollouts.config.base import _check, _Section
+from rollouts.config.model import ModelDtype
 
 RolloutMode = Literal["sync", "async"]
 OnShortBatch = Literal["warn", "error"]  # train on a smaller batch | stop the run
@@ -121,6 +122,9 @@ class BuiltinEnginesConfig(_Section):
     max_queue: int = 1024
     logprobs_from: LogprobsFrom = "raw"
     device: str = "cpu"
+    # the served weights' dtype; bfloat16 serves what a bf16 trainer computes (the weight
+    # sync's content check then allows bf16's tolerance)
+    dtype: ModelDtype = "float32"
     torch_threads: int = 0  # each engine's torch threads; 0 = a share of the cores on CPU
     max_restarts: int = 3  # an engine that exits is restarted at most this many times
 

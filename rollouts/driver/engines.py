@@ -86,6 +86,7 @@ async def open_engines(
                     max_queue=b.max_queue,
                     logprobs_from=b.logprobs_from,
                     device=b.device,
+                    dtype=b.dtype,
                     torch_threads=engine_threads(config, plan),
                     weight_version=version,
                     startup_timeout_s=e.startup_timeout_s,

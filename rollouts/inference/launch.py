@@ -69,6 +69,7 @@ class EngineSpec:
     max_queue: int = 1024
     logprobs_from: str = "raw"
     device: str = "cpu"
+    dtype: str = "float32"  # the served weights' dtype (--dtype)
     weight_version: str = "default"
     torch_threads: int = 0  # 0 = torch's default
     cpus: tuple[int, ...] = ()  # --cpus: the cores it runs on; () = any
@@ -116,7 +117,8 @@ def server_command(spec: EngineSpec, port: int) -> list[str]:
     cmd = [sys.executable, "-m", "rollouts.inference.server", "--model", str(spec.model_dir)]
     cmd += ["--host", spec.host, "--port", str(port), "--max-batch", str(spec.max_batch)]
     cmd += ["--max-queue", str(spec.max_queue), "--logprobs-from", spec.logprobs_from]
-    cmd += ["--device", spec.device, "--weight-version", spec.weight_version]
+    cmd += ["--device", spec.device, "--dtype", spec.dtype]
+    cmd += ["--weight-version", spec.weight_version]
     if spec.torch_threads:
         cmd += ["--torch-threads", str(spec.torch_threads)]
     if spec.cpus:

@@ -134,10 +134,12 @@ def probe_metrics(probe: WeightProbe | None) -> dict[str, float]:
 
 
 def probe_dtype(config: Config) -> str:
-    """The precision the trainer's logprobs have: the model's dtype, bf16 under autocast (CUDA)."""
-    if config.training.device.startswith("cuda"):
-        return "bfloat16"
-    return config.model.dtype
+    """The coarser precision of the two sides: the trainer's logprobs (the model's dtype, bf16
+    under autocast on CUDA) and, for built-in engines, the dtype they serve in."""
+    trainer = "bfloat16" if config.training.device.startswith("cuda") else config.model.dtype
+    if config.engines.kind != "builtin":
+        return trainer
+    return max(trainer, config.engines.builtin.dtype, key=TOLERANCE.__getitem__)
 
 
 def content_probe(
