@@ -16,11 +16,19 @@ Used by the worker thread only (the routes go through `ServerState.command`).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 
 import torch
 
 TAGS = ("weights", "kv_cache", "scheduling")
+
+
+def give_back_heap() -> None:
+    """Return freed heap pages to the OS (glibc keeps them otherwise: the RSS would not drop)."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: it keeps what it keeps
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class AsleepError(RuntimeError):
@@ -71,6 +79,8 @@ class SleepState:
             self.shapes[name] = (param.shape, param.dtype)
             param.data = torch.empty(0, dtype=param.dtype, device=device)
         self.weights_lost = True
+        if device.type == "cpu":
+            give_back_heap()
 
     @torch.no_grad()
     def restore(self, model: torch.nn.Module, device: torch.device) -> None:
