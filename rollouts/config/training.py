@@ -14,6 +14,7 @@ MicroBatchLayout = Literal["pad", "pack"]  # length-bucketed, right-padded | one
 LogprobPositions = Literal["trained", "all"]
 CpuPlacement = Literal["auto", "colocate", "split", "off"]
 TrainerProcessMode = Literal["auto", "on", "off"]
+Autocast = Literal["auto", "bfloat16", "off"]
 BestMode = Literal["max", "min"]
 WandbMode = Literal["offline", "online", "disabled"]
 
@@ -81,6 +82,14 @@ class TrainingConfig(_Section):
     # driver's Python then never holds the training thread's GIL; backends/process.py);
     # "on": always (one-device backend); "off": train in the driver's process
     trainer_process: TrainerProcessMode = "auto"
+    # forward and backward under torch.autocast, fp32 master weights and optimizer: "auto" =
+    # bfloat16 on CUDA, off on CPU; "bfloat16" also on CPU (fast where it has AVX-512 BF16 /
+    # AMX; the content check then allows bf16's tolerance); "off": fp32 everywhere
+    autocast: Autocast = "auto"
+
+    def autocasts(self, device_type: str) -> bool:
+        """Whether forward and backward run under bf16 autocast on `device_type`."""
+        return self.autocast == "bfloat16" or (self.autocast == "auto" and device_type == "cuda")
 
     def problems(self) -> list[str]:
         p: list[str] = []

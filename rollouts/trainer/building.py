@@ -168,7 +168,7 @@ def create_warmup_cosine_scheduler(
 
 
 def backend_settings(config: Config, device: torch.device, pad_id: int = 0) -> BackendSettings:
-    """BackendSettings from `[training]` and `[optim]` (bf16 autocast on GPU)."""
+    """BackendSettings from `[training]` and `[optim]` (bf16 autocast: `training.autocast`)."""
     t = config.training
     return BackendSettings(
         micro_batch_tokens=t.micro_batch_tokens,
@@ -176,7 +176,7 @@ def backend_settings(config: Config, device: torch.device, pad_id: int = 0) -> B
         logprob_chunk_size=t.logprob_chunk_size,
         max_grad_norm=config.optim.max_grad_norm,
         max_consecutive_nonfinite=t.max_consecutive_nonfinite,
-        autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+        autocast_dtype=torch.bfloat16 if config.training.autocasts(device.type) else None,
         pad_id=pad_id,
         logprob_positions=t.logprob_positions,
     )

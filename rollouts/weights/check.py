@@ -135,8 +135,9 @@ def probe_metrics(probe: WeightProbe | None) -> dict[str, float]:
 
 def probe_dtype(config: Config) -> str:
     """The coarser precision of the two sides: the trainer's logprobs (the model's dtype, bf16
-    under autocast on CUDA) and, for built-in engines, the dtype they serve in."""
-    trainer = "bfloat16" if config.training.device.startswith("cuda") else config.model.dtype
+    under autocast: `training.autocast`) and, for built-in engines, the dtype they serve in."""
+    device = "cuda" if config.training.device.startswith("cuda") else "cpu"
+    trainer = "bfloat16" if config.training.autocasts(device) else config.model.dtype
     if config.engines.kind != "builtin":
         return trainer
     return max(trainer, config.engines.builtin.dtype, key=TOLERANCE.__getitem__)

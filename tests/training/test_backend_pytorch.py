@@ -227,3 +227,24 @@ def test_compile_without_a_cxx_compiler_is_a_clear_error(
     monkeypatch.setattr("rollouts.trainer.building.shutil.which", lambda name: None)
     with pytest.raises(RuntimeError, match=r"model.compile = true: .* set model.compile = false"):
         create_pytorch_backend(compiled)
+
+
+def test_bf16_autocast_on_cpu_runs_the_model_in_bf16_and_keeps_fp32_weights(
+    tiny_model_dir: Path,
+) -> None:
+    """training.autocast = "bfloat16" on CPU: logprobs near the fp32 ones but not equal (the
+    matmuls ran in bf16), the weights and the gradient step stay fp32, and it trains."""
+    batch = make_batch(LENGTHS, seed=1)
+    out = {}
+    for mode in ("off", "bfloat16"):
+        backend = create_pytorch_backend(tiny_config(tiny_model_dir, autocast=mode))
+        out[mode] = backend.compute_logprobs(batch).result()
+        losses = []
+        for _ in range(3):
+            losses.append(backend.forward_backward(batch, nll_loss).result()["loss"])
+            backend.optim_step().result()
+        assert all(p.dtype == torch.float32 for p in backend.lm.parameters())
+        assert losses[-1] < losses[0], (mode, losses)
+        backend.close()
+    gaps = [float((a - b).abs().max()) for a, b in zip(out["off"], out["bfloat16"], strict=True)]
+    assert 1e-4 < max(gaps) < 0.25, gaps
