@@ -33,6 +33,8 @@ from rollouts.driver.summary import finish_run, quiet_progress_bars
 from rollouts.driver.trainer_io import BackendFactory, checkpoint_root
 from rollouts.trainer.checkpoint import find_latest_checkpoint
 from rollouts.trainer.factories import create_backend, resolve_device
+from rollouts.weights.disk import run_sync_root
+from rollouts.weights.reach import resolve_reach
 
 
 async def _main(
@@ -55,6 +57,10 @@ async def _run(
     if threads:
         torch.set_num_threads(threads)
     run_dir = prepare_run_dir(config, config_path, resume)
+    if mode in ("rl", "sft+rl"):  # before any work: can the engines reach the weights?
+        sync_root = run_sync_root(config.weight_sync.dir, config.run.name, run_dir)
+        config, reach = resolve_reach(config, sync_root)
+        print(reach, flush=True)
     prepare_data(config)
     model_dir = prepare_base_model(config)
     stop = StopFlag()
