@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from rollouts.config import ConfigError, load_config
-from rollouts.driver.launch import needs_torchrun, slurm_ranks, torchrun_command
+from rollouts.driver.launch import needs_torchrun, srun_ranks, torchrun_command
 
 MODES = ("sft", "rl", "sft+rl")
 
@@ -69,10 +69,10 @@ def run(args: argparse.Namespace) -> int:
     if args.rdzv_endpoint:
         overrides.append(f"training.rdzv_endpoint={args.rdzv_endpoint}")
     try:
-        os.environ.update(slurm_ranks(os.environ))  # srun's tasks: ranks as torchrun's
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            overrides.append("training.backend=fsdp")
         config = load_config(args.config, overrides)
+        os.environ.update(srun_ranks(config, os.environ))  # srun's tasks as torchrun's ranks
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and config.training.backend != "fsdp":
+            config = load_config(args.config, [*overrides, "training.backend=fsdp"])
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -6,10 +6,11 @@
   `training.rdzv_endpoint`), the same command on every node, re-runs it under
   `torchrun --nnodes K --nproc_per_node N --rdzv-backend c10d --rdzv-endpoint HOST:PORT`; the
   agents meet at the endpoint and number the ranks. Started by torchrun yourself works too.
-- Slurm: `srun python train.py ...` with one task per trainer process: the step's variables
-  (SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID, SLURM_STEP_TASKS_PER_NODE, SLURM_NODEID)
-  become torchrun's (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), with MASTER_ADDR and
-  MASTER_PORT from the batch script (`slurm_ranks`).
+- Slurm, two ways. One task per node with `--nproc`/`--nnodes` as above: each task runs
+  torchrun. Or one task per trainer process with nproc = nnodes = 1 (`srun_ranks`): the step's
+  variables (SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID, SLURM_STEP_TASKS_PER_NODE,
+  SLURM_NODEID) become torchrun's (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), with
+  MASTER_ADDR and MASTER_PORT from the batch script.
 
 Whatever started them, global rank 0 runs the driver (engines, rollouts, checkpoints' own files)
 and every rank trains its shard (`trainer/mirror.py`); LOCAL_RANK picks the GPU and
@@ -65,6 +66,13 @@ def needs_torchrun(config: Config, environ: Mapping[str, str]) -> bool:
     """Several trainer processes asked for, and nothing (torchrun, srun) started them yet."""
     t = config.training
     return t.nproc * t.nnodes > 1 and "LOCAL_RANK" not in environ
+
+
+def srun_ranks(config: Config, environ: Mapping[str, str]) -> dict[str, str]:
+    """`slurm_ranks` when srun's tasks are the ranks: the config asks for one process
+    (nproc = nnodes = 1); with more, each task runs torchrun (`torchrun_command`) instead."""
+    t = config.training
+    return slurm_ranks(environ) if t.nproc * t.nnodes == 1 else {}
 
 
 def slurm_ranks(environ: Mapping[str, str]) -> dict[str, str]:

@@ -16,6 +16,7 @@ from rollouts.driver.launch import (
     needs_torchrun,
     shares_node_with_driver,
     slurm_ranks,
+    srun_ranks,
     tasks_per_node,
     torchrun_command,
 )
@@ -105,6 +106,12 @@ def test_slurm_without_a_step_or_under_torchrun_changes_nothing() -> None:
     assert slurm_ranks(batch_shell) == {}  # the batch script itself, not a task of srun
     assert slurm_ranks(SRUN | {"RANK": "0"}) == {}  # srun started torchrun, which set them
     assert slurm_ranks(SRUN | {"SLURM_STEP_NUM_TASKS": "1"}) == {}
+
+
+def test_srun_tasks_are_the_ranks_only_when_the_config_asks_for_one_process() -> None:
+    assert srun_ranks(_training(), SRUN)["WORLD_SIZE"] == "8"  # one task per GPU
+    per_node = _training(nproc=4, nnodes=2, rdzv_endpoint="node001:29500")
+    assert srun_ranks(per_node, SRUN) == {}  # one task per node: each runs torchrun
 
 
 def test_slurm_without_master_addr_names_the_fix() -> None:
