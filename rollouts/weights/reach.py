@@ -127,7 +127,9 @@ def resolve_reach(
     when the disk sync's directory is node-local and an engine is not."""
     e, ws = config.engines, config.weight_sync
     urls = list(e.urls) if e.kind != "builtin" else []  # built-in engines run on this host
-    remote = remote_urls(urls, own_names() if own is None else own)
+    if own is None:  # this host's names only when a URL is not loopback (no lookups otherwise)
+        own = own_names() if any(not is_loopback(host_of(u)) for u in urls) else frozenset()
+    remote = remote_urls(urls, own)
     where = f"{len(remote)} of {len(urls)} engine(s) on other hosts" if remote else "local engines"
     if ws.method == "disk":
         problem = disk_reach_problem(sync_root, remote)
