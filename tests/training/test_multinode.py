@@ -2,7 +2,8 @@
 directory) with `--nnodes 2 --rdzv-endpoint 127.0.0.1:PORT` re-runs itself under a multi-node
 torchrun (`--nnodes 2 --nproc_per_node 1 --rdzv-backend c10d`); the two agents meet, rank 0
 drives and rank 1 trains its FSDP shard (gloo, CPU). The SFT run is killed after a checkpoint,
-both nodes resume, and the weights end where one process's do."""
+both nodes resume, and the weights end where one process's do; an RL run syncs the two nodes'
+weights to the built-in engine beside rank 0."""
 
 from __future__ import annotations
 
@@ -45,14 +46,14 @@ def _sft_config(tmp: Path) -> Path:
     )
 
 
-def _start_nodes(tmp: Path, config: Path, *extra: str) -> list[subprocess.Popen]:
+def _start_nodes(tmp: Path, config: Path, *extra: str, mode: str = "sft") -> list[subprocess.Popen]:
     """One train.py per node, each in its own working directory and session."""
     endpoint = f"127.0.0.1:{_free_port()}"
     nodes = []
     for node in (0, 1):
         work = tmp / f"node{node}"
         work.mkdir(exist_ok=True)
-        cmd = [sys.executable, str(TRAIN), "--mode", "sft", "--config", str(config)]
+        cmd = [sys.executable, str(TRAIN), "--mode", mode, "--config", str(config)]
         cmd += ["--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", endpoint, *extra]
         log = (work / "train.log").open("a")
         proc = subprocess.Popen(
@@ -155,3 +156,22 @@ def test_two_nodes_train_like_one_process_and_resume_after_a_kill(tmp_path: Path
     assert ours.keys() == theirs.keys()
     for key, value in theirs.items():
         torch.testing.assert_close(ours[key], value, atol=1e-6, rtol=1e-5, msg=key)
+
+
+def test_two_nodes_run_rl_with_the_engine_beside_rank_0(tmp_path: Path) -> None:
+    """SFT then RL on two nodes: rank 0's driver starts the built-in engine on its node, the
+    distributed sync reaches it from the FSDP trainer, and the content check passes."""
+    config = _config(
+        tmp_path,
+        data={"eval_size": 2},
+        training={"sft_steps": 1, "rl_steps": 2},
+        weight_sync={"method": "distributed"},
+    )
+    _wait(_start_nodes(tmp_path, config, mode="sft+rl"), tmp_path)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[-1]["sync/failed_engines"] == 0.0 and rows[-1]["sync/buckets"] >= 1
+    assert rows[-1]["sync/content_gap_max"] < 1e-4  # the engine serves the two nodes' weights
+    log0 = (tmp_path / "node0" / "train.log").read_text()
+    assert "weight-sync rendezvous at 127.0.0.1: every engine is on this host" in log0
