@@ -69,7 +69,8 @@ async def _run(
     run_dir = prepare_run_dir(config, config_path, resume)
     make_backend: BackendFactory | None = None
     if hub is not None:  # several ranks: they all write each checkpoint, so all must see it
-        hub.check_shared(Path(config.checkpoint.dir or run_dir))  # checkpoints go under it
+        shared = Path(config.checkpoint.dir or run_dir)  # the checkpoints go under it
+        await trio.to_thread.run_sync(hub.check_shared, shared)
         make_backend = hub.create
     if mode in ("rl", "sft+rl"):  # before any work: can the engines reach the weights?
         sync_root = run_sync_root(config.weight_sync.dir, config.run.name, run_dir)
