@@ -10,7 +10,12 @@ from pathlib import Path
 from rollouts.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = (ROOT / "README.md", ROOT / "docs" / "architecture.md", ROOT / "docs" / "benchmarks.md")
+DOCS = (
+    ROOT / "README.md",
+    ROOT / "docs" / "architecture.md",
+    ROOT / "docs" / "benchmarks.md",
+    ROOT / "docs" / "scaling.md",
+)
 TOP_DIRS = ("rollouts/", "scripts/", "configs/", "docs/", "tests/", "examples/",
             "integration_training/", ".ci/")  # fmt: skip
 FILE_ENDINGS = (".py", ".sh", ".toml", ".md")

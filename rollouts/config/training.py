@@ -54,7 +54,11 @@ class TrainingConfig(_Section):
     KEY: ClassVar[str] = "training"
 
     backend: TrainingBackendName = "pytorch"
-    nproc: int = 1
+    nproc: int = 1  # trainer processes per node (FSDP under torchrun when the total is > 1)
+    # several nodes: train.py runs `torchrun --nnodes N --rdzv-backend c10d --rdzv-endpoint
+    # HOST:PORT` (the same command on every node; docs/scaling.md)
+    nnodes: int = 1
+    rdzv_endpoint: str = ""  # HOST:PORT of the rendezvous, reachable from every node
     device: TrainingDevice = "auto"
     torch_threads: int = 0  # trainer's torch threads; 0 = a share of the cores (CPU + builtin)
     micro_batch_tokens: int = 4096
@@ -94,6 +98,14 @@ class TrainingConfig(_Section):
     def problems(self) -> list[str]:
         p: list[str] = []
         _check(p, self.nproc >= 1, f"training.nproc = {self.nproc}: must be >= 1")
+        _check(p, self.nnodes >= 1, f"training.nnodes = {self.nnodes}: must be >= 1")
+        _check(
+            p,
+            self.nnodes == 1 or _host_port(self.rdzv_endpoint),
+            f"training.rdzv_endpoint = {self.rdzv_endpoint!r}: training.nnodes = {self.nnodes} "
+            "needs HOST:PORT, an address of the first node every node reaches (e.g. "
+            "node001:29500)",
+        )
         _check(p, self.torch_threads >= 0, "training.torch_threads: must be >= 0 (0 = default)")
         _check(p, self.micro_batch_tokens >= 1, "training.micro_batch_tokens: must be >= 1")
         _check(p, self.rl_steps >= 0, "training.rl_steps: must be >= 0")
@@ -153,3 +165,9 @@ class LoggingConfig(_Section):
         p: list[str] = []
         _check(p, self.rollouts_per_step >= 0, "logging.rollouts_per_step: must be >= 0")
         return p
+
+
+def _host_port(endpoint: str) -> bool:
+    """Whether `endpoint` reads HOST:PORT with a port in [1, 65535]."""
+    host, _, port = endpoint.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536

@@ -23,7 +23,10 @@ class DistributedSyncConfig(_Section):
 
     backend: SyncBackend = "auto"
     bucket_mb: float = 256.0  # tensors per broadcast: one HTTP call + one collective per bucket
-    master_address: str = "127.0.0.1"  # the trainer's address as the engines reach it
+    # the trainer's address as the engines reach it; "" = automatic: 127.0.0.1 while every
+    # engine is on this host, else this host's address towards the first remote engine
+    # (weights/reach.py; the start-up line says which)
+    master_address: str = ""
     master_port: int = 0  # 0 = a free port, picked each time the group forms
     group_name: str = "rollouts_weights"
     timeout_s: float = 300.0  # forming the group, and one whole sync
@@ -37,7 +40,6 @@ class DistributedSyncConfig(_Section):
             0 <= self.master_port < 65536,
             f"{key}.master_port = {self.master_port}: must be in [0, 65535] (0 = free port)",
         )
-        _check(p, bool(self.master_address), f"{key}.master_address: must not be empty")
         _check(p, bool(self.group_name), f"{key}.group_name: must not be empty")
         _check(p, self.timeout_s > 0, f"{key}.timeout_s = {self.timeout_s}: must be > 0")
         return p

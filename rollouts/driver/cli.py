@@ -2,24 +2,27 @@
 
     python integration_training/train.py --mode sft|rl|sft+rl --config configs/X.toml \
         [--set key=value ...] [--resume] [--nproc N] [--debug]
+        [--nnodes K --rdzv-endpoint HOST:PORT [--node-rank R]]
 
 An operating error (bad data, a plugin that cannot load, a reward that always fails, a full
 disk) prints its message alone; the traceback goes to the run directory's error.log (and to the
 terminal with --debug).
 
 With `--nproc N > 1` (or `training.nproc`) and no torchrun around it, the command re-launches
-itself under `torchrun --nproc_per_node N` for the FSDP backend.
+itself under `torchrun --nproc_per_node N` for the FSDP backend; with `--nnodes K` (run the same
+command on every node) under a multi-node torchrun that meets at `--rdzv-endpoint`. Under
+`srun`, Slurm's task variables stand for torchrun's (`driver/launch.py`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 from pathlib import Path
 
 from rollouts.config import ConfigError, load_config
+from rollouts.driver.launch import needs_torchrun, srun_ranks, torchrun_command
 
 MODES = ("sft", "rl", "sft+rl")
 
@@ -37,7 +40,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="override a config key, e.g. --set rollout.batch_size=4 (repeatable)",
     )
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
-    parser.add_argument("--nproc", type=int, default=0, help="processes (FSDP); 0 = config")
+    parser.add_argument(
+        "--nproc", type=int, default=0, help="processes per node (FSDP); 0 = config"
+    )
+    parser.add_argument("--nnodes", type=int, default=0, help="nodes (FSDP); 0 = config")
+    parser.add_argument(
+        "--rdzv-endpoint",
+        default="",
+        metavar="HOST:PORT",
+        help="where the nodes' torchrun agents meet (an address of the first node)",
+    )
+    parser.add_argument(
+        "--node-rank", type=int, default=-1, help="this node's rank; -1 = assigned at rendezvous"
+    )
     parser.add_argument(
         "--debug",
         action="store_true",
@@ -45,38 +60,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def torchrun_command(args: argparse.Namespace, nproc: int) -> list[str]:
-    """The command that re-runs this invocation under torchrun with `nproc` processes.
-
-    It runs `-m rollouts.cli train`, so train.py and the `rollouts train` console script both
-    re-launch the same way.
-    """
-    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
-    cmd = [torchrun, "--standalone", f"--nproc_per_node={nproc}", "-m", "rollouts.cli", "train"]
-    cmd += ["--mode", args.mode, "--config", args.config]
-    for override in args.overrides:
-        cmd += ["--set", override]
-    cmd += ["--set", f"training.nproc={nproc}", "--set", "training.backend=fsdp"]
-    if args.resume:
-        cmd.append("--resume")
-    if args.debug:
-        cmd.append("--debug")
-    return cmd
-
-
 def run(args: argparse.Namespace) -> int:
     """Load the config, re-launch under torchrun if asked, then run the training."""
     overrides = list(args.overrides)
-    if args.nproc:
-        overrides.append(f"training.nproc={args.nproc}")
+    for key, value in (("nproc", args.nproc), ("nnodes", args.nnodes)):
+        if value:
+            overrides.append(f"training.{key}={value}")
+    if args.rdzv_endpoint:
+        overrides.append(f"training.rdzv_endpoint={args.rdzv_endpoint}")
     try:
         config = load_config(args.config, overrides)
-    except ConfigError as e:
+        os.environ.update(srun_ranks(config, os.environ))  # srun's tasks as torchrun's ranks
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and config.training.backend != "fsdp":
+            config = load_config(args.config, [*overrides, "training.backend=fsdp"])
+    except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    nproc = config.training.nproc
-    if nproc > 1 and "LOCAL_RANK" not in os.environ:
-        cmd = torchrun_command(args, nproc)
+    if needs_torchrun(config, os.environ):
+        cmd = torchrun_command(args, config)
         print(f"[train] re-launching under torchrun: {' '.join(cmd)}", flush=True)
         os.execv(cmd[0], cmd)
     from rollouts.driver.errors import report_error

@@ -22,6 +22,7 @@ from pathlib import Path
 import trio
 
 from rollouts.config import Config
+from rollouts.driver.launch import local_world_size
 from rollouts.driver.placement import CpuPlan
 from rollouts.inference.factory import make_pool
 from rollouts.inference.launch import serve_engines
@@ -33,13 +34,15 @@ from rollouts.weights.disk import sync_pool
 def cpu_share(threads: int, device: str, num_engines: int) -> int:
     """Torch threads for a process on CPU: as configured, else an equal share of the cores.
 
-    The trainer and each built-in engine get cores // (engines + 1): on a 2-core laptop that is
-    1 thread each, which avoids OpenMP spin-waits of oversubscribed processes (measured: a step
-    went from 9 s to 0.3 s on a loaded 2-core machine). 0 (torch's default) on GPU.
+    Each trainer rank on this node (torchrun's LOCAL_WORLD_SIZE, 1 without it) and each built-in
+    engine get cores // (engines + ranks): on a 2-core laptop that is 1 thread each, which avoids
+    OpenMP spin-waits of oversubscribed processes (measured: a step went from 9 s to 0.3 s on a
+    loaded 2-core machine). 0 (torch's default) on GPU.
     """
     if threads or device != "cpu":
         return threads
-    return max(1, (os.cpu_count() or 1) // (num_engines + 1))
+    ranks = local_world_size(os.environ)
+    return max(1, (os.cpu_count() or 1) // (num_engines + ranks))
 
 
 def engine_threads(config: Config, plan: CpuPlan | None) -> int:

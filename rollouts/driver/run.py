@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import trio
 
 from rollouts.config import Config
 from rollouts.driver.engines import cpu_share
+from rollouts.driver.launch import shares_node_with_driver
 from rollouts.driver.lock import hold_run_locks
 from rollouts.driver.rl_phase import rl_phase
 from rollouts.driver.setup import (
@@ -33,17 +36,26 @@ from rollouts.driver.summary import finish_run, quiet_progress_bars
 from rollouts.driver.trainer_io import BackendFactory, checkpoint_root
 from rollouts.trainer.checkpoint import find_latest_checkpoint
 from rollouts.trainer.factories import create_backend, resolve_device
+from rollouts.weights.disk import run_sync_root
+from rollouts.weights.reach import resolve_reach
+
+if TYPE_CHECKING:
+    from rollouts.trainer.mirror import BackendHub
 
 
 async def _main(
-    mode: str, config: Config, resume: bool, config_path: str, make_backend: BackendFactory | None
+    mode: str,
+    config: Config,
+    resume: bool,
+    config_path: str,
+    hub: BackendHub | None = None,
 ) -> int:
     with hold_run_locks(config):  # one run per directory, for the run's life
-        return await _run(mode, config, resume, config_path, make_backend)
+        return await _run(mode, config, resume, config_path, hub)
 
 
 async def _run(
-    mode: str, config: Config, resume: bool, config_path: str, make_backend: BackendFactory | None
+    mode: str, config: Config, resume: bool, config_path: str, hub: BackendHub | None
 ) -> int:
     started = time.monotonic()
     # SFT: a share of the cores, or every core when colocated (the RL phase sets its own threads:
@@ -55,6 +67,15 @@ async def _run(
     if threads:
         torch.set_num_threads(threads)
     run_dir = prepare_run_dir(config, config_path, resume)
+    make_backend: BackendFactory | None = None
+    if hub is not None:  # several ranks: they all write each checkpoint, so all must see it
+        shared = Path(config.checkpoint.dir or run_dir)  # the checkpoints go under it
+        await trio.to_thread.run_sync(hub.check_shared, shared)
+        make_backend = hub.create
+    if mode in ("rl", "sft+rl"):  # before any work: can the engines reach the weights?
+        sync_root = run_sync_root(config.weight_sync.dir, config.run.name, run_dir)
+        config, reach = resolve_reach(config, sync_root)
+        print(reach, flush=True)
     prepare_data(config)
     model_dir = prepare_base_model(config)
     stop = StopFlag()
@@ -85,16 +106,30 @@ def run_training(mode: str, config: Config, *, resume: bool = False, config_path
     """
     quiet_progress_bars()
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return trio.run(_main, mode, config, resume, config_path, None)
+        return trio.run(_main, mode, config, resume, config_path)
     from rollouts.trainer.mirror import BackendHub
 
     if config.training.backend != "fsdp":
         raise ValueError("several torchrun ranks need training.backend = 'fsdp'")
     hub = BackendHub()
     if hub.rank != 0:
+        _follower_threads(config)
         hub.follow()
         return 0
     try:
-        return trio.run(_main, mode, config, resume, config_path, hub.create)
+        return trio.run(_main, mode, config, resume, config_path, hub)
     finally:
         hub.shutdown()
+
+
+def _follower_threads(config: Config) -> None:
+    """A rank other than 0: its share of this node's cores (the node's ranks, and on rank 0's
+    node its built-in engines too); rank 0 sets its own in the phases."""
+    e = config.engines
+    on_cpu = resolve_device(config.training.device).type == "cpu"
+    beside = (
+        e.builtin.num_engines if e.kind == "builtin" and shares_node_with_driver(os.environ) else 0
+    )
+    threads = cpu_share(config.training.torch_threads, "cpu" if on_cpu else "gpu", beside)
+    if threads:
+        torch.set_num_threads(threads)

@@ -8,11 +8,19 @@ across ranks. All of rank 0's calls go through one control thread, so a control 
 interleaves with the backend's own collectives. Functions that "every rank calls"
 (`save_checkpoint`, `publish_weights`) work unchanged on a `MirroredBackend`: their backend
 calls (barrier, save) are mirrored one by one.
+
+Across nodes, paths go out absolute (each node's torchrun may have its own working directory),
+and `check_shared` proves at start that every rank sees rank 0's checkpoint directory: rank 0
+writes the model files there and every rank its DCP shard, so a node-local path would leave
+checkpoints that no node can resume.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import socket
+import time
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +32,11 @@ from rollouts.config import Config
 from rollouts.types import LossFn, TrainBatch, TrainFuture
 
 EXIT = "exit"
+SHARED_WAIT_S = 10.0  # how long a rank looks for rank 0's marker (a network filesystem's lag)
+
+
+class SharedPathError(RuntimeError):
+    """A rank cannot see rank 0's checkpoint directory: checkpoints would be torn across nodes."""
 
 
 class BackendHub:
@@ -54,6 +67,11 @@ class BackendHub:
 
             self._backends[backend_id] = create_fsdp_backend(config, **kwargs)
             return self._backends[backend_id]
+        if kind == "shared":
+            seen = (socket.gethostname(), _appears(Path(message[1]), SHARED_WAIT_S))
+            everyone: list[Any] = [None] * self.world_size
+            dist.all_gather_object(everyone, seen, group=self._group)
+            return everyone
         if kind == "release":
             self._backends.pop(message[1]).release()
             return None
@@ -75,8 +93,24 @@ class BackendHub:
         """Build an FSDP backend on every rank; the handle rank 0's driver uses."""
         backend_id = self._next_id
         self._next_id += 1
+        kwargs = {k: Path(v).absolute() if isinstance(v, Path) else v for k, v in kwargs.items()}
         self.submit(("create", backend_id, config, kwargs)).result()
         return MirroredBackend(self, backend_id)
+
+    def check_shared(self, root: Path) -> None:
+        """Rank 0: SharedPathError unless every rank sees `root` (created here), naming the
+        ranks and hosts that do not and the fix. Rank 0 writes a marker; each rank looks."""
+        root = Path(root).absolute()
+        root.mkdir(parents=True, exist_ok=True)
+        marker = root / f".shared-{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
+        marker.write_text("rank 0 wrote this; every rank must see it\n")
+        try:
+            seen = self.submit(("shared", str(marker))).result()
+        finally:
+            marker.unlink(missing_ok=True)
+        problem = unshared_problem(root, seen)
+        if problem:
+            raise SharedPathError(problem)
 
     def follow(self) -> None:
         """Ranks 1..N-1: run rank 0's calls until it says exit."""
@@ -100,6 +134,30 @@ class BackendHub:
         self._backends.clear()
         dist.barrier()
         dist.destroy_process_group()
+
+
+def unshared_problem(root: Path, seen: list[tuple[str, bool]]) -> str:
+    """Why checkpoints under `root` would be torn ('' when every rank saw rank 0's marker):
+    `seen[rank]` is (its host, whether it saw the marker)."""
+    blind = [f"rank {rank} on {host}" for rank, (host, ok) in enumerate(seen) if not ok]
+    if not blind:
+        return ""
+    return (
+        f"the checkpoint directory {root} is not shared: {', '.join(blind)} cannot see what "
+        f"rank 0 on {seen[0][0]} wrote there (looked for {SHARED_WAIT_S:.0f} s). Every node "
+        "writes its shard of each checkpoint there: set run.output_dir (or checkpoint.dir) to a "
+        "path on a filesystem all nodes mount at the same place"
+    )
+
+
+def _appears(path: Path, wait_s: float) -> bool:
+    """Whether `path` exists, looking again for up to `wait_s` (bounded)."""
+    deadline = time.monotonic() + wait_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 class MirroredBackend:
@@ -136,13 +194,13 @@ class MirroredBackend:
         self._call("load_weights", dict(weights)).result()
 
     def save_checkpoint(self, path: Path) -> TrainFuture[None]:
-        return self._call("save_checkpoint", Path(path))
+        return self._call("save_checkpoint", Path(path).absolute())
 
     def load_checkpoint(self, path: Path) -> TrainFuture[None]:
-        return self._call("load_checkpoint", Path(path))
+        return self._call("load_checkpoint", Path(path).absolute())
 
     def save_weights(self, path: Path) -> TrainFuture[None]:
-        return self._call("save_weights", Path(path))
+        return self._call("save_weights", Path(path).absolute())
 
     def weight_snapshots(self) -> None:
         """No snapshots: weights are gathered and written when published."""

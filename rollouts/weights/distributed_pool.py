@@ -23,6 +23,7 @@ from rollouts.trainer.factories import resolve_device
 from rollouts.weights.check import WeightContentError, WeightProbe, check_engine
 from rollouts.weights.disk import SyncReport, WeightSyncError
 from rollouts.weights.distributed import DistributedWeightSync, DistSyncOptions
+from rollouts.weights.reach import LOCAL_MASTER
 
 
 async def _reachable(pool: EnginePool) -> list[int]:
@@ -127,7 +128,9 @@ def distributed_sync_for(config: Config) -> DistributedWeightSync | None:
         )
     options = DistSyncOptions(
         bucket_bytes=max(1, int(d.bucket_mb * 2**20)),
-        master_address=d.master_address,
+        # "" (automatic) is resolved by the driver at start (weights/reach.py); a caller that
+        # builds the sync itself has its engines on this host
+        master_address=d.master_address or LOCAL_MASTER,
         master_port=d.master_port,
         backend=backend,
         device=str(device) if backend == "nccl" or config.engines.kind == "vllm" else "cpu",

@@ -75,3 +75,16 @@ def test_a_reward_fn_that_always_raises_is_one_message(
     assert main(["--mode", "rl", "--config", str(config)]) == 1
     err = capsys.readouterr().err
     assert_message_alone(err, "test_quick_start.always_raises raised", tmp_path / "run")
+
+
+def test_disk_sync_to_a_remote_engine_through_dev_shm_stops_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """train.py refuses before any work (no data, no model, no wait for the engine)."""
+    remote = "http://203.0.113.7:30000"  # TEST-NET-3: never this host
+    config = _config(tmp_path, engines={"kind": "sglang", "urls": [remote]})
+    assert main(["--mode", "rl", "--config", str(config)]) == 1
+    stderr = capsys.readouterr().err
+    assert_message_alone(stderr, f"but engine {remote} is on another host", tmp_path / "run")
+    assert "set weight_sync.dir" in stderr
+    assert not (tmp_path / "base").exists()  # stopped before the model was built
