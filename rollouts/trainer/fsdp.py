@@ -6,6 +6,14 @@ batch; the backend picks each rank's sequences (balanced by tokens), keeps ranks
 averages) and sums metrics across ranks. gloo on CPU, nccl on GPU. Checkpoints: HF model files
 gathered on rank 0, optimizer as a distributed (DCP) checkpoint, the critic's value head (if
 any, a child of the root wrapper, outside `lm`) as `value_head.pt` written by rank 0.
+
+LoRA (`[model.lora]`): every rank wraps the model with PEFT before sharding (the adapters drawn
+from `run.seed`, so the ranks agree); only the adapters require grad and are in the optimizer.
+FSDP2 shards frozen and trainable parameters of one layer together and reduce-scatters only the
+gradients that exist. What leaves the trainer is gathered on rank 0 from the full state dict: the
+adapter (PEFT's directory), the base, or the merged model; the base logprobs are computed on
+every rank with the adapters off. A checkpoint holds `adapter/` (and `model/`, merged, when
+`save_merged`) and the adapters' optimizer state (DCP), as the one-device backend's does.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from torch.distributed.fsdp import fully_shard
 
 from rollouts.config import Config
 from rollouts.trainer import building as f
+from rollouts.trainer import lora
 from rollouts.trainer.batching import shard_indices
 from rollouts.trainer.core import BackendSettings, TrainerCore
 from rollouts.trainer.model import VALUE_HEAD_FILE, TokenLogprobModel, make_value_head
@@ -126,8 +135,12 @@ class FSDPBackend:
         settings: BackendSettings,
         device: torch.device,
         tokenizer: Any = None,
+        save_merged: bool = False,
     ) -> None:
         self.model = model
+        self.hf = lora.hf_model(model.lm)  # the HF model: config, embeddings, save_pretrained
+        self.adapters = lora.is_lora(model.lm)  # LoRA: `model.lm` is a PEFT model
+        self.save_merged = save_merged  # LoRA: checkpoints also hold the merged model/
         self.tokenizer = tokenizer
         self.collective = DistCollective(model)
         self.rank = self.collective.rank
@@ -183,7 +196,11 @@ class FSDPBackend:
         return lm, head
 
     def _full_state(self) -> dict[str, torch.Tensor]:
-        return self._full_states()[0]
+        """The HF state dict on rank 0 ({} elsewhere); with LoRA, base + adapter merged."""
+        state = self._full_states()[0]
+        if not self.adapters or self.rank != 0:
+            return state
+        return lora.merged_weights(lora.hf_names(state), lora.lora_scalings(self.model.lm))
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """The full HF state dict on CPU on rank 0 ({} elsewhere); every rank must call."""
@@ -194,6 +211,11 @@ class FSDPBackend:
         self._submit(self._load_weights, weights).result()
 
     def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        if self.adapters:
+            raise NotImplementedError(
+                "load_weights of a LoRA backend: its weights are a frozen base and an adapter "
+                "(load_checkpoint restores the adapter); a full state dict has no place here"
+            )
         full = {PREFIX + k: v for k, v in weights.items()}
         options = StateDictOptions(full_state_dict=True, strict=not self.has_value_head)
         set_model_state_dict(self.model, full, options=options)
@@ -204,10 +226,13 @@ class FSDPBackend:
         set_model_state_dict(self.model, full, options=options)
 
     def _save_hf(self, path: Path, for_engine: bool = False) -> None:
-        state = self._full_state()
+        self._write_hf(path, self._full_state(), for_engine)
+
+    def _write_hf(self, path: Path, state: dict[str, torch.Tensor], for_engine: bool) -> None:
+        """Rank 0 writes the gathered HF `state` as model files; every rank waits for it."""
         if self.rank == 0:
-            state = engine_state_dict(self.model.lm, state) if for_engine else state
-            save_hf(self.model.lm, self.tokenizer, path, state)
+            state = engine_state_dict(self.hf, state) if for_engine else state
+            save_hf(self.hf, self.tokenizer, path, state)
         dist.barrier()
 
     def save_weights(self, path: Path) -> TrainFuture[None]:
@@ -220,7 +245,12 @@ class FSDPBackend:
         return self._submit(self._save_checkpoint, Path(path))
 
     def _save_checkpoint(self, path: Path) -> None:
-        self._save_hf(path / MODEL_DIR)
+        if not self.adapters:
+            self._save_hf(path / MODEL_DIR)
+        else:
+            self._save_adapter(path / lora.ADAPTER_DIR)
+            if self.save_merged:
+                self._save_hf(path / MODEL_DIR, for_engine=True)
         if self.has_value_head:
             head = self._full_states()[1]
             if self.rank == 0:
@@ -237,7 +267,10 @@ class FSDPBackend:
         return self._submit(self._load_checkpoint, Path(path))
 
     def _load_checkpoint(self, path: Path) -> None:
-        self._load_weights(load_hf_weights(path / MODEL_DIR))
+        if self.adapters:
+            self._load_adapter(path / lora.ADAPTER_DIR)
+        else:
+            self._load_weights(load_hf_weights(path / MODEL_DIR))
         if self.has_value_head:
             self._load_head(load_value_head(path, torch.device("cpu")))
         state = {"optim": get_optimizer_state_dict(self.model, self.core.optimizer)}
@@ -250,9 +283,54 @@ class FSDPBackend:
         """No snapshots: weights are gathered and written when published."""
         return None
 
-    def lora_adapters(self) -> None:
-        """No LoRA under FSDP yet (the config refuses model.lora with training.backend = fsdp)."""
-        return None
+    def lora_adapters(self) -> FSDPBackend | None:
+        """This backend when it trains LoRA adapters (`save_adapter`, base logprobs)."""
+        return self if self.adapters else None
+
+    def save_adapter(self, path: Path) -> TrainFuture[int]:
+        """The adapter's PEFT directory in `path`, gathered and written by rank 0 (in order
+        after the submitted work); its size in bytes (0 on other ranks). Every rank calls."""
+        assert self.adapters, "save_adapter of a backend without LoRA"
+        return self._submit(self._save_adapter, Path(path))
+
+    def _save_adapter(self, path: Path) -> int:
+        state, size = self._full_states()[0], 0
+        if self.rank == 0:
+            size = lora.save_adapter(self.model.lm, self.tokenizer, path, state)
+        dist.barrier()
+        return size
+
+    def _load_adapter(self, path: Path) -> None:
+        """Every rank reads the adapter files and keeps its shard of each tensor."""
+        full = {PREFIX + k: v for k, v in lora.adapter_param_names(lora.read_adapter(path)).items()}
+        wanted = {PREFIX + n for n, p in self.model.lm.named_parameters() if p.requires_grad}
+        if full.keys() != wanted:
+            missing, unexpected = sorted(wanted - full.keys()), sorted(full.keys() - wanted)
+            raise KeyError(f"{path}: adapter does not fit the model: {missing=} {unexpected=}")
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(self.model, full, options=options)
+
+    def save_base_weights(self, path: Path) -> TrainFuture[None]:
+        """The frozen base model as engine weight files in `path` (rank 0; a tied head written
+        out); every rank calls."""
+        assert self.adapters, "save_base_weights of a backend without LoRA"
+
+        def work() -> None:
+            state = self._full_states()[0]
+            base = lora.base_weights(lora.hf_names(state)) if self.rank == 0 else {}
+            self._write_hf(Path(path), base, for_engine=True)
+
+        return self._submit(work)
+
+    def compute_base_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
+        """Logprobs of the base model (the adapters off) of the whole batch on every rank."""
+        assert self.adapters, "compute_base_logprobs of a backend without LoRA"
+
+        def work() -> tuple[torch.Tensor, ...]:
+            with lora.base_model_off(self.model.lm):
+                return self.core.compute_logprobs(batch, self.collective.gather)
+
+        return self._submit(work)
 
     def pin_thread(self, cores: Collection[int]) -> None:
         """Nothing to pin: torchrun places the ranks."""
@@ -296,6 +374,8 @@ def create_fsdp_backend(
         device=device,
     )
     head = make_value_head(lm) if f.wants_value_head(config, value_head) else None
+    if m.lora.enabled:  # before sharding; the same adapters on every rank (run.seed)
+        lm = lora.apply_lora(lm, m.lora, seed=config.run.seed)
     model = shard_model(lm, config.training.logprob_chunk_size, head)
     tokenizer = f.load_tokenizer(m.tokenizer_path or path)
     optimizer = f.create_optimizer_with_head(model.lm.parameters(), model.value_head, config, lr)
@@ -308,4 +388,5 @@ def create_fsdp_backend(
         settings=f.backend_settings(config, device, tokenizer.pad_token_id or 0),
         device=device,
         tokenizer=tokenizer,
+        save_merged=m.lora.save_merged,
     )
