@@ -30,7 +30,7 @@ class BackendHub:
     """The per-process registry of mirrored backends and the control channel."""
 
     def __init__(self) -> None:
-        from rollouts.trainer.fsdp import init_distributed
+        from rollouts.trainer.dist import init_distributed
 
         init_distributed()
         self.rank = dist.get_rank()
