@@ -73,13 +73,6 @@ def lora_problems(config: Config) -> list[str]:
     p: list[str] = []
     _check(
         p,
-        config.training.backend == "pytorch",
-        "model.lora.enabled with training.backend = 'fsdp': LoRA trains on the one-device "
-        "backend only for now; set training.backend = 'pytorch' (adapters are small: one "
-        "device holds their optimizer state)",
-    )
-    _check(
-        p,
         config.algorithm.reference.update == "none",
         f"model.lora.enabled with algorithm.reference.update = "
         f"{config.algorithm.reference.update!r}: with LoRA the reference is the base model "

@@ -6,14 +6,21 @@ batch; the backend picks each rank's sequences (balanced by tokens), keeps ranks
 averages) and sums metrics across ranks. gloo on CPU, nccl on GPU. Checkpoints: HF model files
 gathered on rank 0, optimizer as a distributed (DCP) checkpoint, the critic's value head (if
 any, a child of the root wrapper, outside `lm`) as `value_head.pt` written by rank 0.
+
+LoRA (`[model.lora]`): every rank wraps the model with PEFT before sharding (the adapters drawn
+from `run.seed`, so the ranks agree); only the adapters require grad and are in the optimizer.
+FSDP2 shards frozen and trainable parameters of one layer together and reduce-scatters only the
+gradients that exist. What leaves the trainer is gathered on rank 0 from the full state dict: the
+adapter (PEFT's directory), the base, or the merged model; the base logprobs are computed on
+every rank with the adapters off. A checkpoint holds `adapter/` (and `model/`, merged, when
+`save_merged`) and the adapters' optimizer state (DCP), as the one-device backend's does.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,8 +38,9 @@ from torch.distributed.fsdp import fully_shard
 
 from rollouts.config import Config
 from rollouts.trainer import building as f
-from rollouts.trainer.batching import shard_indices
+from rollouts.trainer import lora
 from rollouts.trainer.core import BackendSettings, TrainerCore
+from rollouts.trainer.dist import DistCollective, init_distributed
 from rollouts.trainer.model import VALUE_HEAD_FILE, TokenLogprobModel, make_value_head
 from rollouts.trainer.protocol import Metrics
 from rollouts.trainer.pytorch import (
@@ -47,58 +55,6 @@ from rollouts.types import LossFn, TrainBatch, TrainFuture
 T = TypeVar("T")
 PREFIX = "lm."  # the wrapper holds the HF model as `lm`
 HEAD_PREFIX = "value_head."  # ... and the critic head (when there is one) as `value_head`
-
-
-class DistCollective:
-    """Reductions over the default process group; FSDP2 gradient-sync switch."""
-
-    def __init__(self, model: Any) -> None:
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-        self._model = model
-        self._device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
-
-    def local_indices(self, lengths: Sequence[int]) -> list[int]:
-        return shard_indices(lengths, self.world_size, self.rank)
-
-    def sum(self, values: dict[str, float]) -> dict[str, float]:
-        all_keys: list[Any] = [None] * self.world_size
-        dist.all_gather_object(all_keys, sorted(values))
-        keys = sorted({k for ks in all_keys for k in ks})
-        t = torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64)
-        t = t.to(self._device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return dict(zip(keys, t.cpu().tolist(), strict=True))
-
-    def max_int(self, value: int) -> int:
-        t = torch.tensor([value], dtype=torch.int64, device=self._device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
-
-    def set_grad_sync(self, enabled: bool) -> None:
-        self._model.set_requires_gradient_sync(enabled)
-
-    def gather(self, out: dict[int, torch.Tensor], lengths: list[int]) -> tuple[torch.Tensor, ...]:
-        parts: list[Any] = [None] * self.world_size
-        dist.all_gather_object(parts, out)
-        merged = {i: t for part in parts for i, t in part.items()}
-        assert len(merged) == len(lengths), f"{len(merged)=} != {len(lengths)=}"
-        return tuple(merged[i] for i in range(len(lengths)))
-
-
-def init_distributed() -> torch.device:
-    """Join the torchrun process group (gloo on CPU, nccl on GPU); the device of this rank."""
-    if "RANK" not in os.environ:
-        raise RuntimeError("training.backend = 'fsdp' must run under torchrun (no RANK in env)")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        if not dist.is_initialized():
-            dist.init_process_group("nccl", device_id=device)
-        return device
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    return torch.device("cpu")
 
 
 def shard_model(
@@ -126,8 +82,12 @@ class FSDPBackend:
         settings: BackendSettings,
         device: torch.device,
         tokenizer: Any = None,
+        save_merged: bool = False,
     ) -> None:
         self.model = model
+        self.hf = lora.hf_model(model.lm)  # the HF model: config, embeddings, save_pretrained
+        self.adapters = lora.is_lora(model.lm)  # LoRA: `model.lm` is a PEFT model
+        self.save_merged = save_merged  # LoRA: checkpoints also hold the merged model/
         self.tokenizer = tokenizer
         self.collective = DistCollective(model)
         self.rank = self.collective.rank
@@ -183,7 +143,11 @@ class FSDPBackend:
         return lm, head
 
     def _full_state(self) -> dict[str, torch.Tensor]:
-        return self._full_states()[0]
+        """The HF state dict on rank 0 ({} elsewhere); with LoRA, base + adapter merged."""
+        state = self._full_states()[0]
+        if not self.adapters or self.rank != 0:
+            return state
+        return lora.merged_weights(lora.hf_names(state), lora.lora_scalings(self.model.lm))
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """The full HF state dict on CPU on rank 0 ({} elsewhere); every rank must call."""
@@ -194,6 +158,11 @@ class FSDPBackend:
         self._submit(self._load_weights, weights).result()
 
     def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        if self.adapters:
+            raise NotImplementedError(
+                "load_weights of a LoRA backend: its weights are a frozen base and an adapter "
+                "(load_checkpoint restores the adapter); a full state dict has no place here"
+            )
         full = {PREFIX + k: v for k, v in weights.items()}
         options = StateDictOptions(full_state_dict=True, strict=not self.has_value_head)
         set_model_state_dict(self.model, full, options=options)
@@ -204,10 +173,13 @@ class FSDPBackend:
         set_model_state_dict(self.model, full, options=options)
 
     def _save_hf(self, path: Path, for_engine: bool = False) -> None:
-        state = self._full_state()
+        self._write_hf(path, self._full_state(), for_engine)
+
+    def _write_hf(self, path: Path, state: dict[str, torch.Tensor], for_engine: bool) -> None:
+        """Rank 0 writes the gathered HF `state` as model files; every rank waits for it."""
         if self.rank == 0:
-            state = engine_state_dict(self.model.lm, state) if for_engine else state
-            save_hf(self.model.lm, self.tokenizer, path, state)
+            state = engine_state_dict(self.hf, state) if for_engine else state
+            save_hf(self.hf, self.tokenizer, path, state)
         dist.barrier()
 
     def save_weights(self, path: Path) -> TrainFuture[None]:
@@ -220,7 +192,12 @@ class FSDPBackend:
         return self._submit(self._save_checkpoint, Path(path))
 
     def _save_checkpoint(self, path: Path) -> None:
-        self._save_hf(path / MODEL_DIR)
+        if not self.adapters:
+            self._save_hf(path / MODEL_DIR)
+        else:
+            self._save_adapter(path / lora.ADAPTER_DIR)
+            if self.save_merged:
+                self._save_hf(path / MODEL_DIR, for_engine=True)
         if self.has_value_head:
             head = self._full_states()[1]
             if self.rank == 0:
@@ -237,7 +214,10 @@ class FSDPBackend:
         return self._submit(self._load_checkpoint, Path(path))
 
     def _load_checkpoint(self, path: Path) -> None:
-        self._load_weights(load_hf_weights(path / MODEL_DIR))
+        if self.adapters:
+            self._load_adapter(path / lora.ADAPTER_DIR)
+        else:
+            self._load_weights(load_hf_weights(path / MODEL_DIR))
         if self.has_value_head:
             self._load_head(load_value_head(path, torch.device("cpu")))
         state = {"optim": get_optimizer_state_dict(self.model, self.core.optimizer)}
@@ -250,9 +230,54 @@ class FSDPBackend:
         """No snapshots: weights are gathered and written when published."""
         return None
 
-    def lora_adapters(self) -> None:
-        """No LoRA under FSDP yet (the config refuses model.lora with training.backend = fsdp)."""
-        return None
+    def lora_adapters(self) -> FSDPBackend | None:
+        """This backend when it trains LoRA adapters (`save_adapter`, base logprobs)."""
+        return self if self.adapters else None
+
+    def save_adapter(self, path: Path) -> TrainFuture[int]:
+        """The adapter's PEFT directory in `path`, gathered and written by rank 0 (in order
+        after the submitted work); its size in bytes (0 on other ranks). Every rank calls."""
+        assert self.adapters, "save_adapter of a backend without LoRA"
+        return self._submit(self._save_adapter, Path(path))
+
+    def _save_adapter(self, path: Path) -> int:
+        state, size = self._full_states()[0], 0
+        if self.rank == 0:
+            size = lora.save_adapter(self.model.lm, self.tokenizer, path, state)
+        dist.barrier()
+        return size
+
+    def _load_adapter(self, path: Path) -> None:
+        """Every rank reads the adapter files and keeps its shard of each tensor."""
+        full = {PREFIX + k: v for k, v in lora.adapter_param_names(lora.read_adapter(path)).items()}
+        wanted = {PREFIX + n for n, p in self.model.lm.named_parameters() if p.requires_grad}
+        if full.keys() != wanted:
+            missing, unexpected = sorted(wanted - full.keys()), sorted(full.keys() - wanted)
+            raise KeyError(f"{path}: adapter does not fit the model: {missing=} {unexpected=}")
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(self.model, full, options=options)
+
+    def save_base_weights(self, path: Path) -> TrainFuture[None]:
+        """The frozen base model as engine weight files in `path` (rank 0; a tied head written
+        out); every rank calls."""
+        assert self.adapters, "save_base_weights of a backend without LoRA"
+
+        def work() -> None:
+            state = self._full_states()[0]
+            base = lora.base_weights(lora.hf_names(state)) if self.rank == 0 else {}
+            self._write_hf(Path(path), base, for_engine=True)
+
+        return self._submit(work)
+
+    def compute_base_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
+        """Logprobs of the base model (the adapters off) of the whole batch on every rank."""
+        assert self.adapters, "compute_base_logprobs of a backend without LoRA"
+
+        def work() -> tuple[torch.Tensor, ...]:
+            with lora.base_model_off(self.model.lm):
+                return self.core.compute_logprobs(batch, self.collective.gather)
+
+        return self._submit(work)
 
     def pin_thread(self, cores: Collection[int]) -> None:
         """Nothing to pin: torchrun places the ranks."""
@@ -296,6 +321,8 @@ def create_fsdp_backend(
         device=device,
     )
     head = make_value_head(lm) if f.wants_value_head(config, value_head) else None
+    if m.lora.enabled:  # before sharding; the same adapters on every rank (run.seed)
+        lm = lora.apply_lora(lm, m.lora, seed=config.run.seed)
     model = shard_model(lm, config.training.logprob_chunk_size, head)
     tokenizer = f.load_tokenizer(m.tokenizer_path or path)
     optimizer = f.create_optimizer_with_head(model.lm.parameters(), model.value_head, config, lr)
@@ -308,4 +335,5 @@ def create_fsdp_backend(
         settings=f.backend_settings(config, device, tokenizer.pad_token_id or 0),
         device=device,
         tokenizer=tokenizer,
+        save_merged=m.lora.save_merged,
     )

@@ -43,7 +43,7 @@ class BackendHub:
     """The per-process registry of mirrored backends and the control channel."""
 
     def __init__(self) -> None:
-        from rollouts.trainer.fsdp import init_distributed
+        from rollouts.trainer.dist import init_distributed
 
         init_distributed()
         self.rank = dist.get_rank()
@@ -169,6 +169,7 @@ class MirroredBackend:
         self.rank = 0
         self.world_size = hub.world_size
         self.tokenizer = hub._backends[backend_id].tokenizer
+        self.adapters = hub._backends[backend_id].adapters  # it trains LoRA adapters
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> TrainFuture[Any]:
         return TrainFuture(self.hub.submit(("call", self.backend_id, name, args, kwargs)))
@@ -206,9 +207,18 @@ class MirroredBackend:
         """No snapshots: weights are gathered and written when published."""
         return None
 
-    def lora_adapters(self) -> None:
-        """No LoRA under FSDP yet."""
-        return None
+    def lora_adapters(self) -> MirroredBackend | None:
+        """This handle when the backend trains LoRA adapters (its calls mirrored too)."""
+        return self if self.adapters else None
+
+    def save_adapter(self, path: Path) -> TrainFuture[int]:
+        return self._call("save_adapter", Path(path))
+
+    def save_base_weights(self, path: Path) -> TrainFuture[None]:
+        return self._call("save_base_weights", Path(path))
+
+    def compute_base_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
+        return self._call("compute_base_logprobs", batch)
 
     def pin_thread(self, cores: Collection[int]) -> None:
         """Nothing to pin: torchrun places the ranks."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from rollouts.config import Config, ModelConfig, OptimConfig, TrainingConfig
+from rollouts.config import Config, LoraConfig, ModelConfig, OptimConfig, TrainingConfig
 from rollouts.types import ModelOutputs, PlainLoss, TrainBatch
 
 LENGTHS = [5, 9, 3, 12, 7, 7]
@@ -48,6 +49,13 @@ def tiny_config(model_dir: Path, **training: Any) -> Config:
         optim=OptimConfig(lr=1e-2, warmup_steps=1, min_lr_ratio=0.5, max_grad_norm=1.0),
         training=TrainingConfig(device="cpu", rl_steps=10, **training),
     )
+
+
+def lora_config(model_dir: Path, **lora: Any) -> Config:
+    """`tiny_config` with rank-4 LoRA adapters on every linear layer."""
+    config = tiny_config(model_dir)
+    table = LoraConfig(enabled=True, rank=4, alpha=8.0, **lora)
+    return dataclasses.replace(config, model=ModelConfig(path=str(model_dir), lora=table))
 
 
 @pytest.fixture(autouse=True)

@@ -13,12 +13,13 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
-from rollouts.config import AlgorithmConfig, KLConfig, LoraConfig, ModelConfig
+from rollouts.config import AlgorithmConfig, KLConfig
 from rollouts.driver.rl_phase import build_reference
 from rollouts.trainer.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from rollouts.trainer.factories import create_pytorch_backend
 from rollouts.trainer.lora import ADAPTER_DIR
 from tests.training.backend_helpers import (
+    lora_config,
     make_batch,
     nll_loss,
     one_torch_thread,  # noqa: F401 (autouse)
@@ -26,12 +27,6 @@ from tests.training.backend_helpers import (
 )
 
 BATCHES = [make_batch([6, 9, 4], seed=s) for s in range(4)]
-
-
-def lora_config(model_dir: Path, **lora):
-    config = tiny_config(model_dir)
-    table = LoraConfig(enabled=True, rank=4, alpha=8.0, **lora)
-    return dataclasses.replace(config, model=ModelConfig(path=str(model_dir), lora=table))
 
 
 def _train(backend, steps: range) -> None:

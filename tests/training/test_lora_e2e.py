@@ -85,3 +85,23 @@ def test_lora_rl_syncs_the_adapter_alone_and_resumes_exactly(tmp_path: Path) -> 
     a, b = _adapter(run, 4), _adapter(killed / "run", 4)
     assert a.keys() == b.keys()
     assert all(a[k].equal(b[k]) for k in a), "the resumed run ends on another adapter"
+
+
+def test_lora_rl_under_fsdp_syncs_the_adapter_alone(tmp_path: Path) -> None:
+    """The same run on 2 torchrun ranks (FSDP2): rank 0 gathers the adapter and publishes it."""
+    fsdp = LORA | {"training": {"rl_steps": 2, "backend": "fsdp", "nproc": 2}}
+    done = _train("--mode", "rl", "--config", str(_config(tmp_path, **fsdp)), timeout_s=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "reference model: the base model (the LoRA adapters off)" in done.stdout
+    run = tmp_path / "run"
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    full_bytes = (tmp_path / "base" / "model.safetensors").stat().st_size
+    for row in rows[1:]:
+        assert row["sync/failed_engines"] == 0.0, row
+        assert row["sync/content_gap_max"] < 1e-4, row
+        assert row["sync/bytes"] < full_bytes / 3, (row["sync/bytes"], full_bytes)
+    assert rows[-1]["train/kl"] > 0  # the policy left its reference, the base
+    step = run / "checkpoints" / "rl" / "step_000002"
+    assert (step / "adapter" / "adapter_model.safetensors").is_file()
+    assert (step / "optimizer").is_dir()  # the adapters' AdamW state, as DCP shards
