@@ -11,7 +11,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollouts.driver.cli import main
+from rollouts.openmp import passive_waits
+
+passive_waits()  # before torch loads
+
+from rollouts.driver.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from rollouts.openmp import passive_waits
+
 # subcommand -> (module, help). The module has `add_arguments(parser)` and `run(args) -> int`.
 SUBCOMMANDS = {
     "make-tiny-model": ("rollouts.models.cli", "build a tiny local model + tokenizer in DIR"),
@@ -22,6 +24,7 @@ SUBCOMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the subcommand, import its module, and run it."""
+    passive_waits()  # before the subcommand's module loads torch
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="rollouts", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -77,10 +77,10 @@ class TrainingConfig(_Section):
     # others read 0 (prompts cost no head: verl and TRL do the same); "all": every position,
     # for a custom loss that reads the logprobs of untrained tokens
     logprob_positions: LogprobPositions = "trained"
-    # on CPU with built-in engines (driver/placement.py): "split" (= "auto"): the training
-    # thread, each engine and (async) the driver on cores of their own; "colocate": the trainer
-    # (SFT too) and the engines each get every core, for sync mode on a machine the run has to
-    # itself (the phases alternate; outside load makes it collapse); "off": leave it to the OS
+    # on CPU with built-in engines (driver/placement.py): "auto" = "colocate" in sync mode,
+    # "split" in async mode; "colocate": the trainer (SFT too) and the engines each get every
+    # core (the phases alternate; OpenMP waits are passive); "split": the training thread, each
+    # engine and (async) the driver on cores of their own; "off": leave it to the OS
     cpu_placement: CpuPlacement = "auto"
     # "auto": train in a child process when async mode runs with that CPU placement (the
     # driver's Python then never holds the training thread's GIL; backends/process.py);

@@ -2,26 +2,26 @@
 get in the RL phase.
 
 When the trainer and the built-in engines all run on this machine's CPU (`training.cpu_placement`
-not "off", and no torch thread count set by hand), there are two plans:
-- split (the default, "auto"): the cores are split as equal shares: the first for the training
-  thread and the torch threads it starts, the next for each engine process (pinned, `rollouts
-  serve --cpus`). In async mode, where generation and training overlap, the driver's thread
-  (HTTP to the engines, rewards, batch building, the weight-file writer) runs on the engines'
-  cores as well: generation has slack there, while every slice the driver takes on the training
-  core - CPU time, and the GIL while the training thread runs Python - lengthens the step that
-  bounds async throughput. In sync mode the driver is left unpinned.
-- colocate ("colocate", for sync mode on a machine the run has to itself): generation and
-  training alternate, so each phase gets the whole machine: the trainer (SFT too) runs every
-  core's worth of torch threads, each engine its share of every core, nothing is pinned; the
-  side that waits holds no core (an idle engine blocks on its queue, an idle trainer's OpenMP
-  threads sleep after a short spin).
-Oversubscribed OpenMP threads of processes that run at once spin against each other (measured
-30x slower on a 2-core box), which is why overlapping phases never share a core. Colocated,
-sync mode took 1.14 s a step against 1.73 s split (1.51x) on a 2-core box, but 28 s against
-2.7 s while other processes wanted the cores (an OpenMP barrier waits for a thread the OS took
-away): so it is asked for, not the default. `scripts/bench_rl_step.py --modes
-floor,sync,async,sync-split --set training.cpu_placement=colocate` compares them. Pinning is
-Linux-only (`os.sched_setaffinity`); elsewhere nothing is pinned.
+not "off", and no torch thread count set by hand), there are two plans; "auto" colocates in sync
+mode and splits in async mode:
+- colocate (sync mode): generation and training alternate, so each phase gets the whole machine:
+  the trainer (SFT too) runs every core's worth of torch threads, each engine its share of every
+  core, nothing is pinned; the side that waits holds no core (an idle engine blocks on its queue;
+  OpenMP threads that wait sleep: `rollouts/openmp.py` sets `OMP_WAIT_POLICY=PASSIVE` unless the
+  user set it).
+- split (async mode, where generation and training overlap): the cores are split as equal
+  shares: the first for the training thread and the torch threads it starts, the next for each
+  engine process (pinned, `rollouts serve --cpus`). The driver's thread (HTTP to the engines,
+  rewards, batch building, the weight-file writer) runs on the engines' cores as well:
+  generation has slack there, while every slice the driver takes on the training core - CPU
+  time, and the GIL while the training thread runs Python - lengthens the step that bounds async
+  throughput. In sync mode (asked for with "split") the driver is left unpinned.
+Measured on the 2-core box (passive waits; `scripts/bench_rl_step.py --modes
+floor,sync,async,sync-split --set training.cpu_placement=colocate`): the tiny model's sync step
+1.50 s colocated against 1.70 s split; SmolLM2 (bf16 autocast, 4 steps) 58.6 s against 73.5 s,
+and 113.6 s against 132.3 s beside two busy processes. With libgomp's spinning waits colocation
+collapsed under outside load (28 s against 2.7 s a step), which is why the waits are passive.
+Pinning is Linux-only (`os.sched_setaffinity`); elsewhere nothing is pinned.
 
 Whether the RL phase trains in a child process is decided here too, in one function
 (`decide_trainer_process`) that returns the decision with its reason; the driver prints both.
@@ -141,10 +141,12 @@ def cpu_plan(config: Config) -> CpuPlan | None:
 
 
 def placement_of(config: Config) -> str:
-    """ "colocate" or "split": `training.cpu_placement`; "auto" splits (see the module docstring:
-    colocated processes collapse when anything else wants the cores)."""
+    """ "colocate" or "split": `training.cpu_placement`; "auto" colocates in sync mode (the phases
+    alternate) and splits in async mode (they overlap)."""
     chosen = config.training.cpu_placement
-    return "split" if chosen == "auto" else chosen
+    if chosen != "auto":
+        return chosen
+    return "colocate" if config.rollout.mode == "sync" else "split"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -23,6 +23,7 @@ from rollouts.config import Config
 from rollouts.driver.engines import cpu_share
 from rollouts.driver.launch import shares_node_with_driver
 from rollouts.driver.lock import hold_run_locks
+from rollouts.driver.placement import placement_of
 from rollouts.driver.rl_phase import rl_phase
 from rollouts.driver.setup import (
     StopFlag,
@@ -62,7 +63,7 @@ async def _run(
     # driver/placement.py)
     e = config.engines
     on_cpu = resolve_device(config.training.device).type == "cpu" and e.kind == "builtin"
-    beside = 0 if config.training.cpu_placement == "colocate" else e.builtin.num_engines
+    beside = 0 if placement_of(config) == "colocate" else e.builtin.num_engines
     threads = cpu_share(config.training.torch_threads, "cpu" if on_cpu else "gpu", beside)
     if threads:
         torch.set_num_threads(threads)

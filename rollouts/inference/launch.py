@@ -31,6 +31,8 @@ from typing import Any
 import httpx
 import trio
 
+from rollouts.openmp import passive_waits
+
 HEALTH_POLL_S = 0.1
 STOP_GRACE_S = 5.0
 PORT_ATTEMPTS = 3
@@ -147,6 +149,7 @@ def spawn(spec: EngineSpec) -> EngineProcess:
         fd, log_path = tempfile.mkstemp(prefix=f"rollouts-serve-{port}-", suffix=".log")
         os.close(fd)
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1")
+    passive_waits(env)
     with open(log_path, "ab") as log:
         process = subprocess.Popen(
             dies_with_parent(server_command(spec, port)),

@@ -26,6 +26,7 @@ from rollouts.driver.placement import (
 )
 from rollouts.driver.quick_start import quick_start_training
 from rollouts.inference.launch import EngineSpec, engine_process
+from rollouts.openmp import passive_waits
 from rollouts.trainer.core import TrainerCore
 from rollouts.types import Sample
 
@@ -59,14 +60,16 @@ def test_colocated_every_part_gets_every_core_and_nothing_is_pinned() -> None:
 @pytest.mark.parametrize(
     ("mode", "placement", "chosen"),
     [
-        ("sync", "auto", "split"),
+        ("sync", "auto", "colocate"),
         ("async", "auto", "split"),
         ("sync", "colocate", "colocate"),
         ("sync", "split", "split"),
         ("async", "colocate", "colocate"),
     ],
 )
-def test_auto_splits_and_colocate_is_asked_for(mode: str, placement: str, chosen: str) -> None:
+def test_auto_colocates_in_sync_mode_and_splits_in_async_mode(
+    mode: str, placement: str, chosen: str
+) -> None:
     config = config_from_dict(
         {"rollout": {"mode": mode}, "training": {"device": "cpu", "cpu_placement": placement}}
     )
@@ -94,7 +97,7 @@ def test_the_plan_applies_only_to_cpu_runs_left_to_the_defaults() -> None:
     sync = config_from_dict(
         {"model": {"path": "unused"}, "data": {"train_path": "unused.jsonl"}}, "test"
     )
-    assert cpu_plan(sync) in (None, plan_cpus(CORES, 1, pin_driver=False))  # device auto
+    assert cpu_plan(sync) in (None, colocate_cpus(CORES, 1))  # device auto; sync: colocated
     assert cpu_plan(_config(cpu_placement="off")) is None
     assert cpu_plan(_config(torch_threads=2)) is None  # set by hand: placed by hand
     assert cpu_plan(_config(backend="fsdp")) is None
@@ -323,3 +326,22 @@ def test_a_colocated_sync_run_gives_each_phase_every_core(
     assert seen["train_threads"] == {len(CORES)}
     assert seen["train_cores"] == {frozenset(CORES)}
     assert seen["engine"] == {(frozenset(CORES), len(CORES))}, seen
+
+
+def test_openmp_waits_are_passive_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    env: dict[str, str] = {}
+    passive_waits(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    passive_waits(env)
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    code = (  # the front door sets it before torch loads (not run as __main__: no training)
+        "import os, runpy; runpy.run_path('integration_training/train.py'); "
+        "print(os.environ['OMP_WAIT_POLICY'])"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=60
+    )
+    assert done.stdout.strip().endswith("PASSIVE"), done.stdout + done.stderr
