@@ -218,7 +218,7 @@ async def _reference(
     ref = build_reference(config, model_dir, make, policy)
     if ref is None or ref.backend is None:
         return ref
-    if plan is not None:
+    if plan is not None and plan.trainer:  # colocated: nothing is pinned
         ref.backend.pin_thread(plan.trainer)
     if latest is not None:
         await trio.to_thread.run_sync(restore_reference, ref, latest)
