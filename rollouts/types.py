@@ -148,6 +148,9 @@ class RolloutBatch:
         return tuple(s for group in self.groups for s in group)
 
 
+FULL_PRECISION = "full_precision"  # TrainBatch.metadata key: logprobs without autocast
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TrainBatch:
     """Ragged sequences ready for a training backend.

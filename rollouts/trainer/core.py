@@ -28,7 +28,7 @@ from rollouts.trainer.batching import (
 )
 from rollouts.trainer.model import TokenLogprobModel, move_to, split_per_sequence
 from rollouts.trainer.protocol import Metrics, NonFiniteError
-from rollouts.types import LossFn, ModelOutputs, TrainBatch
+from rollouts.types import FULL_PRECISION, LossFn, ModelOutputs, TrainBatch
 
 LOGPROB_POSITIONS = typing.get_args(LogprobPositions)
 
@@ -108,6 +108,7 @@ class TrainerCore:
         self.steps_skipped = 0  # steps skipped for a non-finite loss or gradient
         self.consecutive_nonfinite = 0
         self._pending_nonfinite = False  # a micro-batch loss since the last step was not finite
+        self._full_precision = False  # this logprob pass runs without autocast
 
     def state_dict(self) -> dict[str, int]:
         return {
@@ -123,7 +124,7 @@ class TrainerCore:
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         dtype = self.settings.autocast_dtype
-        if dtype is None:
+        if dtype is None or self._full_precision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
@@ -270,6 +271,16 @@ class TrainerCore:
         self, batch: TrainBatch, gather: Callable[..., Any], *, values: bool
     ) -> tuple[Any, ...]:
         self.model.eval()
+        # the weight sync's content probe: the master weights' own precision, no autocast
+        self._full_precision = bool(batch.metadata.get(FULL_PRECISION))
+        try:
+            return self._per_token_of(batch, gather, values=values)
+        finally:
+            self._full_precision = False
+
+    def _per_token_of(
+        self, batch: TrainBatch, gather: Callable[..., Any], *, values: bool
+    ) -> tuple[Any, ...]:
         lengths = [int(x.shape[0]) for x in batch.input_ids]
         local_idx = self.collective.local_indices(lengths)
         local, plans = self._plans(batch)

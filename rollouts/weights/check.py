@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from rollouts.config import Config
-from rollouts.types import TrainBatch
+from rollouts.types import FULL_PRECISION, TrainBatch
 
 # Largest |engine - trainer| logprob gap on the probe that still counts as the same weights.
 # fp32 engine vs fp32 trainer: ~1e-5 (measured on vLLM's CPU build and the built-in engine); a
@@ -100,6 +100,7 @@ async def trainer_probe(backend: Any, ids: Sequence[int], version: str, tol: flo
         num_global_tokens=float(len(ids) - 1),
         num_global_seqs=1.0,
         max_response_length=len(ids),
+        metadata={FULL_PRECISION: True},  # the weights themselves: no autocast
     )
     (logprobs_T,) = await backend.compute_logprobs(batch)
     expected = tuple(float(x) for x in logprobs_T[1:].tolist())
@@ -134,10 +135,10 @@ def probe_metrics(probe: WeightProbe | None) -> dict[str, float]:
 
 
 def probe_dtype(config: Config) -> str:
-    """The coarser precision of the two sides: the trainer's logprobs (the model's dtype, bf16
-    under autocast: `training.autocast`) and, for built-in engines, the dtype they serve in."""
-    device = "cuda" if config.training.device.startswith("cuda") else "cpu"
-    trainer = "bfloat16" if config.training.autocasts(device) else config.model.dtype
+    """The coarser precision of the two sides: the trainer's probe (computed without autocast:
+    the model's dtype; bf16 on CUDA, where engines serve bf16) and, for built-in engines, the
+    dtype they serve in."""
+    trainer = "bfloat16" if config.training.device.startswith("cuda") else config.model.dtype
     if config.engines.kind != "builtin":
         return trainer
     return max(trainer, config.engines.builtin.dtype, key=TOLERANCE.__getitem__)

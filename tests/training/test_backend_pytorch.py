@@ -15,7 +15,7 @@ from rollouts.trainer.batching import padding_fraction, plan_micro_batches
 from rollouts.trainer.factories import create_pytorch_backend, warmup_cosine_factor
 from rollouts.trainer.model import LOGITS_CHUNK_BYTES, auto_chunk_size
 from rollouts.trainer.protocol import NonFiniteError, TrainingBackend
-from rollouts.types import ModelOutputs, PlainLoss, TrainBatch
+from rollouts.types import FULL_PRECISION, ModelOutputs, PlainLoss, TrainBatch
 from tests.training.backend_helpers import (
     LENGTHS,
     make_batch,
@@ -239,6 +239,9 @@ def test_bf16_autocast_on_cpu_runs_the_model_in_bf16_and_keeps_fp32_weights(
     for mode in ("off", "bfloat16"):
         backend = create_pytorch_backend(tiny_config(tiny_model_dir, autocast=mode))
         out[mode] = backend.compute_logprobs(batch).result()
+        # the weight sync's probe asks for the master weights' precision: no autocast
+        exact = dataclasses.replace(batch, metadata={FULL_PRECISION: True})
+        out[f"{mode} exact"] = backend.compute_logprobs(exact).result()
         losses = []
         for _ in range(3):
             losses.append(backend.forward_backward(batch, nll_loss).result()["loss"])
@@ -248,3 +251,5 @@ def test_bf16_autocast_on_cpu_runs_the_model_in_bf16_and_keeps_fp32_weights(
         backend.close()
     gaps = [float((a - b).abs().max()) for a, b in zip(out["off"], out["bfloat16"], strict=True)]
     assert 1e-4 < max(gaps) < 0.25, gaps
+    for a, b in zip(out["off"], out["bfloat16 exact"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
