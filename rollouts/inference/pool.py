@@ -195,14 +195,16 @@ class EnginePool:
         colocated trainer trains; health checks ask only liveness until `wake_up`."""
         async with self.weights_lock:
             self.asleep = True
-            await self._each_up(lambda e: cast(Sleeper, e).sleep(level))
+            with contextlib.suppress(EngineUnavailable):  # none up: none to put to sleep
+                await self._each_up(lambda e: cast(Sleeper, e).sleep(level))
 
     async def wake_up(self) -> None:
         """Every up engine takes its memory back (after a level-2 sleep the caller reloads the
         weights before it generates)."""
         async with self.weights_lock:
             down = [i for i, up in enumerate(self.up) if not up and not self.gone[i]]
-            await self._each_up(lambda e: cast(Sleeper, e).wake_up())
+            with contextlib.suppress(EngineUnavailable):  # none up: the sync waits for one
+                await self._each_up(lambda e: cast(Sleeper, e).wake_up())
             for i in down:  # marked down while asleep (a slow check): awake when it is back
                 with trio.move_on_after(self.stall_timeout_s), contextlib.suppress(EngineError):
                     await cast(Sleeper, self.engines[i]).wake_up()

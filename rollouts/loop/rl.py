@@ -5,7 +5,8 @@ logged as a step, and a batch lost to the engines (EngineUnavailable) stops the 
 its prompts back in the buffer and the last trained step checkpointed.
 
 Two modes (`rollout.mode`):
-- "sync": each step generates its batch with the current weights, then trains on it.
+- "sync": each step generates its batch with the current weights, then trains on it (with
+  `engines.sleep_level`, the engines sleep while it trains and wake before the step's sync).
 - "async": a producer task generates the next batch while the trainer trains on the current
   one (a channel of size 0 keeps it exactly one batch ahead); with disk sync the engines load a
   step's weights while the next step trains (`weights/publisher.py`). A periodic checkpoint

@@ -140,4 +140,7 @@ async def test_a_pool_asleep_checks_only_liveness_and_serves_again_after_the_syn
         assert pool.up == [True, True]
         for _ in range(2):
             assert (await pool.generate(PROMPT, GREEDY)).output_ids == before.output_ids
+        pool.up = [False, False]  # none up (both marked down): nothing to sleep or wake, no error
+        await pool.sleep(1)
+        await pool.wake_up()
         await pool.aclose()
