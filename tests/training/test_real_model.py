@@ -4,8 +4,10 @@ a default system prompt, tied embeddings) through train.py, the built-in engine 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +69,12 @@ keep_last = 1
 
 
 @pytest.fixture(scope="module")
-def real_run(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """Two RL steps of train.py on the real model; (run dir, console output)."""
+def real_run(
+    smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, str]]:
+    """Two RL steps of train.py on the real model; (run dir, console output). The checkpoints
+    (1.6 GB with the optimizer state) are removed when the module's tests are done: the CI disk
+    is shared by the whole suite."""
     tmp = tmp_path_factory.mktemp("real-rl")
     config = _config(tmp, smollm2_dir)
     done = subprocess.run(
@@ -80,7 +86,8 @@ def real_run(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
     )
     console = done.stdout + done.stderr
     assert done.returncode == 0, console[-4000:]
-    return tmp / "run", console
+    yield tmp / "run", console
+    shutil.rmtree(tmp / "run" / "checkpoints", ignore_errors=True)
 
 
 def test_two_rl_steps_on_the_real_model(real_run: tuple[Path, str]) -> None:
