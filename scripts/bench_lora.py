@@ -44,7 +44,7 @@ from rollouts.config import (
     OptimConfig,
     TrainingConfig,
 )
-from rollouts.driver.rl_phase import build_reference
+from rollouts.driver.reference_setup import build_reference
 from rollouts.inference.launch import engine_server
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model

@@ -32,10 +32,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import threading
 from collections.abc import Collection, Iterator, Sequence
 
 from rollouts.config import Config
+
+CAN_PIN = sys.platform == "linux"  # os.sched_setaffinity: Linux only
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,7 +111,7 @@ def why_unplaced(config: Config) -> str:
     t, e = config.training, config.engines
     if t.cpu_placement == "off":
         return "training.cpu_placement = 'off'"
-    if not hasattr(os, "sched_setaffinity"):
+    if not CAN_PIN:
         return "this OS cannot pin threads"
     if e.kind != "builtin":
         return f"engines.kind = {e.kind!r} (servers of their own)"
@@ -204,7 +207,7 @@ def pinned(cores: Collection[int]) -> Iterator[None]:
     """This process's threads that are not placed elsewhere (their mask is the process's own:
     the calling thread, trio's cached worker threads, ...) on `cores` for the block; threads
     they start meanwhile inherit it. A thread already pinned (the training thread) is left."""
-    if not cores or not hasattr(os, "sched_setaffinity"):
+    if not cores or not CAN_PIN:
         yield
         return
     before = os.sched_getaffinity(0)

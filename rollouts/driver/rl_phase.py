@@ -17,13 +17,13 @@ from typing import Any
 import torch
 import trio
 
-from rollouts.algorithms.algorithm import reference_needed
 from rollouts.config import Config
 from rollouts.data.buffer import DataBuffer
 from rollouts.driver.engines import cpu_share, open_engines
 from rollouts.driver.evaluation import EvalSpec, evaluate
 from rollouts.driver.metrics import MetricsLogger, last_step
 from rollouts.driver.placement import CpuPlan, cpu_plan, decide_trainer_process, pinned
+from rollouts.driver.reference_setup import open_reference
 from rollouts.driver.setup import (
     RL_METRICS,
     StopFlag,
@@ -42,7 +42,6 @@ from rollouts.trainer.checkpoint import (
     clean_leftovers,
     find_latest_checkpoint,
     load_checkpoint,
-    load_reference_params,
 )
 from rollouts.trainer.factories import create_backend, load_tokenizer, resolve_device
 from rollouts.trainer.process import TrainerProcess
@@ -117,7 +116,7 @@ async def rl_phase(
             if plan.trainer:
                 backend.pin_thread(plan.trainer)
         resumed = await _resume(backend, buffer, latest)
-        ref = await _reference(config, model_dir, make, plan, latest, backend)
+        ref = await open_reference(config, model_dir, make, plan, latest, backend)
         sync_root, engine_model = await _engines_start_weights(
             config, run_dir, backend, model_dir, latest, resumed.version
         )
@@ -204,55 +203,6 @@ async def _resume(backend: TrainingBackend, buffer: DataBuffer, latest: Path | N
         metrics=state.extra_state.get("metrics"),
         loop_state=state.extra_state.get("rl_loop", {}),
     )
-
-
-async def _reference(
-    config: Config,
-    model_dir: Path,
-    make: BackendFactory,
-    plan: CpuPlan | None,
-    latest: Path | None,
-    policy: TrainingBackend,
-) -> ReferencePolicy | None:
-    """The reference policy when the algorithm needs one, restored from `latest` if it moved."""
-    ref = build_reference(config, model_dir, make, policy)
-    if ref is None or ref.backend is None:
-        return ref
-    if plan is not None and plan.trainer:  # colocated: nothing is pinned
-        ref.backend.pin_thread(plan.trainer)
-    if latest is not None:
-        await trio.to_thread.run_sync(restore_reference, ref, latest)
-    return ref
-
-
-def build_reference(
-    config: Config,
-    model_dir: Path,
-    make_backend: BackendFactory = create_backend,
-    policy: TrainingBackend | None = None,
-) -> ReferencePolicy | None:
-    """A reference model when the algorithm (or its schedule) can use KL; else None. With LoRA
-    it is the `policy`'s base model (its adapters off): no second model."""
-    if not reference_needed(config.algorithm):
-        return None
-    adapters = policy.lora_adapters() if policy is not None else None
-    if adapters is not None:
-        print("[train] reference model: the base model (the LoRA adapters off)", flush=True)
-        return ReferencePolicy.base_of(adapters)
-    return ReferencePolicy(
-        make_backend(config, model_path=model_dir, total_steps=1, value_head=False)
-    )
-
-
-def restore_reference(ref: ReferencePolicy, checkpoint: Path) -> bool:
-    """Load the reference parameters `checkpoint` saved into `ref` (True), or leave it on the
-    base model when the checkpoint saved none (it had not moved yet)."""
-    saved = load_reference_params(checkpoint)
-    if saved is None:
-        return False
-    ref.restore(saved)
-    print(f"[train] reference model restored from {checkpoint}", flush=True)
-    return True
 
 
 async def _engines_start_weights(

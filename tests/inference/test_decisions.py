@@ -26,7 +26,7 @@ from rollouts.inference.server.scheduler import (
     trim_text,
 )
 from rollouts.inference.server.wire import openai_spec, sglang_spec
-from rollouts.inference.sglang import generate_body
+from rollouts.inference.sglang_wire import generate_body
 from rollouts.inference.vllm import completion_body
 
 

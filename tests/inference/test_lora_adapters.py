@@ -25,7 +25,8 @@ from rollouts.inference.protocol import (
 )
 from rollouts.inference.server.adapters import AdapterError, ServedAdapters
 from rollouts.inference.server.weights import WeightLoadError
-from rollouts.inference.sglang import SGLangEngine, batch_generate_body, generate_body
+from rollouts.inference.sglang import SGLangEngine
+from rollouts.inference.sglang_wire import batch_generate_body, generate_body
 from rollouts.inference.vllm import VLLMEngine
 from rollouts.trainer.factories import create_pytorch_backend
 from rollouts.weights.check import probe_ids, tolerance_for, trainer_probe

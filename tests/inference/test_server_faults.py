@@ -18,7 +18,8 @@ from rollouts.inference.protocol import FinishReason, SamplingParams
 from rollouts.inference.server.app import ServeOptions, build_app, build_core
 from rollouts.inference.server.cli import is_loopback
 from rollouts.inference.server.state import ServerState
-from rollouts.inference.sglang import SGLangEngine, generate_body
+from rollouts.inference.sglang import SGLangEngine
+from rollouts.inference.sglang_wire import generate_body
 from rollouts.inference.vllm import completion_body
 
 LONG = SamplingParams(max_new_tokens=120, temperature=0.0, ignore_eos=True)

@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from rollouts.inference.launch import EngineProcess, engine_server_sync
 from rollouts.inference.protocol import SamplingParams
-from rollouts.inference.sglang import SGLangEngine, generate_body
+from rollouts.inference.sglang import SGLangEngine
+from rollouts.inference.sglang_wire import generate_body
 from rollouts.inference.vllm import VLLMEngine, completion_body
 
 LONG = SamplingParams(max_new_tokens=120, temperature=1.0, ignore_eos=True)

@@ -7,7 +7,7 @@ import torch
 
 from rollouts.config import ConfigError, config_from_dict
 from rollouts.inference.protocol import WeightGroupSpec
-from rollouts.inference.sglang import distributed_update_body, init_group_body
+from rollouts.inference.sglang_wire import distributed_update_body, init_group_body
 from rollouts.inference.vllm import transfer_init_info, transfer_update_info
 from rollouts.weights.distributed import rank_offsets
 from rollouts.weights.distributed_pool import choose_backend, distributed_sync_for

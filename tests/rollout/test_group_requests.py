@@ -24,7 +24,8 @@ from rollouts.inference.protocol import (
     SamplingParams,
     batches_requests,
 )
-from rollouts.inference.sglang import SGLangEngine, batch_generate_body
+from rollouts.inference.sglang import SGLangEngine
+from rollouts.inference.sglang_wire import batch_generate_body
 from rollouts.rollout.generate import generate_group_single_turn, generate_single_turn
 from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.rollout.protocol import GenerateContext

@@ -12,7 +12,8 @@ import torch
 from rollouts.inference.launch import EngineProcess
 from rollouts.inference.protocol import SamplingParams
 from rollouts.inference.server.sampling import seeded_draws
-from rollouts.inference.sglang import SGLangEngine, sampling_body
+from rollouts.inference.sglang import SGLangEngine
+from rollouts.inference.sglang_wire import sampling_body
 from rollouts.inference.vllm import completion_body
 from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.rollout.seeds import request_seed

@@ -15,7 +15,8 @@ from rollouts.inference.http import HttpOptions
 from rollouts.inference.launch import EngineSpec, spawn, wait_healthy_sync
 from rollouts.inference.pool import EnginePool
 from rollouts.inference.protocol import SamplingParams
-from rollouts.inference.sglang import SGLangEngine, distributed_update_body
+from rollouts.inference.sglang import SGLangEngine
+from rollouts.inference.sglang_wire import distributed_update_body
 from rollouts.weights.disk import WeightSyncError
 from rollouts.weights.distributed import DistributedWeightSync, DistSyncOptions
 from rollouts.weights.distributed_pool import sync_pool_distributed

@@ -14,7 +14,7 @@ import trio
 from transformers import AutoModelForCausalLM
 
 from rollouts.config import AlgorithmConfig, KLConfig
-from rollouts.driver.rl_phase import build_reference
+from rollouts.driver.reference_setup import build_reference
 from rollouts.trainer.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from rollouts.trainer.factories import create_pytorch_backend
 from rollouts.trainer.lora import ADAPTER_DIR

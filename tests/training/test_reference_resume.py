@@ -17,7 +17,8 @@ import trio
 
 from rollouts.config import AlgorithmConfig, KLConfig, ReferenceConfig, config_from_dict
 from rollouts.driver.quick_start import quick_start_training
-from rollouts.driver.rl_phase import build_reference, restore_reference, rl_phase
+from rollouts.driver.reference_setup import build_reference, restore_reference
+from rollouts.driver.rl_phase import rl_phase
 from rollouts.driver.setup import StopFlag
 from rollouts.trainer.checkpoint import (
     REFERENCE_FILE,

@@ -1,0 +1,194 @@
+"""SGLang's wire format: the request bodies the client sends and the parsers of its answers.
+
+Pure functions, so a test pins every field name; `sglang.py` is the client that sends them. The
+built-in server (`rollouts serve`) reads the same bodies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from operator import itemgetter
+from typing import Any
+
+from rollouts.inference.http import EngineError
+from rollouts.inference.protocol import (
+    Completion,
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+    TensorSpecLike,
+    WeightGroupSpec,
+)
+
+
+def sampling_body(sampling: SamplingParams) -> dict[str, Any]:
+    """SGLang `sampling_params` for one request (slime's choices for the text options)."""
+    body: dict[str, Any] = {
+        "max_new_tokens": sampling.max_new_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
+        "stop": list(sampling.stop),
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "ignore_eos": sampling.ignore_eos,
+        "no_stop_trim": sampling.no_stop_trim,
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+    }
+    if sampling.seed is not None:
+        body["sampling_seed"] = sampling.seed
+    return body
+
+
+def generate_body(
+    input_ids: Sequence[int],
+    sampling: SamplingParams,
+    rid: str | None,
+    adapter: str | None = None,
+) -> dict[str, Any]:
+    """The POST /generate body: token ids in, logprobs of the output tokens back; `adapter`,
+    the name of a loaded LoRA adapter, goes in `lora_path`."""
+    assert len(input_ids) > 0, "input_ids must not be empty"
+    body: dict[str, Any] = {
+        "input_ids": list(input_ids),
+        "sampling_params": sampling_body(sampling),
+        "return_logprob": True,
+        "logprob_start_len": -1,
+    }
+    if rid is not None:
+        body["rid"] = rid
+    if adapter is not None:
+        body["lora_path"] = adapter
+    return body
+
+
+def batch_generate_body(
+    requests: Sequence[GenerateRequest], adapter: str | None = None
+) -> dict[str, Any]:
+    """The POST /generate body of a batch: one entry per prompt in input_ids, sampling_params
+    and rid (every request has a rid, or none has: SGLang takes a list of strings or nothing),
+    and `lora_path` when an adapter is named."""
+    assert requests, "an empty batch"
+    rids = [r.rid for r in requests]
+    assert all(rids) or not any(rids), f"some requests have a rid, some not: {rids}"
+    body: dict[str, Any] = {
+        "input_ids": [list(r.input_ids) for r in requests],
+        "sampling_params": [sampling_body(r.sampling) for r in requests],
+        "return_logprob": True,
+        "logprob_start_len": -1,
+    }
+    if all(rids):
+        body["rid"] = rids
+    if adapter is not None:
+        body["lora_path"] = [adapter] * len(requests)
+    return body
+
+
+def input_logprobs_body(input_ids: Sequence[int], adapter: str | None = None) -> dict[str, Any]:
+    """POST /generate asking for the prompt tokens' logprobs (`logprob_start_len` 0)."""
+    assert len(input_ids) >= 2, "a prompt-logprobs probe needs two tokens"
+    body: dict[str, Any] = {
+        "input_ids": list(input_ids),
+        "sampling_params": {"max_new_tokens": 0},  # score the prompt, generate nothing
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    if adapter is not None:
+        body["lora_path"] = adapter
+    return body
+
+
+def parse_input_logprobs(answer: Any, input_ids: Sequence[int]) -> tuple[float, ...]:
+    """meta_info.input_token_logprobs (`[logprob, token_id, text]` per prompt token, the first
+    logprob null) -> the logprob of each of `input_ids[1:]`."""
+    entries = one_answer(answer)["meta_info"].get("input_token_logprobs")
+    if not isinstance(entries, list) or len(entries) != len(input_ids):
+        got = len(entries) if isinstance(entries, list) else entries
+        raise EngineError(f"/generate gave {got!r} input_token_logprobs for {len(input_ids)}")
+    out = []
+    for t in range(1, len(input_ids)):
+        lp, tok = entries[t][0], entries[t][1]
+        if lp is None or int(tok) != int(input_ids[t]):
+            raise EngineError(
+                f"input_token_logprobs[{t}] = {entries[t]!r}, not token {input_ids[t]}"
+            )
+        out.append(float(lp))
+    return tuple(out)
+
+
+def finish_reason(obj: Any) -> tuple[FinishReason, int | str | None]:
+    """meta_info.finish_reason -> (FinishReason, matched)."""
+    if not isinstance(obj, dict):
+        return FinishReason.ERROR, None
+    kind = obj.get("type")
+    if kind == "stop":
+        return FinishReason.STOP, obj.get("matched")
+    if kind == "length":
+        return FinishReason.LENGTH, None
+    if kind == "abort":
+        return FinishReason.ABORT, None
+    return FinishReason.ERROR, None
+
+
+def one_answer(answer: Any) -> dict[str, Any]:
+    """The answer object of a one-prompt /generate (an EngineError if it has no meta_info)."""
+    if isinstance(answer, list) and len(answer) == 1:
+        answer = answer[0]
+    if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
+        raise EngineError(f"/generate answer has no meta_info: {str(answer)[:200]}")
+    return answer
+
+
+def parse_generate(answer: Any, version: str | None = None) -> Completion:
+    """One /generate answer -> Completion (checks ids and logprobs line up); `version`, when
+    given, replaces meta_info.weight_version (the client's bracket, `versions.py`)."""
+    answer = one_answer(answer)
+    meta = answer["meta_info"]
+    output_ids = tuple(map(int, answer.get("output_ids", ())))
+    entries = meta.get("output_token_logprobs") or []
+    if len(entries) != len(output_ids):
+        raise EngineError(f"{len(entries)} logprobs for {len(output_ids)} output tokens")
+    # map/itemgetter, not generators: this runs for every sample on the driver's thread
+    if tuple(map(int, map(itemgetter(1), entries))) != output_ids:
+        raise EngineError("output_token_logprobs token ids differ from output_ids")
+    reason, matched = finish_reason(meta.get("finish_reason"))
+    return Completion(
+        output_ids=output_ids,
+        logprobs=tuple(map(float, map(itemgetter(0), entries))),
+        finish_reason=reason,
+        weight_version=version or str(meta.get("weight_version", "default")),
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        completion_tokens=len(output_ids),
+        text=str(answer.get("text", "")),
+        matched_stop=matched,
+    )
+
+
+def init_group_body(group: WeightGroupSpec, rank_offset: int) -> dict[str, Any]:
+    """The POST /init_weights_update_group body (SGLang's InitWeightsUpdateGroupReqInput)."""
+    return {
+        "master_address": group.master_address,
+        "master_port": group.master_port,
+        "rank_offset": rank_offset,
+        "world_size": group.world_size,
+        "group_name": group.group_name,
+        "backend": group.backend,
+    }
+
+
+def distributed_update_body(
+    specs: Sequence[TensorSpecLike], *, group_name: str, version: str | None, flush_cache: bool
+) -> dict[str, Any]:
+    """The POST /update_weights_from_distributed body for one bucket, sent tensor by tensor."""
+    assert specs, "an empty bucket"
+    return {
+        "names": [s.name for s in specs],
+        "dtypes": [s.dtype for s in specs],
+        "shapes": [list(s.shape) for s in specs],
+        "group_name": group_name,
+        "flush_cache": flush_cache,
+        "abort_all_requests": False,
+        "weight_version": version,
+        "load_format": None,  # tensor by tensor
+    }
