@@ -7,8 +7,8 @@ mode and splits in async mode:
 - colocate (sync mode): generation and training alternate, so each phase gets the whole machine:
   the trainer (SFT too) runs every core's worth of torch threads, each engine its share of every
   core, nothing is pinned; the side that waits holds no core (an idle engine blocks on its queue;
-  OpenMP threads that wait sleep: `rollouts/openmp.py` sets `OMP_WAIT_POLICY=PASSIVE` unless the
-  user set it).
+  OpenMP threads that wait spin about 0.3 ms, then sleep: `rollouts/openmp.py` sets
+  `OMP_WAIT_POLICY=PASSIVE` and `GOMP_SPINCOUNT=30000` unless the user set the policy).
 - split (async mode, where generation and training overlap): the cores are split as equal
   shares: the first for the training thread and the torch threads it starts, the next for each
   engine process (pinned, `rollouts serve --cpus`). The driver's thread (HTTP to the engines,
@@ -20,7 +20,8 @@ Measured on the 2-core box (passive waits; `scripts/bench_rl_step.py --modes
 floor,sync,async,sync-split --set training.cpu_placement=colocate`): the tiny model's sync step
 1.50 s colocated against 1.70 s split; SmolLM2 (bf16 autocast, 4 steps) 58.6 s against 73.5 s,
 and 113.6 s against 132.3 s beside two busy processes. With libgomp's spinning waits colocation
-collapsed under outside load (28 s against 2.7 s a step), which is why the waits are passive.
+collapsed under outside load (28 s against 2.7 s a step), which is why waits spin only briefly
+(`rollouts/openmp.py`: 1.07 s colocated on the quiet box, 2.84 s beside two busy processes).
 Pinning is Linux-only (`os.sched_setaffinity`); elsewhere nothing is pinned.
 
 Whether the RL phase trains in a child process is decided here too, in one function

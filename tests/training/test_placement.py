@@ -328,20 +328,24 @@ def test_a_colocated_sync_run_gives_each_phase_every_core(
     assert seen["engine"] == {(frozenset(CORES), len(CORES))}, seen
 
 
-def test_openmp_waits_are_passive_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_openmp_waits_spin_briefly_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
     env: dict[str, str] = {}
     passive_waits(env)
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "30000"}
     env = {"OMP_WAIT_POLICY": "ACTIVE"}
     passive_waits(env)
     assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
+    env = {"GOMP_SPINCOUNT": "0"}
+    passive_waits(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     code = (  # the front door sets it before torch loads (not run as __main__: no training)
         "import os, runpy; runpy.run_path('integration_training/train.py'); "
-        "print(os.environ['OMP_WAIT_POLICY'])"
+        "print(os.environ['GOMP_SPINCOUNT'], os.environ['OMP_WAIT_POLICY'])"
     )
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=60
     )
-    assert done.stdout.strip().endswith("PASSIVE"), done.stdout + done.stderr
+    assert done.stdout.strip().endswith("30000 PASSIVE"), done.stdout + done.stderr
