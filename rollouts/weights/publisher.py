@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -113,8 +114,10 @@ class DiskPublisher(_Publisher):
 
     async def publish(self, version: str, *, urgent: bool) -> Metrics:
         probe = await self.probe(version)
+        started = time.monotonic()
         path = await trio.to_thread.run_sync(publish_weights, self.backend, self.root, version)
-        return as_sync_metrics(await self.deliver(path, version, probe))
+        written = {"write_s": time.monotonic() - started}
+        return as_sync_metrics(await self.deliver(path, version, probe) | written)
 
     async def deliver(self, path: Path, version: str, probe: WeightProbe | None) -> Metrics:
         report = await sync_pool(
@@ -151,7 +154,9 @@ class AdapterPublisher(_Publisher):
     async def publish(self, version: str, *, urgent: bool) -> Metrics:
         probe = await self.probe(version)
         write = functools.partial(publish_adapter, self.adapters, self.root, version)
+        started = time.monotonic()
         path, size = await trio.to_thread.run_sync(write)
+        written = {"write_s": time.monotonic() - started}
         report = await sync_pool(
             self.pool,
             path,
@@ -161,7 +166,8 @@ class AdapterPublisher(_Publisher):
             probe=probe,
             adapter=True,
         )
-        return as_sync_metrics(report.metrics() | probe_metrics(probe) | {"bytes": float(size)})
+        figures = report.metrics() | probe_metrics(probe) | {"bytes": float(size)} | written
+        return as_sync_metrics(figures)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -204,8 +210,10 @@ class OverlappedDiskPublisher(DiskPublisher):
             write = functools.partial(
                 publish_weights, self.backend, self.root, version, weights=weights
             )
+            started = time.monotonic()
             path = await trio.to_thread.run_sync(write)
-            return await self.deliver(path, version, probe)
+            written = {"write_s": time.monotonic() - started}
+            return await self.deliver(path, version, probe) | written
 
         return write_and_deliver
 

@@ -65,6 +65,7 @@ def test_async_engines_load_weights_while_the_next_step_trains(
     # step 1's delivery ran behind step 2's training: its figures are on step 2's line
     assert "sync/total_s" not in rows[0]
     assert all(r["sync/failed_engines"] == 0.0 for r in rows[1:])
+    assert all(r["sync/write_s"] > 0.0 for r in rows[1:])  # the files' write, timed apart
     # every version reached the engines in time: nothing lagged more than the async bound (1)
     assert all(r["rollout/staleness_max"] <= 1.0 for r in rows), rows
     assert all(r["rollout/stale_groups_dropped"] == 0.0 for r in rows)

@@ -71,6 +71,7 @@ def test_lora_rl_syncs_the_adapter_alone_and_resumes_exactly(tmp_path: Path) -> 
         assert row["sync/content_gap_max"] < 1e-4, row  # checked after every sync
         assert row["sync/bytes"] < full_bytes / 3, (row["sync/bytes"], full_bytes)
         assert row["sync/bytes"] >= adapter_bytes  # the adapter's files, nothing more
+        assert row["sync/write_s"] > 0.0, row
     assert any(r["train/kl"] > 0 for r in rows[1:])  # the policy left its reference, the base
     assert not (run / "checkpoints" / "rl" / "step_000004" / "model").exists()
 

@@ -66,6 +66,7 @@ def test_two_sync_runs_with_the_same_seed_log_the_same_metrics(tmp_path: Path) -
     assert any(r.get("train/grad_norm", 0.0) > 0.0 for r in a), a  # the steps did train
     assert all("time/sleep_s" in r and "time/wake_s" in r for r in b[1:]), b
     assert not any("time/sleep_s" in r for r in a), a
+    assert all(r["sync/write_s"] > 0.0 for r in a[1:]), a  # the files' write, timed apart
     for ra, rb in zip(a, b, strict=True):
         ra, rb = _comparable(ra), _comparable(rb)
         assert ra.keys() == rb.keys()
