@@ -11,9 +11,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollouts.openmp import passive_waits
+from rollouts.openmp import short_spin_waits
 
-passive_waits()  # before torch loads
+short_spin_waits()  # before torch loads
 
 from rollouts.driver.cli import main  # noqa: E402
 

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from rollouts.openmp import passive_waits
+from rollouts.openmp import short_spin_waits
 
 # subcommand -> (module, help). The module has `add_arguments(parser)` and `run(args) -> int`.
 SUBCOMMANDS = {
@@ -24,7 +24,7 @@ SUBCOMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the subcommand, import its module, and run it."""
-    passive_waits()  # before the subcommand's module loads torch
+    short_spin_waits()  # before the subcommand's module loads torch
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="rollouts", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)

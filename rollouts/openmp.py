@@ -25,7 +25,7 @@ WAIT_POLICY = "PASSIVE"
 SPIN_COUNT = "30000"
 
 
-def passive_waits(env: dict[str, str] | None = None) -> None:
+def short_spin_waits(env: dict[str, str] | None = None) -> None:
     """Short spins, then sleep, in `env` (default: this process's): `OMP_WAIT_POLICY=PASSIVE`
     and `GOMP_SPINCOUNT=30000`, unless the wait policy is set already (a spin count the user set
     is kept)."""

@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import trio
 
-from rollouts.openmp import passive_waits
+from rollouts.openmp import short_spin_waits
 
 HEALTH_POLL_S = 0.1
 STOP_GRACE_S = 5.0
@@ -149,7 +149,7 @@ def spawn(spec: EngineSpec) -> EngineProcess:
         fd, log_path = tempfile.mkstemp(prefix=f"rollouts-serve-{port}-", suffix=".log")
         os.close(fd)
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1")
-    passive_waits(env)
+    short_spin_waits(env)
     with open(log_path, "ab") as log:
         process = subprocess.Popen(
             dies_with_parent(server_command(spec, port)),

@@ -59,6 +59,13 @@ def as_sync_metrics(metrics: Mapping[str, float]) -> Metrics:
     return {f"sync/{k}" if "/" not in k else k: float(v) for k, v in metrics.items()}
 
 
+async def _write(write: Callable[..., Any], *args: Any) -> tuple[Any, Metrics]:
+    """`write(*args)` on a worker thread; its result and `{"write_s": seconds}`."""
+    started = time.monotonic()
+    result = await trio.to_thread.run_sync(write, *args)
+    return result, {"write_s": time.monotonic() - started}
+
+
 class WeightPublisher(Protocol):
     """Makes the engines serve the trainer's weights (see the module docstring)."""
 
@@ -114,9 +121,7 @@ class DiskPublisher(_Publisher):
 
     async def publish(self, version: str, *, urgent: bool) -> Metrics:
         probe = await self.probe(version)
-        started = time.monotonic()
-        path = await trio.to_thread.run_sync(publish_weights, self.backend, self.root, version)
-        written = {"write_s": time.monotonic() - started}
+        path, written = await _write(publish_weights, self.backend, self.root, version)
         return as_sync_metrics(await self.deliver(path, version, probe) | written)
 
     async def deliver(self, path: Path, version: str, probe: WeightProbe | None) -> Metrics:
@@ -153,10 +158,7 @@ class AdapterPublisher(_Publisher):
 
     async def publish(self, version: str, *, urgent: bool) -> Metrics:
         probe = await self.probe(version)
-        write = functools.partial(publish_adapter, self.adapters, self.root, version)
-        started = time.monotonic()
-        path, size = await trio.to_thread.run_sync(write)
-        written = {"write_s": time.monotonic() - started}
+        (path, size), written = await _write(publish_adapter, self.adapters, self.root, version)
         report = await sync_pool(
             self.pool,
             path,
@@ -207,12 +209,8 @@ class OverlappedDiskPublisher(DiskPublisher):
         probe = await self.probe(version)  # of the snapshot: no step ran since
 
         async def write_and_deliver() -> Metrics:
-            write = functools.partial(
-                publish_weights, self.backend, self.root, version, weights=weights
-            )
-            started = time.monotonic()
-            path = await trio.to_thread.run_sync(write)
-            written = {"write_s": time.monotonic() - started}
+            write = functools.partial(publish_weights, weights=weights)
+            path, written = await _write(write, self.backend, self.root, version)
             return await self.deliver(path, version, probe) | written
 
         return write_and_deliver

@@ -26,7 +26,7 @@ from rollouts.driver.placement import (
 )
 from rollouts.driver.quick_start import quick_start_training
 from rollouts.inference.launch import EngineSpec, engine_process
-from rollouts.openmp import passive_waits
+from rollouts.openmp import short_spin_waits
 from rollouts.trainer.core import TrainerCore
 from rollouts.types import Sample
 
@@ -330,13 +330,13 @@ def test_a_colocated_sync_run_gives_each_phase_every_core(
 
 def test_openmp_waits_spin_briefly_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
     env: dict[str, str] = {}
-    passive_waits(env)
+    short_spin_waits(env)
     assert env == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "30000"}
     env = {"OMP_WAIT_POLICY": "ACTIVE"}
-    passive_waits(env)
+    short_spin_waits(env)
     assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
     env = {"GOMP_SPINCOUNT": "0"}
-    passive_waits(env)
+    short_spin_waits(env)
     assert env == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
