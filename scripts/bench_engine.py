@@ -17,6 +17,11 @@ prefills), the time from the client's start to the first admission and from the 
 the last answer (HTTP), and the CPU seconds of the server process and of the client.
 
     .venv/bin/python scripts/bench_engine.py [--reps 2] [--hidden 128] [--layers 3]
+    python scripts/bench_engine.py --device cuda --dtype bfloat16 --hidden 1024 --layers 24 \
+        --prompts 32 --equal-len 256 --max-batch 256 --clients groups   # scripts/gpu_check.sh
+
+On CUDA both sides run the same bf16 weights on the GPU (`--device`, `--dtype`), and the varying
+case's lengths are uniform in 4..`--equal-len`.
 
 To see where a decode step's time goes, profile the server process under this load with py-spy
 (`pip install -e .[profile]`; `py-spy record -p SERVER_PID -f raw -o out.txt --threads -n`).
@@ -49,20 +54,21 @@ GOALS = {"equal": 1.0, "varying": 1.5}
 
 
 def workload(
-    prompts: int, group: int, seed: int, equal: int | None
+    prompts: int, group: int, seed: int, equal: int | None, longest: int = 64
 ) -> tuple[list[list[int]], list[int]]:
     """`prompts` prompts of 16-48 byte tokens, each repeated `group` times, and output lengths
-    (all `equal`, or uniform in 4..64 per sequence)."""
+    (all `equal`, or uniform in 4..`longest` per sequence)."""
     rng = random.Random(seed)
     base = [[rng.randrange(3, 259) for _ in range(rng.randint(16, 48))] for _ in range(prompts)]
     seqs = [p for p in base for _ in range(group)]
-    lengths = [equal if equal is not None else rng.randint(4, 64) for _ in seqs]
+    lengths = [equal if equal is not None else rng.randint(4, longest) for _ in seqs]
     return seqs, lengths
 
 
 @torch.inference_mode()
 def baseline(model, prompts: list[list[int]], lengths: list[int], pad_id: int) -> float:
     """Seconds of one left-padded sampling `generate` call over all rows, logprobs included."""
+    device = model.device
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id)
     mask = torch.zeros_like(ids)
@@ -70,6 +76,8 @@ def baseline(model, prompts: list[list[int]], lengths: list[int], pad_id: int) -
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
     longest = max(lengths)
+    ids, mask = ids.to(device), mask.to(device)
+    synchronize(device)
     start = time.perf_counter()
     out = model.generate(
         input_ids=ids,
@@ -88,7 +96,13 @@ def baseline(model, prompts: list[list[int]], lengths: list[int], pad_id: int) -
     new_B_T = out.sequences[:, width:]
     logprobs_B_T = logits_B_T_V.log_softmax(-1).gather(2, new_B_T.unsqueeze(2)).squeeze(2)
     assert logprobs_B_T.shape == (len(prompts), longest), f"{logprobs_B_T.shape=}"
+    logprobs_B_T.cpu()  # as the server's answers are: on the host
     return time.perf_counter() - start
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 async def through(client, prompts: list[list[int]], lengths: list[int]) -> tuple[float, float]:
@@ -213,12 +227,17 @@ async def run_all(model, model_dir: str, cases: dict, args: argparse.Namespace) 
         model_dir,
         max_batch=args.max_batch,
         torch_threads=args.threads,
+        device=args.device,
+        dtype=args.dtype,
         startup_timeout_s=300,
         extra_args=("--log-level", "DEBUG"),  # the core logs its ms/step when a batch drains
     ) as proc:
-        clients = {"SGLang": SGLangEngine(proc.url, options=options)}
-        clients["vLLM"] = VLLMEngine(proc.url, options=options)
-        clients["groups"] = GroupClient(SGLangEngine(proc.url, options=options), args.group)
+        clients = {
+            "SGLang": lambda: SGLangEngine(proc.url, options=options),
+            "vLLM": lambda: VLLMEngine(proc.url, options=options),
+            "groups": lambda: GroupClient(SGLangEngine(proc.url, options=options), args.group),
+        }
+        clients = {side: clients[side]() for side in args.clients.split(",")}
         for client in clients.values():  # warm-up (and the connections opened)
             await through(client, *cases["varying"])
         baseline(model, *cases["equal"], 0)
@@ -248,6 +267,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-batch", type=int, default=128)
     parser.add_argument("--connections", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--intermediate", type=int, default=0, help="0 = 4 x hidden")
+    parser.add_argument("--device", default="cpu", help="both sides' device (cpu, cuda)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--clients", default="SGLang,vLLM,groups", help="which server clients")
     return parser.parse_args()
 
 
@@ -258,17 +282,18 @@ def main() -> None:
     spec = TinyModelSpec(
         hidden_size=args.hidden,
         num_layers=args.layers,
-        num_heads=4,
-        intermediate_size=4 * args.hidden,
-        max_position_embeddings=256,
+        num_heads=args.heads,
+        intermediate_size=args.intermediate or 4 * args.hidden,
+        max_position_embeddings=max(256, 64 + args.equal_len),
         seed=args.seed,
     )
     make_tiny_model(model_dir, spec)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
+    model = model.to(args.device).eval()
     torch.manual_seed(args.seed)
     cases = {
         "equal": workload(args.prompts, args.group, args.seed, args.equal_len),
-        "varying": workload(args.prompts, args.group, args.seed + 1, None),
+        "varying": workload(args.prompts, args.group, args.seed + 1, None, args.equal_len),
     }
     timed = trio.run(run_all, model, model_dir, cases, args)
     report(timed, cases, args)
@@ -284,16 +309,17 @@ def report(timed: dict, cases: dict, args: argparse.Namespace) -> None:
     )
     print(
         f"{args.prompts * args.group} sequences ({args.prompts} prompts x {args.group}), "
-        f"temperature 1, logprobs; tiny Llama hidden {args.hidden}, {args.layers} layers; torch "
+        f"temperature 1, logprobs; tiny Llama hidden {args.hidden}, {args.layers} layers, "
+        f"{args.device} {args.dtype}; torch "
         f"threads {args.threads} per side (OMP_NUM_THREADS="
         f"{os.environ.get('OMP_NUM_THREADS', 'unset')}); {args.reps} reps: medians, each ratio "
         "taken per rep against the baseline run just before it"
     )
-    sides = ("SGLang", "vLLM", "groups")
+    sides = tuple(args.clients.split(","))
+    heads = " ".join(f"{side + ' tok/s':>12} {'ratio':>5}" for side in sides)
     print(
-        f"{'case':<8} {'tokens':>6} {'generate tok/s':>14} {'SGLang tok/s':>12} {'ratio':>5} "
-        f"{'vLLM tok/s':>10} {'ratio':>5} {'groups tok/s':>12} {'ratio':>5} {'goal':>7}   "
-        "ratios per rep (SGLang/vLLM/groups)"
+        f"{'case':<8} {'tokens':>6} {'generate tok/s':>14} {heads} {'goal':>7}   "
+        f"ratios per rep ({'/'.join(sides)})"
     )
     for name, (_, lengths) in cases.items():
         tokens, base = sum(lengths), timed[(name, "generate")]
@@ -307,8 +333,7 @@ def report(timed: dict, cases: dict, args: argparse.Namespace) -> None:
             for rep in zip(*(ratios[side] for side in sides), strict=True)
         )
         cols = " ".join(
-            f"{tokens / walls[side]:>{w}.1f} {med(ratios[side]):>5.2f}"
-            for side, w in zip(sides, (12, 10, 12), strict=True)
+            f"{tokens / walls[side]:>12.1f} {med(ratios[side]):>5.2f}" for side in sides
         )
         print(
             f"{name:<8} {tokens:>6} {tokens / med(b.wall_s for b in base):>14.1f} {cols} "

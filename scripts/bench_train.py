@@ -3,13 +3,18 @@
 1. forward+backward tokens/s: PyTorchBackend.forward_backward (masked NLL) vs a hand-written
    PyTorch loop (model(ids).logits -> cross_entropy -> backward) on the same equal-length batch
    (no padding), with the logprob chunk covering the micro-batch, and with chunks of 1024
-   (the default: less memory, the LM head recomputed in backward).
+   (the default: less memory, the LM head recomputed in backward). Then the whole training
+   step (forward_backward + optim_step) and its model FLOPs utilisation against `--peak-tflops`
+   (on CUDA: 989, an H100's or H200's dense bf16): 6 x parameters (embeddings out, the LM head
+   in) + 6 x layers x hidden x sequence (causal attention's matmuls) FLOPs per token.
 2. padding fraction of the "pad" and "pack" layouts on a ragged batch.
 3. weight sync to a running built-in engine, for the tiny model and a ~100M-parameter one: the
    disk path (weights-only files in /dev/shm + /update_weights_from_disk) and the distributed
    path (SGLang's protocol: gloo broadcast of flattened buckets) vs just save_file + load_file of
    the same safetensors.
 Usage: python scripts/bench_train.py [--device cpu|cuda] [--hidden 256] [--layers 4] [--seq 256]
+       python scripts/bench_train.py --device cuda --only train --hidden 1024 --layers 24 \
+           --seq 1024 --batch 16   # the ~0.4B model of scripts/gpu_check.sh
        python scripts/bench_train.py --only sync [--sync-models 100m] [--bucket-mb 256]
 """
 
@@ -99,7 +104,38 @@ def bench_fwd_bwd(model_dir: Path, args: argparse.Namespace) -> None:
             f"{tokens / to:,.0f} tok/s, plain loop {tokens / tp:,.0f} tok/s, "
             f"ratio {tp / to:.3f}x"
         )
+        if chunk != tokens:
+            train_step_mfu(backend, batch, tokens, args)
         backend.close()
+
+
+def flops_per_token(lm: torch.nn.Module, seq: int) -> float:
+    """Training FLOPs per token: 6 x the matmul parameters (input embeddings excluded, a tied
+    LM head counted once as the head) + 6 x layers x hidden x seq for causal attention."""
+    c = lm.config
+    params = sum(p.numel() for n, p in lm.named_parameters() if "embed_tokens" not in n)
+    if c.tie_word_embeddings:
+        params += c.vocab_size * c.hidden_size
+    return 6.0 * params + 6.0 * c.num_hidden_layers * c.hidden_size * seq
+
+
+def train_step_mfu(backend, batch: TrainBatch, tokens: int, args: argparse.Namespace) -> None:
+    """The whole step (forward_backward + optim_step): tokens/s and MFU against the peak."""
+
+    def step() -> None:
+        backend.forward_backward(batch, nll_loss).result()
+        backend.optim_step().result()
+
+    took = min(timed(step, args.device, args.reps) for _ in range(args.rounds))
+    flops = flops_per_token(backend.lm, args.seq) * tokens / took
+    peak = args.peak_tflops or (989.0 if args.device == "cuda" else 0.0)
+    mfu = f", MFU {100 * flops / (peak * 1e12):.1f}% of {peak:.0f} TFLOP/s" if peak else ""
+    autocast = backend.core.settings.autocast_dtype
+    print(
+        f"train step [{args.batch}x{args.seq}] (forward_backward + optim_step, autocast "
+        f"{autocast}): {took * 1e3:.1f} ms, {tokens / took:,.0f} tok/s, "
+        f"{flops / 1e12:.1f} TFLOP/s{mfu}"
+    )
 
 
 def bench_padding(args: argparse.Namespace) -> None:
@@ -181,6 +217,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=0, help="0 = hidden / 64")
+    parser.add_argument("--intermediate", type=int, default=0, help="0 = 4 x hidden")
+    parser.add_argument("--peak-tflops", type=float, default=0.0, help="0: 989 on cuda")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--reps", type=int, default=5)
@@ -193,8 +232,8 @@ def main() -> None:
     spec = TinyModelSpec(
         hidden_size=args.hidden,
         num_layers=args.layers,
-        num_heads=max(args.hidden // 64, 1),
-        intermediate_size=args.hidden * 4,
+        num_heads=args.heads or max(args.hidden // 64, 1),
+        intermediate_size=args.intermediate or args.hidden * 4,
         max_position_embeddings=max(args.seq, 512),
     )
     with tempfile.TemporaryDirectory() as tmp:

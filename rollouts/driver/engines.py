@@ -4,7 +4,8 @@ Either way the loop gets one `EnginePool` (an InferenceEngine) with periodic hea
 clients use `engines.request_timeout_s` and `engines.max_retries`. Built-in engines
 ([engines.builtin]) are started on the given model with the given weight version, die with the
 trainer (parent-death signal), are restarted (at most `engines.builtin.max_restarts` times each)
-when one exits, and are stopped when the block exits (also on Ctrl-C or an error); one with no
+when one exits, and are stopped when the block exits (also on Ctrl-C or an error); each logs to
+`<run dir>/engines/engine-<i>.log`. One with no
 restart left is gone for good, and no request waits for it (`EnginePool.mark_gone`); external
 servers are waited for (up to `engines.startup_timeout_s`, naming the URLs still loading) and
 then made to serve the run's starting weights with a weight sync. An engine that comes back
@@ -53,6 +54,13 @@ def engine_threads(config: Config, plan: CpuPlan | None) -> int:
     return cpu_share(b.torch_threads, b.device, b.num_engines)
 
 
+def engine_logs(config: Config) -> tuple[str, ...]:
+    """Where the built-in engines log: `<run dir>/engines/engine-<i>.log` (made here)."""
+    logs = Path(config.run.output_dir) / "engines"
+    logs.mkdir(parents=True, exist_ok=True)
+    return tuple(str(logs / f"engine-{i}.log") for i in range(config.engines.builtin.num_engines))
+
+
 def current_weights(pool: EnginePool | None) -> tuple[str, str] | None:
     """(model dir, version) the pool's engines serve now, for restarting a built-in engine;
     None when they serve a LoRA adapter (it restarts on its base model, then loads the adapter
@@ -97,6 +105,7 @@ async def open_engines(
                     restart_from=lambda: current_weights(pool),
                     on_gone=lambda url: pool.mark_gone(url) if pool is not None else None,
                     cpus_per_engine=plan.engines if plan is not None and not plan.colocated else (),
+                    log_paths=engine_logs(config),
                     weights_roots=tuple(str(Path(r).resolve()) for r in weights_roots),
                 )
             )

@@ -118,6 +118,7 @@ def summary_lines(
     lines.append(f"wall time:  {format_duration(wall_s)}")
     files = ("config.json", "metrics.jsonl", "rollouts.jsonl", "sft_metrics.jsonl")
     present = [n for n in files if (run_dir / n).is_file()]
+    present += ["engines/ (the built-in engines' logs)"] if (run_dir / "engines").is_dir() else []
     lines.append(f"run dir:    {run_dir}  ({', '.join(present)})")
     lora = checkpoint is not None and (checkpoint / ADAPTER_DIR).is_dir()
     if checkpoint is not None and lora:

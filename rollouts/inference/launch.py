@@ -281,6 +281,7 @@ async def serve_engines(
     restart_from: Callable[[], tuple[str, str] | None] | None = None,
     on_gone: Callable[[str], None] | None = None,
     cpus_per_engine: Sequence[Sequence[int]] = (),
+    log_paths: Sequence[str] = (),
     task_status: Any = trio.TASK_STATUS_IGNORED,
     **kwargs: Any,
 ) -> None:
@@ -289,15 +290,21 @@ async def serve_engines(
     check finds it) on `restart_from()` = (model dir, weight version) when it gives one that
     exists (the weights served now: the starting model may have been rotated away), else on
     the starting model; `on_gone(url)` when one exits with no restart left; runs until
-    cancelled, then stops them all. Engine i runs on cores
-    `cpus_per_engine[i]` when given. Use with `functools.partial` and `nursery.start`."""
+    cancelled, then stops them all. Engine i runs on cores `cpus_per_engine[i]` and logs to
+    `log_paths[i]` (appended, across restarts) when given. Use with `functools.partial` and
+    `nursery.start`."""
     assert count >= 1, f"{count=}"
     assert max_restarts >= 0, f"{max_restarts=}"
     assert not cpus_per_engine or len(cpus_per_engine) == count, f"{cpus_per_engine=} {count=}"
+    assert not log_paths or len(log_paths) == count, f"{log_paths=} {count=}"
     spec = _spec(model_dir, kwargs)
     assert spec.port is None or count == 1, f"{count=} engines cannot share {spec.port=}"
     specs = [
-        dataclasses.replace(spec, cpus=tuple(cpus_per_engine[i])) if cpus_per_engine else spec
+        dataclasses.replace(
+            spec,
+            cpus=tuple(cpus_per_engine[i]) if cpus_per_engine else spec.cpus,
+            log_path=log_paths[i] if log_paths else spec.log_path,
+        )
         for i in range(count)
     ]
     procs: list[EngineProcess] = []

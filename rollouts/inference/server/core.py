@@ -345,9 +345,12 @@ class EngineCore:
         back as zeros on wake-up and must be reloaded before anything is served). Rows a
         `keep` sleep holds keep their KV cache, prefilled again if the weights change."""
         assert level in (0, 1, 2), f"{level=}"
+        held = self._device_memory()
         self.sleep.tags.add("scheduling")
         if level:
             self.release({"weights", "kv_cache"}, keep_weights=level == 1)
+        if held:
+            log.info("asleep (level %d): %s", level, self._device_memory(held))
 
     def release(self, tags: set[str], *, keep_weights: bool) -> None:
         """Release the memory of `tags` (SGLang's /release_memory_occupation discards the
@@ -365,10 +368,22 @@ class EngineCore:
     def wake_up(self, tags: set[str] | None) -> bool:
         """Take back `tags` (all when None); True when fully awake (scheduling resumes)."""
         tags = set(self.sleep.tags) if tags is None else tags
+        held = self._device_memory()
         if "weights" in tags and "weights" in self.sleep.tags:
             self.sleep.restore(self.model, self.model_device())
         self.sleep.tags -= tags
+        if held:
+            log.info("awake (tags %s): %s", ",".join(sorted(tags)), self._device_memory(held))
         return not self.sleep.asleep
+
+    def _device_memory(self, before: str = "") -> str:
+        """On CUDA, the memory this process holds on its GPU ("" elsewhere): reserved by
+        torch's allocator, and `before` (an earlier reading) beside it."""
+        device = self.model_device()
+        if device.type != "cuda":
+            return ""
+        now = f"{torch.cuda.memory_reserved(device) / 2**30:.2f} GiB reserved on {device}"
+        return f"{now} (was {before.split(' GiB')[0]} GiB)" if before else now
 
     def model_device(self) -> torch.device:
         return self.sleep.device or next(self.model.parameters()).device

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The GPU checks, in one go on a one-GPU machine (never in CI). Each part has its own time limit
+# and log; a failed part does not stop the next one.
+#   1. colocated: configs/gpu-demo-colocated.toml shortened (SFT, then RL with the built-in engine
+#      asleep while the trainer trains), its metrics and the engine's log (GPU memory asleep and
+#      awake); the same RL from the SFT model with the engine awake throughout, for the step time
+#   2. mfu: scripts/bench_train.py, the ~0.4B model's training step and its MFU
+#   3. engine: scripts/bench_engine.py, the built-in engine against in-process `generate` (bf16)
+#
+#   bash scripts/gpu_check.sh [OUT_DIR] [PARTS]   # PARTS: "colocated mfu engine" (default)
+# With GPU_CHECK_SMALL=1 it runs the same steps on CPU with a small model (checks the script).
+# Wheels of what the machine lacks may wait in .whl/ (trio, hypercorn, starlette, ...).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT_DIR=${1:-${OUT:-runs/gpu-check}}
+PARTS=${2:-colocated mfu engine}
+mkdir -p "$OUT_DIR"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+
+if [ "${GPU_CHECK_SMALL:-0}" = 1 ]; then
+  DEV=cpu DTYPE=float32 HIDDEN=64 LAYERS=2 HEADS=4 INTER=256 SFT=10 RL=2 SEQ=128 BATCH=2
+  PROMPTS=4 NEW=16 ROWS=16
+else
+  DEV=cuda DTYPE=bfloat16 HIDDEN=1024 LAYERS=24 HEADS=16 INTER=4096 SFT=150 RL=8 SEQ=1024
+  BATCH=16 PROMPTS=32 NEW=256 ROWS=256
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', \
+transformers.__version__, torch.cuda.get_device_name())"
+fi
+SYNC_DIR=/dev/shm/gpu-check
+[ "$(df --output=avail -k /dev/shm 2>/dev/null | tail -1)" -gt 8000000 ] 2>/dev/null \
+  || SYNC_DIR=/tmp/gpu-check-sync
+echo "weight copies in $SYNC_DIR"
+
+run_part() {  # name, seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" >"$OUT_DIR/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name: exit $rc in $((SECONDS - t0)) s"
+  grep -vE "Loading weights|it/s\]|FutureWarning|return forward_call" "$OUT_DIR/$name.log" \
+    | tail -n 30
+}
+
+RUN=runs/gpu-check-colocated
+MODEL_SET=(--set "model.tiny.hidden_size=$HIDDEN" --set "model.tiny.num_layers=$LAYERS"
+  --set "model.tiny.num_heads=$HEADS" --set "model.tiny.intermediate_size=$INTER"
+  --set "training.device=$DEV" --set "engines.builtin.device=$DEV"
+  --set "engines.builtin.dtype=$DTYPE" --set "weight_sync.dir=$SYNC_DIR"
+  --set "training.rl_steps=$RL" --set "training.eval_every=4" --set "checkpoint.every=0")
+
+for part in $PARTS; do
+  case $part in
+  colocated)
+    run_part colocated 240 $PY integration_training/train.py --mode sft+rl \
+      --config configs/gpu-demo-colocated.toml "${MODEL_SET[@]}" \
+      --set "run.output_dir=$RUN" --set "model.path=$RUN/base-model" \
+      --set "training.sft_steps=$SFT"
+    cp "$RUN/metrics.jsonl" "$OUT_DIR/colocated_metrics.jsonl" 2>/dev/null
+    grep -hE "asleep|awake" "$RUN"/engines/*.log >"$OUT_DIR/colocated_engine.log" 2>/dev/null
+    head -n 12 "$OUT_DIR/colocated_engine.log" 2>/dev/null
+    SFT_MODEL=$(ls -d "$RUN"/checkpoints/sft/step_*/model 2>/dev/null | tail -1)
+    if [ -n "$SFT_MODEL" ]; then
+      mv "$SFT_MODEL" /tmp/gpu-check-sft-model && rm -rf "$RUN/checkpoints"
+      run_part awake 150 $PY integration_training/train.py --mode rl \
+        --config configs/gpu-demo-colocated.toml "${MODEL_SET[@]}" \
+        --set "run.output_dir=$RUN-awake" --set "model.path=/tmp/gpu-check-sft-model" \
+        --set model.tiny.enabled=false --set engines.sleep_level=0
+      cp "$RUN-awake/metrics.jsonl" "$OUT_DIR/awake_metrics.jsonl" 2>/dev/null
+    fi
+    ;;
+  mfu)
+    run_part mfu 150 $PY scripts/bench_train.py --device "$DEV" --only train \
+      --hidden "$HIDDEN" --layers "$LAYERS" --heads "$HEADS" --intermediate "$INTER" \
+      --seq "$SEQ" --batch "$BATCH" --reps 3 --rounds 2
+    ;;
+  engine)
+    run_part engine 200 $PY scripts/bench_engine.py --device "$DEV" --dtype "$DTYPE" \
+      --hidden "$HIDDEN" --layers "$LAYERS" --heads "$HEADS" --intermediate "$INTER" \
+      --prompts "$PROMPTS" --group 8 --equal-len "$NEW" --max-batch "$ROWS" \
+      --connections 64 --clients groups,vLLM --reps 1
+    ;;
+  *) echo "unknown part $part" ;;
+  esac
+done
