@@ -194,6 +194,15 @@ class TrainBatch:
     def __len__(self) -> int:
         return len(self.input_ids)
 
+    def to(self, device: Any) -> TrainBatch:
+        """The same batch with every per-token tensor on `device` (no copy where it is)."""
+        updates: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, tuple) and value:
+                updates[f.name] = tuple(t.to(device) for t in value)
+        return dataclasses.replace(self, **updates)
+
     def select(self, indices: Sequence[int]) -> TrainBatch:
         """A sub-batch (micro-batch) that keeps the global normalisers of the whole batch."""
         updates: dict[str, Any] = {}

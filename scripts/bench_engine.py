@@ -238,21 +238,29 @@ async def run_all(model, model_dir: str, cases: dict, args: argparse.Namespace) 
             "groups": lambda: GroupClient(SGLangEngine(proc.url, options=options), args.group),
         }
         clients = {side: clients[side]() for side in args.clients.split(",")}
-        for client in clients.values():  # warm-up (and the connections opened)
-            await through(client, *cases["varying"])
-        baseline(model, *cases["equal"], 0)
-        for _ in range(args.reps):
-            for name, (prompts, lengths) in cases.items():
-                cpu0 = time.process_time()
-                wall = baseline(model, prompts, lengths, 0)
-                run = Run(wall_s=wall, cpu_s=time.process_time() - cpu0)
-                out.setdefault((name, "generate"), []).append(run)
-                for side, client in clients.items():
-                    run = await server_run(client, proc, prompts, lengths)
-                    out.setdefault((name, side), []).append(run)
+        try:
+            await timed_runs(model, proc, clients, cases, args, out)
+        except BaseException:
+            print(f"the server's log ({proc.log_path}) ends:\n{proc.log_tail(6000)}", flush=True)
+            raise
         for client in clients.values():
             await client.aclose()
     return out
+
+
+async def timed_runs(model, proc, clients: dict, cases: dict, args, out: dict) -> None:
+    for client in clients.values():  # warm-up (and the connections opened)
+        await through(client, *cases["varying"])
+    baseline(model, *cases["equal"], 0)
+    for _ in range(args.reps):
+        for name, (prompts, lengths) in cases.items():
+            cpu0 = time.process_time()
+            wall = baseline(model, prompts, lengths, 0)
+            run = Run(wall_s=wall, cpu_s=time.process_time() - cpu0)
+            out.setdefault((name, "generate"), []).append(run)
+            for side, client in clients.items():
+                run = await server_run(client, proc, prompts, lengths)
+                out.setdefault((name, side), []).append(run)
 
 
 def parse_args() -> argparse.Namespace:

@@ -20,7 +20,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 fi
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1  # a crashing server prints its stacks
 PY=${PYTHON:-python3}
 
 if [ "${GPU_CHECK_SMALL:-0}" = 1 ]; then
@@ -65,8 +65,14 @@ for part in $PARTS; do
       --set "run.output_dir=$RUN" --set "model.path=$RUN/base-model" \
       --set "training.sft_steps=$SFT"
     cp "$RUN/metrics.jsonl" "$OUT_DIR/colocated_metrics.jsonl" 2>/dev/null
-    grep -hE "asleep|awake" "$RUN"/engines/*.log >"$OUT_DIR/colocated_engine.log" 2>/dev/null
-    head -n 12 "$OUT_DIR/colocated_engine.log" 2>/dev/null
+    grep -vE "FutureWarning|return forward_call" "$RUN"/engines/*.log \
+      >"$OUT_DIR/colocated_engine.log" 2>/dev/null
+    grep -hE "asleep|awake" "$OUT_DIR/colocated_engine.log" 2>/dev/null | head -n 12
+    if [ -f "$RUN/error.log" ]; then
+      cp "$RUN/error.log" "$OUT_DIR/colocated_error.log"
+      tail -n 25 "$RUN/error.log"
+      tail -n 25 "$OUT_DIR/colocated_engine.log"
+    fi
     SFT_MODEL=$(ls -d "$RUN"/checkpoints/sft/step_*/model 2>/dev/null | tail -1)
     if [ -n "$SFT_MODEL" ]; then
       mv "$SFT_MODEL" /tmp/gpu-check-sft-model && rm -rf "$RUN/checkpoints"
@@ -86,7 +92,7 @@ for part in $PARTS; do
     run_part engine 200 $PY scripts/bench_engine.py --device "$DEV" --dtype "$DTYPE" \
       --hidden "$HIDDEN" --layers "$LAYERS" --heads "$HEADS" --intermediate "$INTER" \
       --prompts "$PROMPTS" --group 8 --equal-len "$NEW" --max-batch "$ROWS" \
-      --connections 64 --clients groups,vLLM --reps 1
+      --connections 64 --clients groups --reps 1
     ;;
   *) echo "unknown part $part" ;;
   esac

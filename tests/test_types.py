@@ -75,6 +75,27 @@ def test_train_batch_select_keeps_global_normalisers() -> None:
         TrainBatch(input_ids=ids, loss_mask=mask, advantages=mask[:2])
 
 
+def test_train_batch_to_moves_every_per_token_tensor_and_keeps_the_rest() -> None:
+    # the trainer hands a loss function its micro-batch on the model's device: the SFT loss
+    # multiplied CUDA logprobs by a CPU mask on the first GPU run
+    ids = tuple(torch.arange(n) for n in (3, 4))
+    mask = tuple(torch.ones(n) for n in (3, 4))
+    batch = TrainBatch(
+        input_ids=ids,
+        loss_mask=mask,
+        advantages=mask,
+        old_logprobs=mask,
+        num_global_tokens=7.0,
+        metadata={"k": 1},
+    )
+    moved = batch.to("meta")
+    for name in ("input_ids", "loss_mask", "advantages", "old_logprobs"):
+        assert all(t.device.type == "meta" for t in getattr(moved, name)), name
+    assert moved.ref_logprobs == ()
+    assert (moved.num_global_tokens, moved.metadata) == (7.0, {"k": 1})
+    assert batch.to("cpu").input_ids[0] is ids[0]  # no copy where it already is
+
+
 async def test_train_future_awaited_under_trio() -> None:
     import concurrent.futures
 

@@ -192,7 +192,8 @@ class TrainerCore:
             mb = self._tensors(plan, local)
             lps, ents, vals = self._run(mb, want_entropy, want_values, entropy_grad)
             outputs = ModelOutputs(logprobs=tuple(lps), entropy=tuple(ents), values=tuple(vals))
-            loss, metrics = loss_fn(outputs, local.select(plan.indices))
+            # the loss reads the batch's tensors beside the outputs: on the model's device
+            loss, metrics = loss_fn(outputs, local.select(plan.indices).to(self.device))
             assert loss.dim() == 0, f"loss_fn must return a scalar, got {tuple(loss.shape)=}"
             if not torch.isfinite(loss.detach()).item():
                 nonfinite += 1.0
