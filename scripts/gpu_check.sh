@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # The GPU checks, in one go on a one-GPU machine (never in CI). Each part has its own time limit
 # and log; a failed part does not stop the next one.
-#   1. colocated: configs/gpu-demo-colocated.toml shortened (SFT, then RL with the built-in engine
-#      asleep while the trainer trains), its metrics and the engine's log (GPU memory asleep and
-#      awake); the same RL from the SFT model with the engine awake throughout, for the step time
-#   2. mfu: scripts/bench_train.py, the ~0.4B model's training step and its MFU
-#   3. engine: scripts/bench_engine.py, the built-in engine against in-process `generate` (bf16)
+#   colocated: configs/gpu-demo-colocated.toml shortened (SFT, then RL with the built-in engine
+#     asleep while the trainer trains), its metrics and the engine's log (GPU memory asleep and
+#     awake)
+#   engine: scripts/bench_engine.py, the built-in engine against in-process `generate` (bf16)
+#   awake: the same RL from colocated's SFT model with the engine awake throughout
+#   mfu: scripts/bench_train.py, the ~0.4B model's training step and its MFU
 #
-#   bash scripts/gpu_check.sh [OUT_DIR] [PARTS]   # PARTS: "colocated mfu engine" (default)
+#   bash scripts/gpu_check.sh [OUT_DIR] [PARTS]   # default PARTS: "colocated engine awake mfu"
 # With GPU_CHECK_SMALL=1 it runs the same steps on CPU with a small model (checks the script).
 # Wheels of what the machine lacks may wait in .whl/ (trio, hypercorn, starlette, ...).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT_DIR=${1:-${OUT:-runs/gpu-check}}
-PARTS=${2:-colocated mfu engine}
+PARTS=${2:-colocated engine awake mfu}
 mkdir -p "$OUT_DIR"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -74,14 +75,14 @@ for part in $PARTS; do
       tail -n 25 "$OUT_DIR/colocated_engine.log"
     fi
     SFT_MODEL=$(ls -d "$RUN"/checkpoints/sft/step_*/model 2>/dev/null | tail -1)
-    if [ -n "$SFT_MODEL" ]; then
-      mv "$SFT_MODEL" /tmp/gpu-check-sft-model && rm -rf "$RUN/checkpoints"
-      run_part awake 150 $PY integration_training/train.py --mode rl \
-        --config configs/gpu-demo-colocated.toml "${MODEL_SET[@]}" \
-        --set "run.output_dir=$RUN-awake" --set "model.path=/tmp/gpu-check-sft-model" \
-        --set model.tiny.enabled=false --set engines.sleep_level=0
-      cp "$RUN-awake/metrics.jsonl" "$OUT_DIR/awake_metrics.jsonl" 2>/dev/null
-    fi
+    [ -n "$SFT_MODEL" ] && mv "$SFT_MODEL" /tmp/gpu-check-sft-model && rm -rf "$RUN/checkpoints"
+    ;;
+  awake)  # after colocated: its SFT model, RL with the engine awake throughout
+    run_part awake 150 $PY integration_training/train.py --mode rl \
+      --config configs/gpu-demo-colocated.toml "${MODEL_SET[@]}" \
+      --set "run.output_dir=$RUN-awake" --set "model.path=/tmp/gpu-check-sft-model" \
+      --set model.tiny.enabled=false --set engines.sleep_level=0
+    cp "$RUN-awake/metrics.jsonl" "$OUT_DIR/awake_metrics.jsonl" 2>/dev/null
     ;;
   mfu)
     run_part mfu 150 $PY scripts/bench_train.py --device "$DEV" --only train \

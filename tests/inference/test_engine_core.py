@@ -317,3 +317,32 @@ def test_a_reload_in_a_keep_pause_prefills_the_running_rows_again(
         served = torch.tensor(seq.logprobs)
         torch.testing.assert_close(served[:cut], old_lp, atol=1e-4, rtol=0)
         torch.testing.assert_close(served[cut:], new_lp, atol=1e-4, rtol=0)
+
+
+def test_decode_attention_mask_views_start_on_an_aligned_column(
+    ref_model, tokenizer, monkeypatch
+) -> None:
+    # CUDA's memory-efficient attention read a mask view starting at an odd column from a
+    # misaligned address (the first H100 run): every decode mask must start on ALIGN_COLS
+    monkeypatch.setattr(kvops, "GROW_COLS", 8)
+    starts: list[tuple[int, int]] = []  # (mask view's offset in its row, the rows' lo)
+    real_decode = kvops.decode
+
+    def watching_decode(model, kv, tokens_B):
+        b, t = kv.batch, kv.t
+        view = kv.mask_R_C[:b, None, None, kv.first_col() : t + 1]
+        starts.append((view.storage_offset() % kv.mask_R_C.stride(0), kv.lo))
+        return real_decode(model, kv, tokens_B)
+
+    monkeypatch.setattr(kvops, "decode", watching_decode)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(2, 40))] for _ in range(6)]
+    greedy = SamplingSpec(temperature=0.0, ignore_eos=True)
+    lengths = [rng.randint(1, 20) for _ in prompts]
+    pairs = enumerate(zip(prompts, lengths, strict=True))
+    seqs = [make_seq(i, p, n, greedy) for i, (p, n) in pairs]
+    run_core(ref_model, tokenizer, seqs, max_batch=3, max_prefill=3)
+    assert starts and all(offset % kvops.ALIGN_COLS == 0 for offset, _ in starts), starts
+    assert any(lo % kvops.ALIGN_COLS for _, lo in starts), "no step had an unaligned lo"
+    for seq, prompt, n in zip(seqs, prompts, lengths, strict=True):
+        assert seq.output_ids == greedy_no_eos(ref_model, prompt, n), seq.rid

@@ -17,6 +17,10 @@ import torch
 from transformers import DynamicCache
 
 GROW_COLS = 64  # capacity is a multiple of this
+# The attention reads columns from a multiple of this (<= lo; the extra ones are masked): CUDA's
+# memory-efficient attention checks the mask's strides but not where its data starts, and a mask
+# view starting at an odd column failed with "misaligned address" on the first H100 run.
+ALIGN_COLS = 16
 
 
 class SlotCache:
@@ -43,8 +47,13 @@ class SlotCache:
         b, t = self.batch, self.t
         self.keys[layer_idx][:b, :, t : t + 1] = key
         self.values[layer_idx][:b, :, t : t + 1] = value
-        live = slice(self.lo, t + 1)
+        live = slice(self.first_col(), t + 1)
         return self.keys[layer_idx][:b, :, live], self.values[layer_idx][:b, :, live]
+
+    def first_col(self) -> int:
+        """The first column the attention reads: `lo` rounded down to ALIGN_COLS (a column
+        left of every row's start is masked, so the extra ones change nothing)."""
+        return self.lo - self.lo % ALIGN_COLS
 
     def reserve(self, left: int, right: int) -> None:
         """Room for `left` columns before `t` and `right` columns from `t` on (moves or grows)."""
@@ -155,7 +164,7 @@ def decode(model: torch.nn.Module, kv: SlotCache, tokens_B: torch.Tensor) -> tor
     kv.mask_R_C[:b, t] = 0
     out = model(
         input_ids=tokens_B.unsqueeze(1),
-        attention_mask=kv.mask_R_C[:b, None, None, kv.lo : t + 1],
+        attention_mask=kv.mask_R_C[:b, None, None, kv.first_col() : t + 1],
         position_ids=kv.pos_R[:b].unsqueeze(1),
         past_key_values=kv,
         use_cache=True,
