@@ -346,3 +346,38 @@ def test_decode_attention_mask_views_start_on_an_aligned_column(
     assert any(lo % kvops.ALIGN_COLS for _, lo in starts), "no step had an unaligned lo"
     for seq, prompt, n in zip(seqs, prompts, lengths, strict=True):
         assert seq.output_ids == greedy_no_eos(ref_model, prompt, n), seq.rid
+
+
+def test_a_sleep_frees_the_idle_kv_cache(ref_model, tokenizer) -> None:
+    # the first H100 run: asleep, the engine still held its 1.5 GiB KV cache (kept at its size
+    # once the batch drained), while the sleep said "kv_cache" was released
+    core = EngineCore(ref_model, tokenizer, CoreOptions(eos_token_ids=(), max_batch=4), "v1")
+    greedy = SamplingSpec(temperature=0.0, ignore_eos=True)
+    done = threading.Semaphore(0)
+    seqs = [make_seq(i, [5, 6, 7 + i], 4, greedy) for i in range(4)]
+    for seq in seqs:
+        seq.notify = lambda _s: done.release()
+
+    def on_worker(fn):
+        result: list = []
+        core.post(lambda: (result.append(fn()), done.release()))
+        assert done.acquire(timeout=WAIT_S)
+        return result[0]
+
+    worker = threading.Thread(target=core.run, daemon=True)
+    worker.start()
+    try:
+        assert core.submit(seqs[:3])
+        for _ in range(3):
+            assert done.acquire(timeout=WAIT_S)
+        assert on_worker(core._batch.cache_bytes) > 0
+        on_worker(lambda: core.go_to_sleep(1))
+        assert on_worker(core._batch.cache_bytes) == 0
+        assert on_worker(lambda: core.wake_up(None))
+        assert core.submit(seqs[3:])
+        assert done.acquire(timeout=WAIT_S)
+    finally:
+        core.stop()
+        worker.join(WAIT_S)
+    for seq in seqs:
+        assert seq.output_ids == greedy_no_eos(ref_model, seq.prompt_ids, 4), seq.rid

@@ -177,6 +177,21 @@ class RunningBatch:
         with torch.inference_mode():  # called from commands; the cache rows it moves are such
             return self._leave(slots)
 
+    def cache_bytes(self) -> int:
+        """Bytes of the KV cache buffers (kept at their size while no row runs)."""
+        if self._kv is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (*self._kv.keys, *self._kv.values))
+
+    def drop_cache(self) -> int:
+        """Free the KV cache when no row runs (a sleep's "kv_cache"); the bytes freed. Rows held
+        by a `keep` sleep keep theirs."""
+        if self.seqs:
+            return 0
+        freed = self.cache_bytes()
+        self._kv = self._table = None
+        return freed
+
     def clear(self, stop: Stop) -> list[Sequence]:
         """Take out every sequence (after a failed step: the buffers are dropped too)."""
         gone, table = self.seqs, self._table

@@ -345,25 +345,31 @@ class EngineCore:
         back as zeros on wake-up and must be reloaded before anything is served). Rows a
         `keep` sleep holds keep their KV cache, prefilled again if the weights change."""
         assert level in (0, 1, 2), f"{level=}"
-        held = self._device_memory()
         self.sleep.tags.add("scheduling")
         if level:
             self.release({"weights", "kv_cache"}, keep_weights=level == 1)
-        if held:
-            log.info("asleep (level %d): %s", level, self._device_memory(held))
 
     def release(self, tags: set[str], *, keep_weights: bool) -> None:
         """Release the memory of `tags` (SGLang's /release_memory_occupation discards the
-        weights, as it does without --enable-weights-cpu-backup)."""
+        weights, as it does without --enable-weights-cpu-backup). The KV cache goes unless rows
+        are held in it (a `keep` sleep)."""
+        held = self._device_memory()
         if "weights" in tags and "weights" not in self.sleep.tags:
             if keep_weights:
                 self.sleep.offload(self.model)
             else:
                 self.adapters.reset()  # their base copy goes with the weights
                 self.sleep.discard(self.model)
+        freed = self._batch.drop_cache() if "kv_cache" in tags else 0
         self.sleep.tags |= tags
         if self.model_device().type == "cuda":
             torch.cuda.empty_cache()
+        log.info(
+            "released %s (KV cache %.2f GiB freed)%s",
+            ",".join(sorted(tags)),
+            freed / 2**30,
+            f": {self._device_memory(held)}" if held else "",
+        )
 
     def wake_up(self, tags: set[str] | None) -> bool:
         """Take back `tags` (all when None); True when fully awake (scheduling resumes)."""
