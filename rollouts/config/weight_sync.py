@@ -13,6 +13,9 @@ SyncBackend = Literal["auto", "gloo", "nccl"]  # auto: nccl on cuda, else gloo
 # with model.lora: "adapter" = only the adapter (engines load it by name); "merged" = the full
 # weights with the adapter merged in (engines without adapter routes)
 LoraSync = Literal["adapter", "merged"]
+# the dtype of the weight files written for the engines; "auto" = the built-in engines' dtype
+# when it is 16-bit, else the trained dtype
+SyncDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,6 +69,10 @@ class WeightSyncConfig(_Section):
     check_tokens: int = 32  # the probe's length
     check_tolerance: float = 0.0  # largest |engine - trainer| logprob; 0 = by model.dtype
     lora: LoraSync = "adapter"  # read only with model.lora.enabled
+    # the weight files for the engines in this dtype (an engine casts to its own on load, so
+    # writing its 16-bit dtype gives it the same weights in half the bytes): "auto" = the
+    # built-in engines' dtype when it is 16-bit, else as trained
+    dtype: SyncDtype = "auto"
     distributed: DistributedSyncConfig = dataclasses.field(default_factory=DistributedSyncConfig)
 
     def problems(self) -> list[str]:

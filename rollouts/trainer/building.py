@@ -177,9 +177,20 @@ def backend_settings(config: Config, device: torch.device, pad_id: int = 0) -> B
         max_grad_norm=config.optim.max_grad_norm,
         max_consecutive_nonfinite=t.max_consecutive_nonfinite,
         autocast_dtype=torch.bfloat16 if config.training.autocasts(device.type) else None,
+        engine_dtype=engine_weights_dtype(config),
         pad_id=pad_id,
         logprob_positions=t.logprob_positions,
     )
+
+
+def engine_weights_dtype(config: Config) -> torch.dtype | None:
+    """`weight_sync.dtype` as a torch dtype to cast the engines' weight files to (None: as
+    trained). "auto": a built-in engine's 16-bit dtype; float32 and external engines: None."""
+    name = config.weight_sync.dtype
+    if name == "auto":
+        builtin = config.engines.kind == "builtin"
+        name = config.engines.builtin.dtype if builtin else "float32"
+    return None if name == "float32" else getattr(torch, name)
 
 
 def model_path_of(config: Config, model_path: str | Path | None) -> Path:

@@ -43,6 +43,9 @@ class BackendSettings:
     max_grad_norm: float = 1.0
     max_consecutive_nonfinite: int = 3
     autocast_dtype: torch.dtype | None = None  # bf16 autocast on GPU; None = off
+    # the weight files for engines in this dtype (cast on the device, before the host copy);
+    # None = as trained (weight_sync.dtype)
+    engine_dtype: torch.dtype | None = None
     pad_id: int = 0
     # "trained": the LM head runs only where loss_mask != 0 (other logprobs are 0); "all": all
     logprob_positions: LogprobPositions = "trained"

@@ -172,20 +172,29 @@ class FSDPBackend:
         options = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(self.model, full, options=options)
 
-    def _save_hf(self, path: Path, for_engine: bool = False) -> None:
-        self._write_hf(path, self._full_state(), for_engine)
+    def _save_hf(
+        self, path: Path, for_engine: bool = False, dtype: torch.dtype | None = None
+    ) -> None:
+        self._write_hf(path, self._full_state(), for_engine, dtype)
 
-    def _write_hf(self, path: Path, state: dict[str, torch.Tensor], for_engine: bool) -> None:
-        """Rank 0 writes the gathered HF `state` as model files; every rank waits for it."""
+    def _write_hf(
+        self,
+        path: Path,
+        state: dict[str, torch.Tensor],
+        for_engine: bool,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Rank 0 writes the gathered HF `state` as model files (for an engine: a tied head
+        written out, floating tensors in `dtype`); every rank waits for it."""
         if self.rank == 0:
-            state = engine_state_dict(self.hf, state) if for_engine else state
+            state = engine_state_dict(self.hf, state, dtype) if for_engine else state
             save_hf(self.hf, self.tokenizer, path, state)
         dist.barrier()
 
     def save_weights(self, path: Path) -> TrainFuture[None]:
         """HF files gathered and written by rank 0 (a tied LM head written out, as engines
         reload in place); every rank must call."""
-        return self._submit(self._save_hf, Path(path), True)
+        return self._submit(self._save_hf, Path(path), True, self.core.settings.engine_dtype)
 
     def save_checkpoint(self, path: Path) -> TrainFuture[None]:
         """HF model (rank 0), optimizer (DCP, every rank), scheduler and counters (rank 0)."""

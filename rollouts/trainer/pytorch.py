@@ -49,14 +49,19 @@ def save_hf(lm: Any, tokenizer: Any, path: Path, state_dict: dict[str, Any] | No
     assert (path / "config.json").is_file(), f"save_pretrained wrote no config.json in {path}"
 
 
-def engine_state_dict(lm: Any, state_dict: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def engine_state_dict(
+    lm: Any, state_dict: Mapping[str, Any] | None = None, dtype: torch.dtype | None = None
+) -> dict[str, Any]:
     """The state dict an engine reloads: every tensor the model has, a tied LM head included.
 
     `save_pretrained` leaves `lm_head.weight` out of the files when it shares the embedding's
     storage (loading a fresh model ties it again), but an in-place reload does not tie: vLLM's
     `reload_weights` then updated the embedding and kept the old LM head while reporting the new
-    version. Here a tied head is written as its own copy."""
+    version. Here a tied head is written as its own copy. With `dtype`, floating tensors are
+    cast to it (the engine's own dtype: what its load would do)."""
     state = dict(state_dict) if state_dict is not None else dict(lm.state_dict())
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     if not getattr(lm.config, "tie_word_embeddings", False) or lm.get_output_embeddings() is None:
         return state
     embedding = lm.get_input_embeddings().weight
@@ -183,19 +188,24 @@ class PyTorchBackend:
 
         return self._submit(self._full_state_dict)
 
-    def _full_state_dict(self) -> dict[str, torch.Tensor]:
-        """CPU copies of the HF state dict (with LoRA: base + adapter, merged)."""
+    def _full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """CPU copies of the HF state dict (with LoRA: base + adapter, merged); floating
+        tensors cast to `dtype` when given (on the device, before the copy)."""
+
+        def cast(v: torch.Tensor) -> torch.Tensor:
+            return v.to(dtype) if dtype is not None and v.is_floating_point() else v
+
         if self.adapters:
-            return lora.merged_state_dict(self.lm)
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.lm.state_dict().items()}
+            return {k: cast(v) for k, v in lora.merged_state_dict(self.lm).items()}
+        return {k: cast(v.detach()).to("cpu", copy=True) for k, v in self.lm.state_dict().items()}
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the full HF state dict."""
         return self.copy_weights().result()
 
     def snapshot_weights(self) -> dict[str, torch.Tensor]:
-        """This step's weights for `write_weights` (here: a `get_weights` copy)."""
-        return self.get_weights()
+        """This step's weights for `write_weights`: a CPU copy in the engines' dtype."""
+        return self._submit(self._full_state_dict, self.core.settings.engine_dtype).result()
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy `weights` into the model in place (optimizer references stay valid)."""
@@ -215,10 +225,12 @@ class PyTorchBackend:
 
     def save_weights(self, path: Path) -> TrainFuture[None]:
         """HF safetensors + config + tokenizer in `path`, for engines to reload."""
-        return self._submit(lambda: self._save_full(Path(path), self._full_state_dict()))
+        dtype = self.core.settings.engine_dtype
+        return self._submit(lambda: self._save_full(Path(path), self._full_state_dict(dtype)))
 
     def _save_full(self, path: Path, weights: Mapping[str, torch.Tensor]) -> None:
-        save_hf(self.hf, self.tokenizer, path, engine_state_dict(self.hf, weights))
+        dtype = self.core.settings.engine_dtype
+        save_hf(self.hf, self.tokenizer, path, engine_state_dict(self.hf, weights, dtype))
 
     def write_weights(self, weights: Mapping[str, torch.Tensor], path: Path) -> None:
         """`save_weights` of a `snapshot_weights` copy, on the calling thread: the training thread
