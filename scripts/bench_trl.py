@@ -23,6 +23,7 @@ ratios rollouts / TRL in samples/s; with --rounds > 1 the medians over rounds fo
 
     python scripts/bench_trl.py --case A|B [--steps 6] [--warmup 2] [--rounds 3]
                                 [--systems trl,sync,async] [--model DIR] [--work DIR]
+                                [--set KEY=VALUE ...]   # the rollouts runs' config
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def run_rollouts(case: Case, args: argparse.Namespace, mode: str, run_dir: Path)
     """train.py --mode rl in `mode`; the timed steps' rows of its metrics.jsonl."""
     rl_steps = args.warmup + args.steps + 1  # the last step also saves the final checkpoint
     keys = [*overrides(case, args.work, args.model, rl_steps), f"run.output_dir='{run_dir}'"]
-    keys += [f"rollout.mode='{mode}'", "run.overwrite=true"]
+    keys += [f"rollout.mode='{mode}'", "run.overwrite=true", *args.set]
     command = [sys.executable, "integration_training/train.py", "--mode", "rl"]
     command += ["--config", case.config] + [a for k in keys for a in ("--set", k)]
     run_logged(command, run_dir.with_suffix(".log"))
@@ -277,6 +278,13 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="a subset of trl,sync,async")
     parser.add_argument("--model", default="", help="an HF model directory for the case's own")
     parser.add_argument("--work", default="", help="keep runs and logs here (default: a tmp dir)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a train.py --set for the rollouts runs (repeatable), e.g. weight_sync.method=...",
+    )
     args = parser.parse_args()
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if not args.systems or set(args.systems) - set(SYSTEMS):

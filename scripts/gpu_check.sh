@@ -7,14 +7,15 @@
 #   engine: scripts/bench_engine.py, the built-in engine against in-process `generate` (bf16)
 #   awake: the same RL from colocated's SFT model with the engine awake throughout
 #   mfu: scripts/bench_train.py, the ~0.4B model's training step and its MFU
+#   profile: scripts/profile_decode.py, the engine's decode step against generate's, profiled
 #
-#   bash scripts/gpu_check.sh [OUT_DIR] [PARTS]   # default PARTS: "colocated engine awake mfu"
+#   bash scripts/gpu_check.sh [OUT_DIR] [PARTS]   # default: "colocated engine awake mfu profile"
 # With GPU_CHECK_SMALL=1 it runs the same steps on CPU with a small model (checks the script).
 # Wheels of what the machine lacks may wait in .whl/ (trio, hypercorn, starlette, ...).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT_DIR=${1:-${OUT:-runs/gpu-check}}
-PARTS=${2:-colocated engine awake mfu}
+PARTS=${2:-colocated engine awake mfu profile}
 mkdir -p "$OUT_DIR"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -94,6 +95,11 @@ for part in $PARTS; do
       --hidden "$HIDDEN" --layers "$LAYERS" --heads "$HEADS" --intermediate "$INTER" \
       --prompts "$PROMPTS" --group 8 --equal-len "$NEW" --max-batch "$ROWS" \
       --connections 64 --clients groups --reps 1
+    ;;
+  profile)
+    run_part profile 150 $PY scripts/profile_decode.py --device "$DEV" --dtype "$DTYPE" \
+      --rows "$ROWS" --hidden "$HIDDEN" --layers "$LAYERS" --heads "$HEADS" \
+      --intermediate "$INTER" --steps 32
     ;;
   *) echo "unknown part $part" ;;
   esac
