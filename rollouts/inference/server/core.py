@@ -353,7 +353,7 @@ class EngineCore:
         """Release the memory of `tags` (SGLang's /release_memory_occupation discards the
         weights, as it does without --enable-weights-cpu-backup). The KV cache goes unless rows
         are held in it (a `keep` sleep)."""
-        held = self._device_memory()
+        before = self._gpu_gib()
         if "weights" in tags and "weights" not in self.sleep.tags:
             if keep_weights:
                 self.sleep.offload(self.model)
@@ -364,32 +364,30 @@ class EngineCore:
         self.sleep.tags |= tags
         if self.model_device().type == "cuda":
             torch.cuda.empty_cache()
-        log.info(
-            "released %s (KV cache %.2f GiB freed)%s",
-            ",".join(sorted(tags)),
-            freed / 2**30,
-            f": {self._device_memory(held)}" if held else "",
-        )
+        names, gib = ",".join(sorted(tags)), freed / 2**30
+        log.info("released %s (KV cache %.2f GiB freed)%s", names, gib, self._gpu_change(before))
 
     def wake_up(self, tags: set[str] | None) -> bool:
         """Take back `tags` (all when None); True when fully awake (scheduling resumes)."""
         tags = set(self.sleep.tags) if tags is None else tags
-        held = self._device_memory()
+        before = self._gpu_gib()
         if "weights" in tags and "weights" in self.sleep.tags:
             self.sleep.restore(self.model, self.model_device())
         self.sleep.tags -= tags
-        if held:
-            log.info("awake (tags %s): %s", ",".join(sorted(tags)), self._device_memory(held))
+        if before is not None:
+            log.info("awake (tags %s)%s", ",".join(sorted(tags)), self._gpu_change(before))
         return not self.sleep.asleep
 
-    def _device_memory(self, before: str = "") -> str:
-        """On CUDA, the memory this process holds on its GPU ("" elsewhere): reserved by
-        torch's allocator, and `before` (an earlier reading) beside it."""
+    def _gpu_gib(self) -> float | None:
+        """GiB reserved by torch's allocator on the model's GPU (None off CUDA)."""
         device = self.model_device()
-        if device.type != "cuda":
+        return torch.cuda.memory_reserved(device) / 2**30 if device.type == "cuda" else None
+
+    def _gpu_change(self, before: float | None) -> str:
+        """': X GiB reserved on cuda:N (was Y GiB)' after a `_gpu_gib` reading, else ''."""
+        if before is None or (now := self._gpu_gib()) is None:
             return ""
-        now = f"{torch.cuda.memory_reserved(device) / 2**30:.2f} GiB reserved on {device}"
-        return f"{now} (was {before.split(' GiB')[0]} GiB)" if before else now
+        return f": {now:.2f} GiB reserved on {self.model_device()} (was {before:.2f} GiB)"
 
     def model_device(self) -> torch.device:
         return self.sleep.device or next(self.model.parameters()).device
