@@ -41,6 +41,7 @@ from rollouts.trainer import building as f
 from rollouts.trainer import lora
 from rollouts.trainer.core import BackendSettings, TrainerCore
 from rollouts.trainer.dist import DistCollective, init_distributed
+from rollouts.trainer.hf_files import write_engine_files
 from rollouts.trainer.model import VALUE_HEAD_FILE, TokenLogprobModel, make_value_head
 from rollouts.trainer.protocol import Metrics
 from rollouts.trainer.pytorch import (
@@ -186,8 +187,11 @@ class FSDPBackend:
     ) -> None:
         """Rank 0 writes the gathered HF `state` as model files (for an engine: a tied head
         written out, floating tensors in `dtype`); every rank waits for it."""
-        if self.rank == 0:
-            state = engine_state_dict(self.hf, state, dtype) if for_engine else state
+        if self.rank == 0 and for_engine:
+            write_engine_files(
+                self.hf, self.tokenizer, path, engine_state_dict(self.hf, state), dtype
+            )
+        elif self.rank == 0:
             save_hf(self.hf, self.tokenizer, path, state)
         dist.barrier()
 

@@ -26,6 +26,7 @@ import torch
 
 from rollouts.trainer import lora
 from rollouts.trainer.core import BackendSettings, LocalCollective, TrainerCore
+from rollouts.trainer.hf_files import write_engine_files
 from rollouts.trainer.model import VALUE_HEAD_FILE, TokenLogprobModel
 from rollouts.trainer.protocol import Metrics
 from rollouts.types import LossFn, TrainBatch, TrainFuture
@@ -49,26 +50,22 @@ def save_hf(lm: Any, tokenizer: Any, path: Path, state_dict: dict[str, Any] | No
     assert (path / "config.json").is_file(), f"save_pretrained wrote no config.json in {path}"
 
 
-def engine_state_dict(
-    lm: Any, state_dict: Mapping[str, Any] | None = None, dtype: torch.dtype | None = None
-) -> dict[str, Any]:
+def engine_state_dict(lm: Any, state_dict: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The state dict an engine reloads: every tensor the model has, a tied LM head included.
 
     `save_pretrained` leaves `lm_head.weight` out of the files when it shares the embedding's
     storage (loading a fresh model ties it again), but an in-place reload does not tie: vLLM's
     `reload_weights` then updated the embedding and kept the old LM head while reporting the new
-    version. Here a tied head is written as its own copy. With `dtype`, floating tensors are
-    cast to it (the engine's own dtype: what its load would do)."""
+    version. Here a tied head is its own entry (the embedding's tensor under the head's name:
+    `write_engine_files` writes it out as a second copy)."""
     state = dict(state_dict) if state_dict is not None else dict(lm.state_dict())
-    if dtype is not None:
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     if not getattr(lm.config, "tie_word_embeddings", False) or lm.get_output_embeddings() is None:
         return state
     embedding = lm.get_input_embeddings().weight
     names = [n for n, p in lm.named_parameters(remove_duplicate=False) if p is embedding]
     head = next((n for n in names if n in state and "embed" not in n), "lm_head.weight")
     source = next(n for n in names if n in state and n != head)
-    state[head] = state[source].detach().clone()
+    state[head] = state[source]
     return state
 
 
@@ -224,13 +221,20 @@ class PyTorchBackend:
             raise KeyError(f"load_weights: {missing=} {unexpected=} (a different model?)")
 
     def save_weights(self, path: Path) -> TrainFuture[None]:
-        """HF safetensors + config + tokenizer in `path`, for engines to reload."""
-        dtype = self.core.settings.engine_dtype
-        return self._submit(lambda: self._save_full(Path(path), self._full_state_dict(dtype)))
+        """HF safetensors + config + tokenizer in `path`, for engines to reload: written from
+        the live parameters on the training thread (no copy of the model first)."""
+        return self._submit(lambda: self._save_full(Path(path), self._live_state_dict()))
+
+    def _live_state_dict(self) -> dict[str, torch.Tensor]:
+        """The HF state dict as the engines get it: the parameters themselves (with LoRA: base
+        + adapter, merged, which computes new tensors)."""
+        return lora.merged_state_dict(self.lm) if self.adapters else self.lm.state_dict()
 
     def _save_full(self, path: Path, weights: Mapping[str, torch.Tensor]) -> None:
         dtype = self.core.settings.engine_dtype
-        save_hf(self.hf, self.tokenizer, path, engine_state_dict(self.hf, weights, dtype))
+        write_engine_files(
+            self.hf, self.tokenizer, path, engine_state_dict(self.hf, weights), dtype
+        )
 
     def write_weights(self, weights: Mapping[str, torch.Tensor], path: Path) -> None:
         """`save_weights` of a `snapshot_weights` copy, on the calling thread: the training thread

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import shutil
 import tempfile
 import time
@@ -337,6 +338,7 @@ def publish_weights(
     if backend.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
+        _recycle(root, tmp, keep_last)
     backend.barrier()
     try:
         snapshots = backend.weight_snapshots()
@@ -352,17 +354,33 @@ def publish_weights(
             raise error from e
         raise
     if backend.rank == 0:
+        os.utime(tmp)  # files rewritten in place leave a recycled directory's time as it was
         _swap_in(tmp, final, keep_last)
     backend.barrier()
     return final
+
+
+def _versions(root: Path, but: Path | None = None) -> list[Path]:
+    """The `v_*` directories under `root` (not `but`), oldest first."""
+    return sorted((p for p in root.glob("v_*") if p != but), key=lambda p: p.stat().st_mtime)
+
+
+def _recycle(root: Path, tmp: Path, keep_last: int) -> None:
+    """Rename the version this publish will prune to `tmp`, so that the files are rewritten in
+    place: a tmpfs then reuses its pages instead of allocating (and later freeing) a model's
+    worth of new ones each sync (`scripts/bench_weight_write.py`). Only with `keep_last` >= 2:
+    the recycled version is then never the newest, the one engines load or restart on (a
+    publish starts after the previous delivery ended, `OverlappedDiskPublisher.settle`)."""
+    olds = _versions(root)
+    if keep_last >= 2 and len(olds) >= keep_last:
+        olds[0].rename(tmp)
 
 
 def _swap_in(tmp: Path, final: Path, keep_last: int) -> None:
     """Rename `tmp` to `final` and keep only the `keep_last` newest `v_*` beside it."""
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
-    root = final.parent
-    olds = sorted((p for p in root.glob("v_*") if p != final), key=lambda p: p.stat().st_mtime)
+    olds = _versions(final.parent, but=final)
     for old in olds[: max(len(olds) - (keep_last - 1), 0)]:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -135,3 +135,54 @@ async def test_sync_refuses_a_directory_that_is_not_a_model(tmp_path: Path) -> N
     with pytest.raises(FileNotFoundError, match="config.json"):
         await sync_weights_to_engines([engine], tmp_path, "1")
     await engine.aclose()
+
+
+def _inode(version_dir: Path) -> int:
+    return (version_dir / "model.safetensors").stat().st_ino
+
+
+def _perturbed(backend: object) -> dict[str, torch.Tensor]:
+    """New weights in the backend (as a step gives), returned."""
+    weights = {k: v + 0.01 for k, v in backend.get_weights().items()}  # type: ignore[attr-defined]
+    backend.load_weights(weights)  # type: ignore[attr-defined]
+    return weights
+
+
+def test_a_publish_rewrites_the_version_it_prunes_in_place(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from rollouts.inference.server.weights import read_safetensors_dir
+
+    backend = create_pytorch_backend(tiny_config(tiny_model_dir))
+    root = tmp_path / "w"
+    v1 = publish_weights(backend, root, "1")
+    first = _inode(v1)
+    v2 = publish_weights(backend, root, "2")
+    kept = read_safetensors_dir(v2)
+    weights = _perturbed(backend)
+    v3 = publish_weights(backend, root, "3")
+    assert sorted(p.name for p in root.iterdir()) == ["v_2", "v_3"]
+    assert _inode(v3) == first  # the pruned version's file, rewritten: no new pages
+    served = read_safetensors_dir(v3)
+    assert all(torch.equal(served[k], weights[k]) for k in weights)
+    again = read_safetensors_dir(v2)  # the newest before it is left as it was
+    assert all(torch.equal(again[k], kept[k]) for k in kept)
+    _perturbed(backend)
+    second = _inode(v2)
+    v4 = publish_weights(backend, root, "4")
+    assert _inode(v4) == second  # now v_2's file, the oldest
+    assert sorted(p.name for p in root.iterdir()) == ["v_3", "v_4"]
+    assert not torch.equal(
+        read_safetensors_dir(v4)["model.embed_tokens.weight"], served["model.embed_tokens.weight"]
+    )
+    # one version kept: the newest (the one engines load or restart on) is never rewritten
+    solo = tmp_path / "solo"
+    s1 = publish_weights(backend, solo, "1", keep_last=1)
+    before, inode = read_safetensors_dir(s1), _inode(s1)
+    _perturbed(backend)
+    s2 = publish_weights(backend, solo, "2", keep_last=1)
+    assert _inode(s2) != inode and not s1.exists()
+    assert not torch.equal(
+        read_safetensors_dir(s2)["model.embed_tokens.weight"], before["model.embed_tokens.weight"]
+    )
+    backend.close()
