@@ -70,7 +70,8 @@ def engine_state_dict(lm: Any, state_dict: Mapping[str, Any] | None = None) -> d
 
 
 def load_hf_weights(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the HF safetensors files in `path` (sharded or not), on CPU."""
+    """Every tensor of the HF safetensors files in `path` (sharded or not), on CPU, in memory of
+    their own (`load_file` maps the file, and a weight sync's files are rewritten in place)."""
     from safetensors.torch import load_file
 
     files = sorted(path.glob("*.safetensors"))
@@ -78,7 +79,7 @@ def load_hf_weights(path: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"{path}: no *.safetensors files (not an HF model directory)")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
-        weights.update(load_file(f))
+        weights.update({k: v.clone() for k, v in load_file(f).items()})
     return weights
 
 

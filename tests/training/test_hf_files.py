@@ -89,3 +89,29 @@ def test_the_files_hold_what_save_pretrained_writes(model_dir: Path, tmp_path: P
         assert ours[name].dtype == t.dtype and torch.equal(ours[name], t), name
     config = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert config == json.loads((tmp_path / "hf" / "config.json").read_text())
+
+
+def test_a_loaded_model_keeps_its_weights_when_the_files_are_rewritten_in_place(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """A sync rewrites a version's files in place two versions later (`disk._recycle`); an
+    engine started on that version (a restart) and the trainer's loads must not follow it:
+    safetensors maps the files, so a mapped tensor would change under them."""
+    from rollouts.inference.server.app import ServeOptions, load_model
+    from rollouts.trainer.pytorch import load_hf_weights
+
+    lm = _trained(model_dir)
+    out = tmp_path / "v"
+    write_engine_files(lm, AutoTokenizer.from_pretrained(model_dir), out, engine_state_dict(lm))
+    engine, _ = load_model(ServeOptions(model=str(out)))
+    loaded = load_hf_weights(out)
+    before = {k: v.clone() for k, v in engine.state_dict().items()}
+    with torch.no_grad():
+        for p in lm.parameters():
+            p.mul_(-1.0)
+    write_engine_files(lm, None, out, engine_state_dict(lm))
+    assert (out / SINGLE_FILE).stat().st_size > 0
+    for name, t in engine.state_dict().items():
+        assert torch.equal(t, before[name]), name
+    for name, t in loaded.items():
+        assert torch.equal(t, before[name]), name

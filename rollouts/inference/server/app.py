@@ -69,6 +69,10 @@ def load_model(options: ServeOptions) -> tuple[Any, Any]:
     dtype = getattr(torch, options.dtype)
     model = AutoModelForCausalLM.from_pretrained(options.model, dtype=dtype)
     model = model.to(options.device).eval()
+    if model.device.type == "cpu":  # own the memory: CPU tensors may map the files, which a
+        with torch.no_grad():  # weight sync rewrites in place (weights/disk.py `_recycle`)
+            for t in [*model.parameters(), *model.buffers()]:
+                t.data = t.data.clone()
     tokenizer = AutoTokenizer.from_pretrained(options.model)
     return model, tokenizer
 
