@@ -57,6 +57,10 @@ class HttpOptions:
 
 GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
 SHARD_CONNECTIONS = 16
+# an idle connection is dropped after this, before the server drops it: uvicorn (SGLang, vLLM)
+# closes idle ones after 5 s, httpx's default; a request sent on one the server is closing
+# fails with "Server disconnected without sending a response"
+KEEPALIVE_S = 2.0
 
 
 def shard_sizes(connections: int, per_shard: int) -> list[int]:
@@ -112,7 +116,9 @@ class EngineHttp:
                 headers=headers,
                 timeout=httpx.Timeout(o.timeout_s, connect=o.connect_timeout_s),
                 limits=httpx.Limits(
-                    max_connections=connections, max_keepalive_connections=connections
+                    max_connections=connections,
+                    max_keepalive_connections=connections,
+                    keepalive_expiry=KEEPALIVE_S,
                 ),
                 transport=transport,
             )

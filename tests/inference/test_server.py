@@ -3,6 +3,10 @@ batches, aborts, pauses, bad inputs."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import time
+
 import httpx
 import pytest
 import torch
@@ -191,3 +195,47 @@ async def test_pause_modes(servers) -> None:
 
 async def _waiting(engine: SGLangEngine) -> bool:
     return (await engine.load()).waiting > 0
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """One HTTP/1.1 answer read off `sock` (headers and a Content-Length body); b"" at EOF."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+@pytest.mark.parametrize("path", ["/end_weight_update", "/flush_cache", "/continue_generation"])
+def test_a_body_that_comes_after_its_headers_keeps_the_connection_alive(servers, path) -> None:
+    """Routes that ignore their body still answer only once it arrived, so the keep-alive
+    connection serves the next request (the client's pool reuses it). Before, hypercorn closed a
+    connection whose answer went out before the body, and the next request on it failed with
+    "Server disconnected without sending a response" (a CI failure after a weight sync)."""
+    port = int(servers["main"].url.rsplit(":", 1)[1])
+    first = second = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: 2\r\n\r\n".encode())
+        time.sleep(0.3)  # the route could have answered by now; its body is still on the way
+        with contextlib.suppress(OSError):  # broken pipe or reset: the server closed
+            sock.sendall(b"{}")
+            first = _answer(sock)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            second = _answer(sock)
+    assert first.startswith(b"HTTP/1.1 "), f"no answer to {path}: {first!r}"
+    assert b"connection: close" not in first.lower(), first
+    assert second.startswith(b"HTTP/1.1 200"), f"the connection closed after {path}: {second!r}"

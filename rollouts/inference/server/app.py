@@ -122,7 +122,9 @@ def build_core(options: ServeOptions, model: Any, tokenizer: Any) -> tuple[Engin
 
 def build_app(state: ServerState, api_key: str = "") -> Starlette:
     """The Starlette app with every route, JSON errors, and the API-key check if a key is set."""
-    middleware = [Middleware(http_util.ApiKeyMiddleware, api_key=api_key)] if api_key else []
+    middleware = [Middleware(http_util.ReadBodyFirst, limit=state.info.max_body_bytes)]
+    if api_key:
+        middleware.append(Middleware(http_util.ApiKeyMiddleware, api_key=api_key))
     app = Starlette(
         routes=http_util.ROUTES
         + sglang_routes.ROUTES

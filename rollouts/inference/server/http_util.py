@@ -11,7 +11,7 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rollouts.inference.server.sampling import BadRequest, SamplingSpec
 from rollouts.inference.server.sleep import AsleepError
@@ -139,6 +139,44 @@ async def unless_disconnected(request: Request, fn: Callable[[], Awaitable[T]]) 
             raise group.exceptions[0] from None
         raise
     return result[0] if result else None
+
+
+class ReadBodyFirst:
+    """Reads the rest of a request's body before its answer goes out, when the route did not.
+
+    HTTP/1.1 keep-alive needs it. hypercorn closes a connection whose answer ended before the
+    request's body arrived (h11 cannot start the next cycle), and the client's next request on
+    that pooled connection fails with "Server disconnected without sending a response". Routes
+    that ignore their body (`/end_weight_update`, `/continue_generation`, `/pause`, ...) raced
+    the body's second TCP segment. uvicorn, which SGLang and vLLM run on, waits for the body;
+    so does this. A body over `limit` bytes is left unread (that connection closes, as after a
+    413), and a client that left is not waited for.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        done, seen = False, 0  # the whole body received (or the client left); its bytes
+
+        async def tracked() -> Message:
+            nonlocal done, seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                done = True
+            return message
+
+        async def send_after_body(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                while not done and seen <= self.limit:
+                    await tracked()
+            await send(message)
+
+        await self.app(scope, tracked, send_after_body)
 
 
 class ApiKeyMiddleware:
