@@ -67,7 +67,7 @@ class WeightSyncConfig(_Section):
     # match the trainer's: a version label proves nothing (weights/check.py)
     check: bool = True
     check_tokens: int = 32  # the probe's length
-    check_tolerance: float = 0.0  # largest |engine - trainer| logprob; 0 = by model.dtype
+    check_tolerance: float = 0.0  # |engine - trainer| logprob: largest (fp32) or mean; 0 = by dtype
     lora: LoraSync = "adapter"  # read only with model.lora.enabled
     # the weight files for the engines in this dtype (an engine casts to its own on load, so
     # writing its 16-bit dtype gives it the same weights in half the bytes): "auto" = the

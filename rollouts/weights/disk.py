@@ -62,7 +62,7 @@ class EngineSyncResult:
     resume_s: float = 0.0
     verify_s: float = 0.0
     check_s: float = 0.0
-    content_gap: float = 0.0  # largest |engine - trainer| logprob on the probe (content check)
+    content_gap: float = 0.0  # |engine - trainer| logprob on the probe (its statistic; the check)
     total_s: float = 0.0
 
 

@@ -10,7 +10,7 @@ import torch
 from rollouts.config import config_from_dict
 from rollouts.inference.launch import engine_server
 from rollouts.inference.vllm import VLLMEngine
-from rollouts.weights.check import TOLERANCE, probe_dtype
+from rollouts.weights.check import TOLERANCE, mean_gap, probe_dtype
 from tests.inference.conftest import teacher_forced_logprobs
 
 PROMPT = [5, 9, 2, 7, 11, 3, 8]
@@ -26,12 +26,14 @@ def test_the_check_tolerance_follows_the_coarser_side() -> None:
 
 async def test_a_bf16_engine_serves_bf16_weights(tiny_model_dir: Path, ref_model) -> None:
     expected = teacher_forced_logprobs(ref_model, PROMPT[:1], PROMPT[1:])
-    gaps = {}
+    gaps, means = {}, {}
     for dtype in ("float32", "bfloat16"):
         async with engine_server(tiny_model_dir, dtype=dtype) as url:
             engine = VLLMEngine(url)
             served = torch.tensor(await engine.prompt_logprobs(PROMPT))
             await engine.aclose()
         gaps[dtype] = float((served - expected).abs().max())
+        means[dtype] = mean_gap(expected.tolist(), served.tolist())
     assert gaps["float32"] < 1e-4, gaps
-    assert 1e-4 < gaps["bfloat16"] < TOLERANCE["bfloat16"], gaps  # rounded, not another model
+    assert gaps["bfloat16"] > 1e-4, gaps  # rounded
+    assert means["bfloat16"] < TOLERANCE["bfloat16"], means  # not another model

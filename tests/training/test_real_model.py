@@ -3,6 +3,7 @@ a default system prompt, tied embeddings) through train.py, the built-in engine 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -24,6 +25,15 @@ from rollouts.inference.sglang import SGLangEngine
 from rollouts.rollout.generate import generate_single_turn
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.types import Sample, Status
+from rollouts.weights.check import (
+    GAP_STATISTIC,
+    TOLERANCE,
+    WeightContentError,
+    WeightProbe,
+    check_engine,
+    largest_gap,
+    probe_ids,
+)
 from rollouts.weights.disk import sync_weights_to_engines
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -200,3 +210,45 @@ def _check_two_turn_masks(tokenizer: Any, s: Sample, prompt: list[int]) -> None:
     closed = s.status is Status.COMPLETED
     assert texts[3] == (1, answers[1] + (eos if closed else "")), texts[3]
     assert texts[4:] == ([(0, "\n")] if closed else []), texts[4:]
+
+
+def _probe_logprobs(model: torch.nn.Module, ids: tuple[int, ...]) -> tuple[float, ...]:
+    """Teacher-forced logprobs of ids[1:] (what the trainer's fp32 probe computes)."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+    logprobs = logits.log_softmax(-1).gather(1, torch.tensor(ids[1:]).unsqueeze(1))
+    return tuple(logprobs.squeeze(1).tolist())
+
+
+async def test_a_bf16_engine_passes_the_content_check_and_other_weights_do_not(
+    smollm2_dir: Path,
+) -> None:
+    """A built-in engine serving SmolLM2 in bf16 against the fp32 trainer: its rounding moves
+    single probe tokens by up to ~0.5 (the largest gap, once held to 0.25, failed most probes),
+    but the mean gap stays under the bf16 tolerance (0.05-0.10 measured), while a tensor the
+    load missed (the last MLP's down projection left at zero) fails by the mean (~5)."""
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    probes = [probe_ids(model.config.vocab_size, 32, seed) for seed in range(6)]
+    expected = [_probe_logprobs(model, ids) for ids in probes]
+    with torch.no_grad():
+        model.model.layers[-1].mlp.down_proj.weight.zero_()
+    other = [_probe_logprobs(model, ids) for ids in probes]
+    tol, statistic = TOLERANCE["bfloat16"], GAP_STATISTIC["bfloat16"]
+    largest, passed, failed = [], [], []
+    async with engine_server(smollm2_dir, dtype="bfloat16", torch_threads=1) as url:
+        engine = SGLangEngine(url)
+        for ids, right, wrong in zip(probes, expected, other, strict=True):
+            served = await engine.prompt_logprobs(ids)
+            largest.append(largest_gap(right, served)[0])
+            probe = WeightProbe(
+                ids=ids, expected=right, tolerance=tol, version="0", statistic=statistic
+            )
+            passed.append(await check_engine(engine, probe))
+            bad = dataclasses.replace(probe, expected=wrong)
+            with pytest.raises(WeightContentError, match="on average over the probe") as refused:
+                await check_engine(engine, bad)
+            failed.append(str(refused.value))
+        await engine.aclose()
+    assert max(passed) <= tol and statistic == "mean", passed
+    assert max(largest) > 1e-2, largest  # really rounded: bf16 served, not fp32
+    assert all("differ by" in f for f in failed), failed
