@@ -81,11 +81,18 @@ def tolerance_for(dtype: str, configured: float) -> float:
     return TOLERANCE[dtype]
 
 
+def _gaps(expected: Sequence[float], served: Sequence[float]) -> np.ndarray | None:
+    """|expected - served| per position; None when the lengths differ."""
+    if len(expected) != len(served):
+        return None
+    return np.abs(np.asarray(expected, dtype=np.float64) - np.asarray(served, dtype=np.float64))
+
+
 def largest_gap(expected: Sequence[float], served: Sequence[float]) -> tuple[float, int]:
     """(max |expected - served|, its position); inf when the lengths differ or a value is NaN."""
-    if len(expected) != len(served):
+    gaps = _gaps(expected, served)
+    if gaps is None:
         return float("inf"), -1
-    gaps = np.abs(np.asarray(expected, dtype=np.float64) - np.asarray(served, dtype=np.float64))
     if not len(gaps):
         return 0.0, -1
     if np.isnan(gaps).any():
@@ -96,12 +103,10 @@ def largest_gap(expected: Sequence[float], served: Sequence[float]) -> tuple[flo
 
 def mean_gap(expected: Sequence[float], served: Sequence[float]) -> float:
     """The mean |expected - served|; inf when the lengths differ or a value is NaN."""
-    if len(expected) != len(served):
+    gaps = _gaps(expected, served)
+    if gaps is None or np.isnan(gaps).any():
         return float("inf")
-    gaps = np.abs(np.asarray(expected, dtype=np.float64) - np.asarray(served, dtype=np.float64))
-    if not len(gaps):
-        return 0.0
-    return float("inf") if np.isnan(gaps).any() else float(gaps.mean())
+    return float(gaps.mean()) if len(gaps) else 0.0
 
 
 async def trainer_probe(
