@@ -155,11 +155,11 @@ def test_a_failed_step_fails_the_running_rows_and_the_core_goes_on(
     real_decode = kvops.decode
     calls = []
 
-    def decode_failing_once(model, kv, tokens_B):
+    def decode_failing_once(model, kv, tokens_B, step=None):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("injected decode fault")
-        return real_decode(model, kv, tokens_B)
+        return real_decode(model, kv, tokens_B, step)
 
     monkeypatch.setattr(kvops, "decode", decode_failing_once)
     spec = SamplingSpec(temperature=0.0, ignore_eos=True)
@@ -328,11 +328,11 @@ def test_decode_attention_mask_views_start_on_an_aligned_column(
     starts: list[tuple[int, int]] = []  # (mask view's offset in its row, the rows' lo)
     real_decode = kvops.decode
 
-    def watching_decode(model, kv, tokens_B):
+    def watching_decode(model, kv, tokens_B, step=None):
         b, t = kv.batch, kv.t
         view = kv.mask_R_C[:b, None, None, kv.first_col() : t + 1]
         starts.append((view.storage_offset() % kv.mask_R_C.stride(0), kv.lo))
-        return real_decode(model, kv, tokens_B)
+        return real_decode(model, kv, tokens_B, step)
 
     monkeypatch.setattr(kvops, "decode", watching_decode)
     rng = random.Random(1)

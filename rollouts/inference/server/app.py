@@ -49,6 +49,7 @@ class ServeOptions:
     logprobs_from: str = "raw"
     device: str = "cpu"
     dtype: str = "float32"
+    decode: str = "auto"  # "auto": fast_decode for the models it supports; "hf": the HF forward
     weight_version: str = "default"
     served_model_name: str = ""
     request_timeout_s: float = 600.0
@@ -57,6 +58,7 @@ class ServeOptions:
 
     def __post_init__(self) -> None:
         assert self.logprobs_from in ("raw", "scaled"), f"{self.logprobs_from=}"
+        assert self.decode in ("auto", "hf"), f"{self.decode=}"
         assert self.max_batch >= 1, f"{self.max_batch=}"
         assert self.max_queue >= 1, f"{self.max_queue=}"
         assert self.max_body_mb > 0, f"{self.max_body_mb=}"
@@ -103,6 +105,7 @@ def build_core(options: ServeOptions, model: Any, tokenizer: Any) -> tuple[Engin
         context_len=context_len,
         eos_token_ids=eos_ids,
         pad_token_id=pad,
+        decode=options.decode,
     )
     info = ServerInfo(
         model_path=str(Path(options.model).resolve()),
@@ -170,4 +173,5 @@ async def serve(options: ServeOptions, *, task_status: Any = trio.TASK_STATUS_IG
         )
         url = f"http://{options.host}:{options.port}"
         log.info("rollouts engine server on %s (model %s)", url, options.model)
+        log.info("decode steps: %s", core.decode_path)
         task_status.started(url)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from rollouts.inference.server import fast_decode
 from rollouts.inference.server import kv as kvops
 from rollouts.inference.server.rows import SlotTable
 from rollouts.inference.server.sampling import SamplingSpec, sample, top_logprobs
@@ -70,6 +71,7 @@ class BatchOptions:
     pad_token_id: int
     eos_token_ids: tuple[int, ...]
     logprobs_from: str
+    decode: str = "auto"  # "auto": fast_decode.decode where the model is supported; "hf": never
 
 
 class RunningBatch:
@@ -81,6 +83,10 @@ class RunningBatch:
         self._kv: kvops.SlotCache | None = None
         self._table: SlotTable | None = None
         self._stale = False  # the running rows' KV cache is from weights no longer loaded
+        why = fast_decode.unsupported(model) if options.decode == "auto" else "--decode hf"
+        # the decode step: the engine's own for Llama-family models, else the HF forward
+        self._decode_step = None if why else fast_decode.decode
+        self.decode_path = f"HF forward ({why})" if why else f"fast ({type(model).__name__})"
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -126,7 +132,8 @@ class RunningBatch:
         assert self._kv is not None and self._table is not None, "a step without a batch"
         if self._stale:
             self._prefill_again()
-        logits_B_V = kvops.decode(self.model, self._kv, self._table.last_R[: len(self.seqs)])
+        last_B = self._table.last_R[: len(self.seqs)]
+        logits_B_V = kvops.decode(self.model, self._kv, last_B, self._decode_step)
         return self._leave(self._record(0, logits_B_V))
 
     def weights_changed(self) -> None:

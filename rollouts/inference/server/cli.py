@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+DECODE_PATHS = ("auto", "hf")  # ServeOptions.decode
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `rollouts serve`."""
@@ -50,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument(
+        "--decode",
+        choices=DECODE_PATHS,
+        default="auto",
+        help="decode steps: 'auto' = the engine's own step for Llama and Qwen2 models (the HF "
+        "forward for others), 'hf' = always the HF forward",
+    )
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--served-model-name", default="")
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
@@ -100,6 +109,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
         logprobs_from=args.logprobs_from,
         device=args.device,
         dtype=args.dtype,
+        decode=args.decode,
         weight_version=args.weight_version,
         served_model_name=args.served_model_name,
         request_timeout_s=args.request_timeout_s,

@@ -55,6 +55,7 @@ class CoreOptions:
     context_len: int = 2048
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
+    decode: str = "auto"  # "auto": fast_decode where the model is supported; "hf": HF forward
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -89,12 +90,18 @@ class EngineCore:
                 pad_token_id=options.pad_token_id,
                 eos_token_ids=options.eos_token_ids,
                 logprobs_from=options.logprobs_from,
+                decode=options.decode,
             ),
         )
         self._admitting: list[Sequence] = []  # taken from the queue, not yet in the batch
         self._stats: BusyStats | None = None  # since the batch was last empty
         self._last_submit_s = 0.0
         self._stopped = False
+
+    @property
+    def decode_path(self) -> str:
+        """Which forward the decode steps take (logged at start)."""
+        return self._batch.decode_path
 
     # ---- called from the trio thread (thread-safe) ----
     def submit(self, seqs: list[Sequence]) -> bool:

@@ -13,6 +13,8 @@ refilled by moving the last active row into it. New rows are prefilled together 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import DynamicCache
 
@@ -156,19 +158,29 @@ def prefill(
 
 
 @torch.inference_mode()
-def decode(model: torch.nn.Module, kv: SlotCache, tokens_B: torch.Tensor) -> torch.Tensor:
-    """One decode step for every active slot: feed `tokens_B`, return the next logits_B_V."""
+def decode(
+    model: torch.nn.Module,
+    kv: SlotCache,
+    tokens_B: torch.Tensor,
+    step: Callable[[torch.nn.Module, SlotCache, torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """One decode step for every active slot: feed `tokens_B`, return the next logits_B_V.
+    `step` computes the logits and writes column `t` of the cache (`fast_decode.decode`);
+    without one, the HF forward does, through `SlotCache.update`."""
     assert tokens_B.shape == (kv.batch,), f"{tokens_B.shape=} {kv.batch=}"
     kv.reserve(0, 1)
     b, t = kv.batch, kv.t
     kv.mask_R_C[:b, t] = 0
-    out = model(
-        input_ids=tokens_B.unsqueeze(1),
-        attention_mask=kv.mask_R_C[:b, None, None, kv.first_col() : t + 1],
-        position_ids=kv.pos_R[:b].unsqueeze(1),
-        past_key_values=kv,
-        use_cache=True,
-    )
+    if step is not None:
+        logits_B_V = step(model, kv, tokens_B)
+    else:
+        logits_B_V = model(
+            input_ids=tokens_B.unsqueeze(1),
+            attention_mask=kv.mask_R_C[:b, None, None, kv.first_col() : t + 1],
+            position_ids=kv.pos_R[:b].unsqueeze(1),
+            past_key_values=kv,
+            use_cache=True,
+        ).logits[:, -1]
     kv.t += 1
     kv.pos_R[:b] += 1
-    return out.logits[:, -1]
+    return logits_B_V

@@ -1,0 +1,156 @@
+"""The engine's own decode step (`fast_decode`) against the HF forward: the same logprobs for
+Llama (multi-head, grouped-query with a tied head) and Qwen2 (q/k/v biases) while rows join,
+finish and move between slots; the weights it reads are the ones loaded now; a model it does
+not implement takes the HF forward, and says so."""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
+
+from rollouts.inference.server.batch import BatchOptions, RunningBatch, Sequence
+from rollouts.inference.server.sampling import SamplingSpec
+
+from .conftest import teacher_forced_logprobs
+
+
+def decode_all(model, tokenizer, prompts, lengths, decode: str, max_batch: int = 3):
+    """Greedy outputs and logprobs of every prompt through a RunningBatch of `max_batch` slots
+    (later prompts join as earlier ones finish), and the batch's decode path."""
+    options = BatchOptions(
+        max_batch=max_batch,
+        max_prefill=max_batch,
+        pad_token_id=0,
+        eos_token_ids=(),
+        logprobs_from="raw",
+        decode=decode,
+    )
+    batch = RunningBatch(model, tokenizer, options)
+    spec = SamplingSpec(temperature=0.0, ignore_eos=True)
+    waiting = [
+        Sequence(rid=str(i), prompt_ids=p, spec=spec, max_new=n, notify=lambda s: None)
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+    ]
+    done: list[Sequence] = []
+    with torch.inference_mode():
+        while waiting or len(batch):
+            free = max_batch - len(batch)
+            if waiting and free:
+                ready, waiting = waiting[:free], waiting[free:]
+                done += batch.admit(ready)[1]
+            if len(batch):
+                done += batch.step()
+    by_rid = {s.rid: s for s in done}
+    seqs = [by_rid[str(i)] for i in range(len(prompts))]
+    return [s.output_ids for s in seqs], [s.logprobs for s in seqs], batch.decode_path
+
+
+def random_model(config) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def llama_gqa(vocab: int) -> torch.nn.Module:
+    """4 query heads on 2 KV heads, the head tied to the embedding (as SmolLM2)."""
+    return random_model(
+        LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+            initializer_range=0.3,
+        )
+    )
+
+
+def qwen2(vocab: int) -> torch.nn.Module:
+    """Qwen2: biases on q/k/v, 4 query heads on 2 KV heads, a rope theta of its own."""
+    model = random_model(
+        Qwen2Config(
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            rope_theta=1000.0,
+            initializer_range=0.3,
+        )
+    )
+    with torch.no_grad():  # nonzero biases, so a step that dropped them would differ
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.3)
+    return model
+
+
+def prompts_and_lengths(seed: int, count: int = 7) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(1, 30))] for _ in range(count)]
+    return prompts, [rng.randint(1, 24) for _ in prompts]
+
+
+@pytest.fixture(scope="module")
+def models(ref_model, tokenizer) -> dict[str, torch.nn.Module]:
+    vocab = len(tokenizer)
+    return {"llama": ref_model, "llama-gqa-tied": llama_gqa(vocab), "qwen2": qwen2(vocab)}
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-gqa-tied", "qwen2"])
+def test_the_fast_step_gives_the_hf_forwards_tokens_and_logprobs(models, tokenizer, name):
+    model = models[name]
+    prompts, lengths = prompts_and_lengths(seed=len(name))
+    fast_out, fast_lp, path = decode_all(model, tokenizer, prompts, lengths, "auto")
+    hf_out, hf_lp, hf_path = decode_all(model, tokenizer, prompts, lengths, "hf")
+    assert path == f"fast ({type(model).__name__})", path
+    assert hf_path == "HF forward (--decode hf)", hf_path
+    assert fast_out == hf_out
+    for prompt, out, lp, ref in zip(prompts, fast_out, fast_lp, hf_lp, strict=True):
+        assert len(out) == len(lp) == len(ref)
+        torch.testing.assert_close(torch.tensor(lp), torch.tensor(ref), atol=1e-5, rtol=0)
+        # and both are the model's own full-sequence logprobs of those tokens
+        forced = teacher_forced_logprobs(model, prompt, out)
+        torch.testing.assert_close(torch.tensor(lp), forced, atol=1e-4, rtol=0)
+    assert len({tuple(o) for o in fast_out}) > 1, "every prompt gave the same output"
+
+
+def test_the_fast_step_reads_the_weights_loaded_now(
+    ref_model, tokenizer, other_model_dir: Path
+) -> None:
+    # a copy of a weight kept by the step (a fused projection, a cached head) would keep
+    # serving the old model after a reload; the step must read the modules' weights each time
+    model = copy.deepcopy(ref_model)
+    other = AutoModelForCausalLM.from_pretrained(other_model_dir, dtype=torch.float32).eval()
+    prompts, lengths = prompts_and_lengths(seed=5, count=4)
+    before, _, _ = decode_all(model, tokenizer, prompts, lengths, "auto")
+    with torch.no_grad():
+        for name, tensor in other.state_dict().items():
+            model.state_dict()[name].copy_(tensor)  # in place, as the server's reload does
+    after, after_lp, _ = decode_all(model, tokenizer, prompts, lengths, "auto")
+    want, want_lp, _ = decode_all(other, tokenizer, prompts, lengths, "hf")
+    assert after == want and after != before
+    for lp, ref in zip(after_lp, want_lp, strict=True):
+        torch.testing.assert_close(torch.tensor(lp), torch.tensor(ref), atol=1e-5, rtol=0)
+
+
+def test_a_model_the_step_does_not_implement_takes_the_hf_forward(tiny_model_dir) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = LlamaConfig.from_pretrained(tiny_model_dir)
+    config.hidden_act = "gelu"
+    model = random_model(config)
+    prompts, lengths = prompts_and_lengths(seed=3, count=4)
+    out, lp, path = decode_all(model, tokenizer, prompts, lengths, "auto")
+    assert path == "HF forward (hidden_act 'gelu' (this step implements silu))", path
+    for prompt, o, p in zip(prompts, out, lp, strict=True):
+        forced = teacher_forced_logprobs(model, prompt, o)
+        torch.testing.assert_close(torch.tensor(p), forced, atol=1e-4, rtol=0)
