@@ -15,6 +15,7 @@ LogprobPositions = Literal["trained", "all"]
 CpuPlacement = Literal["auto", "colocate", "split", "off"]
 TrainerProcessMode = Literal["auto", "on", "off"]
 Autocast = Literal["auto", "bfloat16", "off"]
+SftAutocast = Literal["", "auto", "bfloat16", "off"]  # "" = training.autocast
 BestMode = Literal["max", "min"]
 WandbMode = Literal["offline", "online", "disabled"]
 
@@ -90,10 +91,18 @@ class TrainingConfig(_Section):
     # bfloat16 on CUDA, off on CPU; "bfloat16" also on CPU (fast where it has AVX-512 BF16 /
     # AMX; the content check then allows bf16's tolerance); "off": fp32 everywhere
     autocast: Autocast = "auto"
+    # the SFT phase's autocast: "" = `autocast`; else one of its values for SFT alone
+    sft_autocast: SftAutocast = ""
 
     def autocasts(self, device_type: str) -> bool:
         """Whether forward and backward run under bf16 autocast on `device_type`."""
         return self.autocast == "bfloat16" or (self.autocast == "auto" and device_type == "cuda")
+
+    def for_sft(self) -> TrainingConfig:
+        """This section as the SFT phase trains with it (`sft_autocast` in place of `autocast`)."""
+        if not self.sft_autocast:
+            return self
+        return dataclasses.replace(self, autocast=self.sft_autocast, sft_autocast="")
 
     def problems(self) -> list[str]:
         p: list[str] = []

@@ -6,6 +6,7 @@ base with that adapter merged in, and RL trains a new adapter on it."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -41,7 +42,7 @@ async def sft_phase(
     total = total_sft_steps(config, len(train))
     latest = find_latest_checkpoint(root) if resume else None
     backend = make_backend(
-        config,
+        dataclasses.replace(config, training=config.training.for_sft()),
         model_path=base,
         total_steps=total,
         lr=config.training.sft_lr or None,

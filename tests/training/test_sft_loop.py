@@ -176,3 +176,34 @@ def test_a_single_late_evaluation_is_not_shown_as_before_and_after() -> None:
     assert p is not None and p.before is None
     line = phase_line(p, "held-out loss", None)
     assert line == "SFT: 6 steps; held-out loss 0.779 (no evaluation before training)", line
+
+
+@pytest.mark.parametrize(("sft_autocast", "trains_with"), [("", "bfloat16"), ("off", "off")])
+async def test_sft_trains_with_sft_autocast_and_rl_keeps_autocast(
+    tiny_model_dir: Path, tmp_path: Path, sft_autocast: str, trains_with: str
+) -> None:
+    """training.sft_autocast sets the SFT phase's autocast alone ("" = training.autocast)."""
+    rows = [{"messages": list(c)} for c in CONVERSATIONS]
+    write_jsonl(tmp_path / "sft.jsonl", rows)
+    table = {
+        "run": {"output_dir": str(tmp_path / "run")},
+        "model": {"path": str(tiny_model_dir)},
+        "data": {"sft_path": str(tmp_path / "sft.jsonl"), "sft_eval_fraction": 0.0},
+        "training": {
+            "sft_steps": 1,
+            "sft_batch_size": 2,
+            "autocast": "bfloat16",
+            "sft_autocast": sft_autocast,
+        },
+    }
+    config = config_from_dict(table)
+    built: list[bool] = []
+
+    def recording_backend(cfg: Any, **kwargs: Any) -> Any:
+        backend = create_pytorch_backend(cfg, **kwargs)
+        built.append(backend.core.settings.autocast_dtype is not None)
+        return backend
+
+    await sft_phase(config, tmp_path / "run", tiny_model_dir, False, StopFlag(), recording_backend)
+    assert built == [trains_with == "bfloat16"]
+    assert config.training.autocasts("cpu")  # the RL phase's section is unchanged

@@ -92,7 +92,10 @@ def decode(model: Any, kv: SlotCache, tokens_B: torch.Tensor) -> torch.Tensor:
         keys[:b, :, t] = _rope(k, cos, sin)
         values[:b, :, t] = v
         q = _rope(q, cos, sin).view(b, kv_heads, -1, d)  # [B, kv_heads, groups, D]
-        scores = torch.matmul(q, keys[:b, :, first : t + 1].transpose(2, 3)) * attn.scaling
+        # K @ q^T, not q @ K^T: the live keys are a plain row-major [L, D] block per head, which
+        # matmul reads in place (a transposed one was copied first in bf16: 1.5x the attention)
+        scores = torch.matmul(keys[:b, :, first : t + 1], q.transpose(2, 3)).transpose(2, 3)
+        scores = scores * attn.scaling
         probs = F.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, values[:b, :, first : t + 1]).reshape(b, -1)
         h = h + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
