@@ -154,3 +154,21 @@ def test_a_model_the_step_does_not_implement_takes_the_hf_forward(tiny_model_dir
     for prompt, o, p in zip(prompts, out, lp, strict=True):
         forced = teacher_forced_logprobs(model, prompt, o)
         torch.testing.assert_close(torch.tensor(p), forced, atol=1e-4, rtol=0)
+
+
+def test_rollouts_serve_decode_hf_takes_the_hf_forward_and_says_so(tiny_model_dir) -> None:
+    """`rollouts serve --decode hf`: the escape hatch, logged at start; default: the own step."""
+    from rollouts.inference.launch import EngineSpec, spawn, wait_healthy_sync
+
+    procs = {
+        flag: spawn(EngineSpec(model_dir=str(tiny_model_dir), max_batch=4, extra_args=flag))
+        for flag in ((), ("--decode", "hf"))
+    }
+    try:
+        for proc in procs.values():
+            wait_healthy_sync(proc, 120.0)
+        assert "decode steps: fast (LlamaForCausalLM)" in procs[()].log_tail()
+        assert "decode steps: HF forward (--decode hf)" in procs[("--decode", "hf")].log_tail()
+    finally:
+        for proc in procs.values():
+            proc.stop()
