@@ -55,38 +55,26 @@ def random_model(config) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
+# 4 query heads on 2 KV heads; weights large enough that greedy tokens are not near-ties
+GQA_SIZES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.3,
+)
+
+
 def llama_gqa(vocab: int) -> torch.nn.Module:
-    """4 query heads on 2 KV heads, the head tied to the embedding (as SmolLM2)."""
-    return random_model(
-        LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            tie_word_embeddings=True,
-            initializer_range=0.3,
-        )
-    )
+    """Grouped-query attention, the head tied to the embedding (as SmolLM2)."""
+    return random_model(LlamaConfig(vocab_size=vocab, tie_word_embeddings=True, **GQA_SIZES))
 
 
 def qwen2(vocab: int) -> torch.nn.Module:
-    """Qwen2: biases on q/k/v, 4 query heads on 2 KV heads, a rope theta of its own."""
-    model = random_model(
-        Qwen2Config(
-            vocab_size=vocab,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            rope_theta=1000.0,
-            initializer_range=0.3,
-        )
-    )
+    """Qwen2: biases on q/k/v, grouped-query attention, a rope theta of its own."""
+    model = random_model(Qwen2Config(vocab_size=vocab, rope_theta=1000.0, **GQA_SIZES))
     with torch.no_grad():  # nonzero biases, so a step that dropped them would differ
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
