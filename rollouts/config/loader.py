@@ -42,7 +42,20 @@ class Config(_Section):
     weight_sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
 
     def problems(self) -> list[str]:
-        return lora_problems(self) + sleep_problems(self)
+        return lora_problems(self) + sleep_problems(self) + layout_problems(self)
+
+
+def layout_problems(config: Config) -> list[str]:
+    """What training.micro_batch_layout = "prefix" needs of [model]."""
+    p: list[str] = []
+    _check(
+        p,
+        config.training.micro_batch_layout != "prefix" or not config.model.gradient_checkpointing,
+        "training.micro_batch_layout = 'prefix' with model.gradient_checkpointing = true: a "
+        "layer recomputed in the backward pass would write its keys to the prefix's KV cache "
+        "again; set micro_batch_layout = 'pad', or gradient_checkpointing = false",
+    )
+    return p
 
 
 def sleep_problems(config: Config) -> list[str]:

@@ -10,7 +10,8 @@ from rollouts.config.base import _check, _Section
 Scheduler = Literal["cosine", "constant"]
 TrainingBackendName = Literal["pytorch", "fsdp"]
 TrainingDevice = Literal["auto", "cpu", "cuda"]
-MicroBatchLayout = Literal["pad", "pack"]  # length-bucketed, right-padded | one packed row
+# length-bucketed, right-padded | one packed row | shared prompts run once (trainer/prefix_plan.py)
+MicroBatchLayout = Literal["pad", "pack", "prefix"]
 LogprobPositions = Literal["trained", "all"]
 CpuPlacement = Literal["auto", "colocate", "split", "off"]
 TrainerProcessMode = Literal["auto", "on", "off"]
@@ -73,6 +74,9 @@ class TrainingConfig(_Section):
     # tokens per LM-head chunk (recomputed in backward when several); 0 = auto: 512 MiB of
     # float32 logits per chunk (one chunk for small vocabularies)
     logprob_chunk_size: int = 0
+    # "pad": right-padded rows of similar length; "pack": one row of sequences end to end;
+    # "prefix": sequences that begin alike (a GRPO group's prompt) run those tokens once, the
+    # rest padded (one device only: training.backend = "pytorch", nproc = nnodes = 1)
     micro_batch_layout: MicroBatchLayout = "pad"
     # "trained": the LM head (logprobs, entropy) runs only on tokens with loss_mask = 1, the
     # others read 0 (prompts cost no head: verl and TRL do the same); "all": every position,
@@ -127,6 +131,13 @@ class TrainingConfig(_Section):
             p,
             self.logprob_chunk_size >= 0,
             "training.logprob_chunk_size: must be >= 1 (tokens per chunk), or 0 (auto)",
+        )
+        _check(
+            p,
+            self.micro_batch_layout != "prefix"
+            or (self.backend == "pytorch" and self.nproc == 1 and self.nnodes == 1),
+            "training.micro_batch_layout = 'prefix' runs on one device (training.backend = "
+            "'pytorch', nproc = nnodes = 1); with FSDP set it to 'pad'",
         )
         _check(
             p,

@@ -1,12 +1,15 @@
 """Pure functions that turn ragged sequences into micro-batches under a token budget.
 
-Two layouts, both exact (a sequence's logprobs never depend on its neighbours):
+Three layouts, all exact (a sequence's logprobs never depend on its neighbours):
 - "pad": sequences sorted longest first, cut into micro-batches whose padded size
   (rows x longest row) fits the budget; rows are right-padded, so under a causal mask a real token
   never sees a pad token and no attention mask is needed (the fast causal kernel runs).
 - "pack": sequences placed first-fit-decreasing into one row per micro-batch, with position ids
   that restart at 0 per sequence; transformers turns restarting position ids into a
   block-diagonal mask, so packed sequences do not attend to each other.
+- "prefix": sequences that begin with the same tokens (a GRPO group's prompt) run those tokens
+  once; the rows hold only what follows, attending to the shared prefix through the KV cache
+  (`prefix_plan.py`). The others are padded as in "pad".
 """
 
 from __future__ import annotations
@@ -30,14 +33,31 @@ class MicroBatchPlan:
     places: tuple[tuple[int, int], ...]  # (row, start column) of each sequence
     rows: int
     row_len: int
+    # layout "prefix": sequence k continues shared prefix `prefix_of[k]`, the first
+    # `prefix_lens[g]` tokens of that prefix's first sequence; its row holds the rest of it.
+    # Empty: no shared prefixes (each row holds its whole sequence)
+    prefix_lens: tuple[int, ...] = ()
+    prefix_of: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         assert len(self.indices) == len(self.places), f"{len(self.indices)=} != {len(self.places)=}"
         assert self.rows >= 1 and self.row_len >= 1, f"{self.rows=} {self.row_len=}"
+        if self.prefix_lens:
+            assert len(self.prefix_of) == len(self.indices), f"{self.prefix_of=} {self.indices=}"
+            assert set(self.prefix_of) == set(range(len(self.prefix_lens))), f"{self.prefix_of=}"
+            assert min(self.prefix_lens) >= 1, f"{self.prefix_lens=}"
 
     @property
     def padded_tokens(self) -> int:
-        return self.rows * self.row_len
+        """Token slots the decoder computes (the shared prefixes' rows included)."""
+        return self.rows * self.row_len + len(self.prefix_lens) * max(self.prefix_lens, default=0)
+
+    def computed_tokens(self, lengths: Sequence[int]) -> int:
+        """Real (not padding) token slots the decoder computes: a shared prefix counts once."""
+        total = sum(lengths[i] for i in self.indices)
+        if not self.prefix_lens:
+            return total
+        return total - sum(self.prefix_lens[g] for g in self.prefix_of) + sum(self.prefix_lens)
 
 
 def plan_padded(lengths: Sequence[int], token_budget: int) -> list[MicroBatchPlan]:
@@ -94,8 +114,9 @@ def plan_packed(lengths: Sequence[int], token_budget: int) -> list[MicroBatchPla
 def plan_micro_batches(
     lengths: Sequence[int], token_budget: int, layout: str
 ) -> list[MicroBatchPlan]:
-    """Micro-batches for sequences of `lengths` in `layout` ("pad" | "pack")."""
-    assert layout in LAYOUTS, f"{layout=} not in {LAYOUTS}"
+    """Micro-batches for sequences of `lengths` in `layout` ("pad" | "pack"; "prefix" reads
+    the tokens: `prefix_plan.plan_shared_prefixes`)."""
+    assert layout in ("pad", "pack"), f"{layout=} not in ('pad', 'pack')"
     if not lengths:
         return []
     if layout == "pad":
@@ -106,9 +127,18 @@ def plan_micro_batches(
 def padding_fraction(plans: Sequence[MicroBatchPlan], lengths: Sequence[int]) -> float:
     """Fraction of the computed token slots that hold padding (0 = no waste)."""
     total = sum(p.padded_tokens for p in plans)
-    real = sum(lengths[i] for p in plans for i in p.indices)
+    real = sum(p.computed_tokens(lengths) for p in plans)
     assert real <= total, f"{real=} > {total=}"
     return 0.0 if total == 0 else 1.0 - real / total
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SharedPrefix:
+    """Layout "prefix": prefixes the decoder runs once, each continued by one or more rows."""
+
+    ids_G_P: torch.Tensor  # the shared prefixes, right-padded
+    row_prefix_R: torch.Tensor  # [R] the prefix each row of `input_ids_R_L` continues
+    attention_mask_R_K: torch.Tensor  # [R, P + L]: 0 on the padding of each row's prefix
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,11 +147,18 @@ class MicroBatchTensors:
 
     input_ids_R_L: torch.Tensor
     position_ids_R_L: torch.Tensor | None  # None = the model's default arange
-    pred_rows: torch.Tensor  # [N] row of the hidden state that predicts each target token
-    pred_cols: torch.Tensor  # [N] its column; the target is at column + 1
+    # [N] each next-token prediction's hidden state, as an index into the decoder's states
+    # flattened to [tokens, hidden] (the shared prefixes' rows first, then the rows)
+    pred_idx: torch.Tensor
+    targets: torch.Tensor  # [N] the token each prediction is scored on
     split_sizes: tuple[int, ...]  # N split per sequence: length - 1 each
     # [M] the predictions the LM head runs on (their targets are trained); None = all N
     head_idx: torch.Tensor | None = None
+    prefix: SharedPrefix | None = None  # layout "prefix": the rows continue these
+
+    def __post_init__(self) -> None:
+        assert self.pred_idx.shape == self.targets.shape, f"{self.pred_idx.shape=}"
+        assert self.pred_idx.shape[0] == sum(self.split_sizes), f"{self.split_sizes=}"
 
 
 def build_tensors(
@@ -130,16 +167,19 @@ def build_tensors(
     pad_id: int = 0,
     loss_mask: Sequence[torch.Tensor] | None = None,
 ) -> MicroBatchTensors:
-    """Lay the plan's sequences out in rows; list the (row, col) of every next-token prediction.
+    """Lay the plan's sequences out in rows; list the hidden state and target of every
+    next-token prediction.
 
     With `loss_mask` (one per sequence of `input_ids`), `head_idx` lists the predictions whose
     target is trained (mask != 0): the LM head runs only there (None when that is all of them).
     """
+    head_idx = None if loss_mask is None else trained_predictions(plan, input_ids, loss_mask)
+    if plan.prefix_lens:
+        return _prefixed_tensors(plan, input_ids, pad_id, head_idx)
     ids = torch.full((plan.rows, plan.row_len), pad_id, dtype=torch.long)
     packed = plan.rows == 1 and len(plan.indices) > 1
     pos = torch.zeros((plan.rows, plan.row_len), dtype=torch.long) if packed else None
-    rows: list[torch.Tensor] = []
-    cols: list[torch.Tensor] = []
+    where: list[torch.Tensor] = []
     sizes: list[int] = []
     for i, (row, start) in zip(plan.indices, plan.places, strict=True):
         seq = input_ids[i]
@@ -148,16 +188,69 @@ def build_tensors(
         ids[row, start : start + n] = seq
         if pos is not None:
             pos[row, start : start + n] = torch.arange(n)
-        rows.append(torch.full((n - 1,), row, dtype=torch.long))
-        cols.append(torch.arange(start, start + n - 1, dtype=torch.long))
+        where.append(row * plan.row_len + torch.arange(start, start + n - 1, dtype=torch.long))
         sizes.append(n - 1)
+    pred_idx = torch.cat(where)
     return MicroBatchTensors(
         input_ids_R_L=ids,
         position_ids_R_L=pos,
-        pred_rows=torch.cat(rows),
-        pred_cols=torch.cat(cols),
+        pred_idx=pred_idx,
+        targets=ids.flatten()[pred_idx + 1],
         split_sizes=tuple(sizes),
-        head_idx=None if loss_mask is None else trained_predictions(plan, input_ids, loss_mask),
+        head_idx=head_idx,
+    )
+
+
+def _prefixed_tensors(
+    plan: MicroBatchPlan,
+    input_ids: Sequence[torch.Tensor],
+    pad_id: int,
+    head_idx: torch.Tensor | None,
+) -> MicroBatchTensors:
+    """Tensors of a "prefix" plan: the prefixes [G, P] (the states of their tokens come first),
+    then each row: the rest of its sequence, at positions that continue its prefix."""
+    num_prefixes, prefix_len = len(plan.prefix_lens), max(plan.prefix_lens)
+    prefix_ids = torch.full((num_prefixes, prefix_len), pad_id, dtype=torch.long)
+    first = {g: i for i, g in reversed(list(zip(plan.indices, plan.prefix_of, strict=True)))}
+    for g, p in enumerate(plan.prefix_lens):
+        prefix_ids[g, :p] = input_ids[first[g]][:p]
+    ids = torch.full((plan.rows, plan.row_len), pad_id, dtype=torch.long)
+    pos = torch.zeros((plan.rows, plan.row_len), dtype=torch.long)
+    mask = torch.ones((plan.rows, prefix_len + plan.row_len), dtype=torch.long)
+    where: list[torch.Tensor] = []
+    sizes: list[int] = []
+    row_prefix = torch.zeros(plan.rows, dtype=torch.long)
+    row_base = num_prefixes * prefix_len  # the rows' states follow the prefixes'
+    for i, (row, _), g in zip(plan.indices, plan.places, plan.prefix_of, strict=True):
+        seq, p = input_ids[i], plan.prefix_lens[g]
+        n = int(seq.shape[0])
+        assert p < n <= p + plan.row_len, f"{p=} {n=} {plan.row_len=}"
+        assert torch.equal(seq[:p], prefix_ids[g, :p]), (
+            f"sequence {i} does not begin with prefix {g}"
+        )
+        ids[row, : n - p] = seq[p:]
+        pos[row] = p + torch.arange(plan.row_len)
+        mask[row, p:prefix_len] = 0
+        row_prefix[row] = g
+        # predictions 0..p-1 come from the prefix's states, p..n-2 from the row's
+        in_prefix = g * prefix_len + torch.arange(p, dtype=torch.long)
+        in_row = row_base + row * plan.row_len + torch.arange(n - 1 - p, dtype=torch.long)
+        where += [in_prefix, in_row]
+        sizes.append(n - 1)
+    targets = torch.cat([input_ids[i][1:] for i in plan.indices])
+    prefix = SharedPrefix(
+        ids_G_P=prefix_ids,
+        row_prefix_R=row_prefix,
+        attention_mask_R_K=mask,
+    )
+    return MicroBatchTensors(
+        input_ids_R_L=ids,
+        position_ids_R_L=pos,
+        pred_idx=torch.cat(where),
+        targets=targets,
+        split_sizes=tuple(sizes),
+        head_idx=head_idx,
+        prefix=prefix,
     )
 
 

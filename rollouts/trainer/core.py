@@ -27,6 +27,7 @@ from rollouts.trainer.batching import (
     plan_micro_batches,
 )
 from rollouts.trainer.model import TokenLogprobModel, move_to, split_per_sequence
+from rollouts.trainer.prefix_plan import plan_shared_prefixes
 from rollouts.trainer.protocol import Metrics, NonFiniteError
 from rollouts.types import FULL_PRECISION, LossFn, ModelOutputs, TrainBatch
 
@@ -134,8 +135,11 @@ class TrainerCore:
     def _plans(self, batch: TrainBatch) -> tuple[TrainBatch, list[MicroBatchPlan]]:
         lengths = [int(x.shape[0]) for x in batch.input_ids]
         local = batch.select(self.collective.local_indices(lengths))
-        local_lengths = [int(x.shape[0]) for x in local.input_ids]
         s = self.settings
+        if s.layout == "prefix":
+            plans = plan_shared_prefixes(local.input_ids, local.loss_mask, s.micro_batch_tokens)
+            return local, plans
+        local_lengths = [int(x.shape[0]) for x in local.input_ids]
         return local, plan_micro_batches(local_lengths, s.micro_batch_tokens, s.layout)
 
     def _run(
@@ -182,7 +186,9 @@ class TrainerCore:
         local, plans = self._plans(batch)
         num_mb = self.collective.max_int(len(plans))
         sums: dict[str, float] = {}
-        real_tokens = sum(int(x.shape[0]) for x in local.input_ids)
+        lengths = [int(x.shape[0]) for x in local.input_ids]
+        real_tokens = sum(lengths)
+        computed_tokens = sum(p.computed_tokens(lengths) for p in plans)
         padded_tokens = sum(p.padded_tokens for p in plans)
         nonfinite = 0.0
         for k in range(num_mb):
@@ -203,30 +209,28 @@ class TrainerCore:
             (loss * self.collective.world_size).backward()
             for key, value in {"loss": float(loss.detach()), **metrics}.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
-        return self._fb_metrics(sums, nonfinite, real_tokens, padded_tokens, num_mb, t0)
+        tokens = (real_tokens, computed_tokens, padded_tokens)
+        return self._fb_metrics(sums, nonfinite, tokens, num_mb, t0)
 
     def _fb_metrics(
         self,
         sums: dict[str, float],
         nonfinite: float,
-        real_tokens: int,
-        padded_tokens: int,
+        tokens: tuple[int, int, int],
         num_mb: int,
         t0: float,
     ) -> Metrics:
-        extra = {
-            "_nonfinite": nonfinite,
-            "_real": float(real_tokens),
-            "_padded": float(padded_tokens),
-        }
+        """The summed metrics; `tokens`: (in the sequences, computed, computed slots with
+        padding): a shared prefix ("prefix" layout) is computed once for its sequences."""
+        keys = ("_nonfinite", "_real", "_computed", "_padded")
+        extra = dict(zip(keys, (nonfinite, *map(float, tokens)), strict=True))
         out = self.collective.sum({**sums, **extra})
-        nonfinite_all, real_all, padded_all = (
-            out.pop(k) for k in ("_nonfinite", "_real", "_padded")
-        )
+        nonfinite_all, real_all, computed_all, padded_all = (out.pop(k) for k in keys)
         self._pending_nonfinite = self._pending_nonfinite or nonfinite_all > 0
         out["nonfinite_micro_batches"] = nonfinite_all
         out["num_tokens"] = real_all
-        out["padding_fraction"] = 0.0 if padded_all == 0 else 1.0 - real_all / padded_all
+        out["computed_tokens"] = computed_all  # < num_tokens where prefixes are shared
+        out["padding_fraction"] = 0.0 if padded_all == 0 else 1.0 - computed_all / padded_all
         out["num_micro_batches"] = float(num_mb)
         out["fwd_bwd_s"] = time.perf_counter() - t0
         return out

@@ -25,7 +25,7 @@ from rollouts.trainer.building import (
     warmup_cosine_factor,
 )
 from rollouts.trainer.lora import apply_lora
-from rollouts.trainer.model import make_value_head
+from rollouts.trainer.model import make_value_head, shared_prefix_problem
 from rollouts.trainer.pytorch import PyTorchBackend
 
 __all__ = [
@@ -69,6 +69,12 @@ def create_pytorch_backend(
         compile=m.compile,
         device=device,
     )
+    problem = shared_prefix_problem(lm)
+    if config.training.micro_batch_layout == "prefix" and problem:
+        raise ValueError(
+            f"training.micro_batch_layout = 'prefix' cannot train {path}: {problem}; set "
+            "training.micro_batch_layout = 'pad'"
+        )
     tokenizer = load_tokenizer(m.tokenizer_path or path)
     head = make_value_head(lm) if wants_value_head(config, value_head) else None
     if m.lora.enabled:  # only the adapters train: the optimizer holds only their state

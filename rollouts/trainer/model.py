@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rollouts.trainer.batching import MicroBatchTensors
+from rollouts.trainer.batching import MicroBatchTensors, SharedPrefix
 
 # logprob_chunk_size = 0 (auto): chunks whose float32 [tokens, vocab] logits stay under this
 LOGITS_CHUNK_BYTES = 512 * 2**20
@@ -121,15 +121,18 @@ class TokenLogprobModel(nn.Module):
         only); values are empty unless `want_values`.
         """
         decoder = self.lm.get_decoder()
-        out = decoder(
-            input_ids=mb.input_ids_R_L,
-            position_ids=mb.position_ids_R_L,
-            attention_mask=None,
-            use_cache=False,
-        )
-        hidden_R_L_H = out.last_hidden_state
-        hidden_N_H = hidden_R_L_H[mb.pred_rows, mb.pred_cols]
-        targets_N = mb.input_ids_R_L[mb.pred_rows, mb.pred_cols + 1]
+        if mb.prefix is None:
+            out = decoder(
+                input_ids=mb.input_ids_R_L,
+                position_ids=mb.position_ids_R_L,
+                attention_mask=None,
+                use_cache=False,
+            )
+            hidden_T_H = out.last_hidden_state.flatten(0, 1)
+        else:
+            hidden_T_H = self._shared_prefix_states(decoder, mb, mb.prefix)
+        hidden_N_H = hidden_T_H[mb.pred_idx]
+        targets_N = mb.targets
         lp_N, ent_N = self._head_stats(mb, hidden_N_H, targets_N, want_entropy, entropy_grad)
         if not want_values:
             return lp_N, ent_N, lp_N.new_zeros(0)
@@ -140,6 +143,30 @@ class TokenLogprobModel(nn.Module):
             )
         values_N = self.value_head(hidden_N_H.float()).squeeze(-1).float()
         return lp_N, ent_N, values_N
+
+    def _shared_prefix_states(
+        self, decoder: nn.Module, mb: MicroBatchTensors, prefix: SharedPrefix
+    ) -> torch.Tensor:
+        """Layout "prefix": the decoder runs the prefixes, then the rows against their prefix's
+        keys and values (gathered per row: the gradient sums over the rows); every state,
+        flattened to [tokens, hidden], the prefixes' first."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        kwarg = _cache_kwarg(decoder)
+        first = decoder(input_ids=prefix.ids_G_P, use_cache=True, **{kwarg: cache})
+        cache.batch_select_indices(prefix.row_prefix_R)
+        assert cache.get_seq_length() == prefix.ids_G_P.shape[1], f"{cache.get_seq_length()=}"
+        rest = decoder(
+            input_ids=mb.input_ids_R_L,
+            position_ids=mb.position_ids_R_L,
+            attention_mask=prefix.attention_mask_R_K,
+            use_cache=True,
+            **{kwarg: cache},
+        )
+        return torch.cat(
+            [first.last_hidden_state.flatten(0, 1), rest.last_hidden_state.flatten(0, 1)]
+        )
 
     def _head_stats(
         self,
@@ -165,6 +192,30 @@ class TokenLogprobModel(nn.Module):
         return lp_N, ent_M.new_zeros(n).index_copy(0, idx, ent_M)
 
 
+def _cache_kwarg(decoder: nn.Module) -> str:
+    """The decoder's name for a KV cache: "cache" from transformers 5.24, "past_key_values"
+    before (5.24 still takes the old name, with a warning)."""
+    import inspect
+
+    return (
+        "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+    )
+
+
+def shared_prefix_problem(lm: nn.Module) -> str | None:
+    """Why `training.micro_batch_layout = "prefix"` cannot run on `lm`, or None: a sliding-window
+    layer keeps only its window in the cache (model.gradient_checkpointing, which would fill
+    the cache again in the backward pass, is refused by the config)."""
+    config = lm.config
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        return f"its layers are {sorted(kinds)}; the prefix layout needs full attention in all"
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        return f"it attends in a sliding window ({window} tokens); the layout needs full attention"
+    return None
+
+
 def split_per_sequence(flat_N: torch.Tensor, split_sizes: tuple[int, ...]) -> list[torch.Tensor]:
     """Flat predictions -> one [T_i] tensor per sequence, position 0 set to 0."""
     assert flat_N.shape[0] == sum(split_sizes), f"{flat_N.shape=} != {sum(split_sizes)=}"
@@ -175,11 +226,19 @@ def split_per_sequence(flat_N: torch.Tensor, split_sizes: tuple[int, ...]) -> li
 def move_to(mb: MicroBatchTensors, device: torch.device) -> MicroBatchTensors:
     """The same micro-batch with its tensors on `device`."""
     pos = mb.position_ids_R_L
+    prefix = mb.prefix
+    if prefix is not None:
+        prefix = SharedPrefix(
+            ids_G_P=prefix.ids_G_P.to(device, non_blocking=True),
+            row_prefix_R=prefix.row_prefix_R.to(device, non_blocking=True),
+            attention_mask_R_K=prefix.attention_mask_R_K.to(device, non_blocking=True),
+        )
     return MicroBatchTensors(
         input_ids_R_L=mb.input_ids_R_L.to(device, non_blocking=True),
         position_ids_R_L=None if pos is None else pos.to(device, non_blocking=True),
-        pred_rows=mb.pred_rows.to(device, non_blocking=True),
-        pred_cols=mb.pred_cols.to(device, non_blocking=True),
+        pred_idx=mb.pred_idx.to(device, non_blocking=True),
+        targets=mb.targets.to(device, non_blocking=True),
         split_sizes=mb.split_sizes,
         head_idx=None if mb.head_idx is None else mb.head_idx.to(device, non_blocking=True),
+        prefix=prefix,
     )
