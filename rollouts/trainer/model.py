@@ -1,11 +1,13 @@
 """The module a backend trains: an HF causal LM that returns per-token logprobs, not logits.
 
-`TokenLogprobModel.forward` runs the decoder once, gathers the hidden states that predict each
-target token, and applies the LM head in chunks of `chunk_size` tokens (recomputed in the backward
-pass when there are several chunks), so a large vocabulary never holds [tokens, vocab] logits for
-the whole micro-batch at once. Chunk size 0 (the default) sizes chunks by the vocabulary (512 MiB
-of float32 logits each), so a small vocabulary pays no recompute. An entropy the loss does not
-train on (entropy_coef = 0) is computed without a graph: a metric costs no backward pass.
+`TokenLogprobModel.forward` runs the decoder once (in the "prefix" layout twice: the shared
+prefixes, then the rows against their keys and values), gathers the hidden states that predict
+each target token, and applies the LM head in chunks of `chunk_size` tokens (recomputed in the
+backward pass when there are several chunks), so a large vocabulary never holds [tokens, vocab]
+logits for the whole micro-batch at once. Chunk size 0 (the default) sizes chunks by the
+vocabulary (512 MiB of float32 logits each), so a small vocabulary pays no recompute. An entropy
+the loss does not train on (entropy_coef = 0) is computed without a graph: a metric costs no
+backward pass.
 The head runs only on the predictions whose target is trained (`MicroBatchTensors.head_idx`,
 `training.logprob_positions = "trained"`, the default): prompt tokens cost no LM head, which on
 a 49k vocabulary is a fifth of a token's compute; the other positions hold 0.
