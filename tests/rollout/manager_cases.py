@@ -156,9 +156,36 @@ async def raising_fns_are_reported(engine: Any, tok: Any) -> None:
     assert any("verifier broke" in e for e in meta["errors"])
 
 
+async def _batch_cut_mid_generation(
+    engine: Any, tok: Any, config: RolloutConfig
+) -> tuple[DataBuffer, Any]:
+    """A batch aborted from outside while it generates, and its buffer, such that at least one
+    saved partial sample holds tokens: an abort can land before a request's first token (on a
+    loaded box), so it is tried again, later in the request each time (bounded)."""
+    for delay_s in (0.0, 0.005, 0.01, 0.02, 0.04):
+        buffer = make_buffer()
+        manager = AsyncRolloutManager(
+            buffer, config, engine, tokenizer=tok, reward_fn=alternating_reward(lambda g: False)
+        )
+
+        async def abort_once_running(delay_s: float = delay_s) -> None:
+            with trio.fail_after(30):
+                while (await engine.load()).running == 0:
+                    await trio.sleep(0.005)
+            await trio.sleep(delay_s)
+            await engine.abort_all()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(abort_once_running)
+            first = await manager.generate_batch()
+        cut = [s for g in buffer._partial for s in g if s.status is Status.ABORTED and s.tokens]
+        if cut:
+            return buffer, first
+    raise AssertionError("no abort cut a request after its first token in 5 tries")
+
+
 async def partial_resume_and_buffer_state(engine: Any, tok: Any) -> None:
     """Abort mid-generation from outside; the cut groups resume next batch from their tokens."""
-    buffer = make_buffer()
     config = make_config(
         batch_size=2,
         n_samples_per_prompt=2,
@@ -166,19 +193,7 @@ async def partial_resume_and_buffer_state(engine: Any, tok: Any) -> None:
         max_new_tokens=48,
         max_over_sampling_rounds=8,
     )
-    manager = AsyncRolloutManager(
-        buffer, config, engine, tokenizer=tok, reward_fn=alternating_reward(lambda g: False)
-    )
-
-    async def abort_once_running() -> None:
-        with trio.fail_after(30):
-            while (await engine.load()).running == 0:
-                await trio.sleep(0.005)
-        await engine.abort_all()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(abort_once_running)
-        first = await manager.generate_batch()
+    buffer, first = await _batch_cut_mid_generation(engine, tok, config)
     assert first.metadata["aborted_samples"] >= 1
     assert buffer.num_partial_groups >= 1
     # save / restore the buffer (partial groups included) through JSON
