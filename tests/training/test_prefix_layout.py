@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config
 
 from rollouts.config import Config, ConfigError, load_config
 from rollouts.trainer.batching import build_tensors, padding_fraction
 from rollouts.trainer.factories import create_pytorch_backend
 from rollouts.trainer.prefix_plan import plan_shared_prefixes, shared_prefix_groups
 from rollouts.types import ModelOutputs, PlainLoss, TrainBatch
+from tests.gqa_models import qwen2
 from tests.training.backend_helpers import (  # noqa: F401
     lora_config,
     nll_loss,
@@ -152,22 +153,7 @@ def test_lora_adapters_get_the_same_gradients(tiny_model_dir: Path) -> None:
 def qwen2_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen2 with grouped-query attention and nonzero q/k/v biases, the tiny tokenizer."""
     out = tmp_path_factory.mktemp("qwen2-gqa")
-    config = Qwen2Config(
-        vocab_size=260,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rope_theta=1000.0,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0.0, 0.3)
+    model = qwen2(vocab=260)
     model.save_pretrained(out)
     for f in tiny_model_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
