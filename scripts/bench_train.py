@@ -16,6 +16,8 @@ Usage: python scripts/bench_train.py [--device cpu|cuda] [--hidden 256] [--layer
        python scripts/bench_train.py --device cuda --only train --hidden 1024 --layers 24 \
            --seq 1024 --batch 16   # the ~0.4B model of scripts/gpu_check.sh
        python scripts/bench_train.py --only sync [--sync-models 100m] [--bucket-mb 256]
+       python scripts/bench_train.py --only compile [--profile] ...  # model.compile against
+           eager: the whole train step of each, rounds alternating, the ratio printed
 """
 
 from __future__ import annotations
@@ -64,11 +66,14 @@ def make_batch(lengths: list[int], vocab: int) -> TrainBatch:
     return TrainBatch(input_ids=ids, loss_mask=masks, num_global_tokens=n_tok)
 
 
-def config_for(model_dir: Path, device: str, budget: int, chunk: int) -> Config:
+def config_for(
+    model_dir: Path, device: str, budget: int, chunk: int, compile: bool = False
+) -> Config:
     training = TrainingConfig(
         device=device, micro_batch_tokens=budget, logprob_chunk_size=chunk, rl_steps=10
     )
-    return Config(model=ModelConfig(path=str(model_dir)), optim=OptimConfig(), training=training)
+    model = ModelConfig(path=str(model_dir), compile=compile)
+    return Config(model=model, optim=OptimConfig(), training=training)
 
 
 def bench_fwd_bwd(model_dir: Path, args: argparse.Namespace) -> None:
@@ -136,6 +141,75 @@ def train_step_mfu(backend, batch: TrainBatch, tokens: int, args: argparse.Names
         f"{autocast}): {took * 1e3:.1f} ms, {tokens / took:,.0f} tok/s, "
         f"{flops / 1e12:.1f} TFLOP/s{mfu}"
     )
+
+
+def bench_compile(model_dir: Path, args: argparse.Namespace) -> None:
+    """The whole train step with `model.compile = true` against eager, in one process: both
+    backends are built, the compiled one compiles in its warm-up, then rounds alternate."""
+    lengths = [args.seq] * args.batch
+    tokens = sum(lengths)
+    batch = make_batch(lengths, 250)
+    backends = {
+        name: create_pytorch_backend(config_for(model_dir, args.device, tokens, 1024, compiled))
+        for name, compiled in (("eager", False), ("compile", True))
+    }
+
+    def step_of(backend):
+        def step() -> None:
+            backend.forward_backward(batch, nll_loss).result()
+            backend.optim_step().result()
+
+        return step
+
+    t0 = time.perf_counter()
+    step_of(backends["compile"])()
+    print(f"compile: first step (compiling) {time.perf_counter() - t0:.1f} s")
+    times: dict[str, list[float]] = {name: [] for name in backends}
+    for _ in range(args.rounds):
+        for name, backend in backends.items():
+            times[name].append(timed(step_of(backend), args.device, args.reps))
+    flops = flops_per_token(backends["eager"].lm, args.seq) * tokens
+    peak = args.peak_tflops or (989.0 if args.device == "cuda" else 0.0)
+    for name, ts in times.items():
+        took = min(ts)
+        mfu = f", MFU {100 * flops / took / (peak * 1e12):.1f}%" if peak else ""
+        print(
+            f"train step [{args.batch}x{args.seq}] {name}: {took * 1e3:.1f} ms, "
+            f"{tokens / took:,.0f} tok/s, {flops / took / 1e12:.1f} TFLOP/s{mfu}"
+        )
+    print(f"compile / eager: {min(times['eager']) / min(times['compile']):.2f}x per step")
+    if args.profile:
+        for name, backend in backends.items():
+            print_profile(name, inline_step_of(backend, batch), args.device)
+    for backend in backends.values():
+        backend.close()
+
+
+def inline_step_of(backend, batch: TrainBatch):
+    """The same step on this thread (the backend's worker is idle between steps), so the
+    profiler, which records the thread it runs on, sees the operators."""
+    params = [p for p in backend.lm.parameters() if p.requires_grad]
+    norm = backend.core.settings.max_grad_norm
+
+    def step() -> None:
+        backend.core.forward_backward(batch, nll_loss, False, False)
+        backend.core.optim_step(lambda: torch.nn.utils.clip_grad_norm_(params, norm))
+
+    return step
+
+
+def print_profile(name: str, step, device: str) -> None:
+    """The top operators of one step, by device time on CUDA (self CPU time elsewhere)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    print(f"--- profile of one {name} step, by {key}")
+    print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
 
 
 def bench_padding(args: argparse.Namespace) -> None:
@@ -224,7 +298,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--only", choices=("all", "train", "sync"), default="all")
+    parser.add_argument("--only", choices=("all", "train", "compile", "sync"), default="all")
+    parser.add_argument("--profile", action="store_true", help="--only compile: profile a step")
     parser.add_argument("--sync-reps", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=256.0)
     parser.add_argument("--sync-models", default="100m", help="extra models for the sync bench")
@@ -242,6 +317,8 @@ def main() -> None:
         if args.only in ("all", "train"):
             bench_fwd_bwd(model_dir, args)
             bench_padding(args)
+        if args.only == "compile":
+            bench_compile(model_dir, args)
         if args.only in ("all", "sync"):
             trio.run(
                 bench_sync, model_dir, f"tiny (hidden {args.hidden}, {args.layers} layers)", args

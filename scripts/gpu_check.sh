@@ -7,15 +7,17 @@
 #   engine: scripts/bench_engine.py, the built-in engine against in-process `generate` (bf16)
 #   awake: the same RL from colocated's SFT model with the engine awake throughout
 #   mfu: scripts/bench_train.py, the ~0.4B model's training step and its MFU
+#   compile: scripts/bench_train.py --only compile, the same step with model.compile against
+#     eager (MFU of each, the ratio, the top kernels of one step of each)
 #   profile: scripts/profile_decode.py, the engine's decode step against generate's, profiled
 #
-#   bash scripts/gpu_check.sh [OUT_DIR] [PARTS]   # default: "colocated engine awake mfu profile"
+#   bash scripts/gpu_check.sh [OUT_DIR] [PARTS]   # default: "compile profile engine colocated"
 # With GPU_CHECK_SMALL=1 it runs the same steps on CPU with a small model (checks the script).
 # Wheels of what the machine lacks may wait in .whl/ (trio, hypercorn, starlette, ...).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT_DIR=${1:-${OUT:-runs/gpu-check}}
-PARTS=${2:-colocated engine awake mfu profile}
+PARTS=${2:-compile profile engine colocated}
 mkdir -p "$OUT_DIR"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -62,7 +64,7 @@ MODEL_SET=(--set "model.tiny.hidden_size=$HIDDEN" --set "model.tiny.num_layers=$
 for part in $PARTS; do
   case $part in
   colocated)
-    run_part colocated 240 $PY integration_training/train.py --mode sft+rl \
+    run_part colocated 200 $PY integration_training/train.py --mode sft+rl \
       --config configs/gpu-demo-colocated.toml "${MODEL_SET[@]}" \
       --set "run.output_dir=$RUN" --set "model.path=$RUN/base-model" \
       --set "training.sft_steps=$SFT"
@@ -90,14 +92,19 @@ for part in $PARTS; do
       --hidden "$HIDDEN" --layers "$LAYERS" --heads "$HEADS" --intermediate "$INTER" \
       --seq "$SEQ" --batch "$BATCH" --reps 3 --rounds 2
     ;;
+  compile)
+    run_part compile 150 $PY scripts/bench_train.py --device "$DEV" --only compile \
+      --hidden "$HIDDEN" --layers "$LAYERS" --heads "$HEADS" --intermediate "$INTER" \
+      --seq "$SEQ" --batch "$BATCH" --reps 3 --rounds 2 --profile
+    ;;
   engine)
-    run_part engine 200 $PY scripts/bench_engine.py --device "$DEV" --dtype "$DTYPE" \
+    run_part engine 110 $PY scripts/bench_engine.py --device "$DEV" --dtype "$DTYPE" \
       --hidden "$HIDDEN" --layers "$LAYERS" --heads "$HEADS" --intermediate "$INTER" \
       --prompts "$PROMPTS" --group 8 --equal-len "$NEW" --max-batch "$ROWS" \
       --connections 64 --clients groups --reps 1
     ;;
   profile)
-    run_part profile 150 $PY scripts/profile_decode.py --device "$DEV" --dtype "$DTYPE" \
+    run_part profile 80 $PY scripts/profile_decode.py --device "$DEV" --dtype "$DTYPE" \
       --rows "$ROWS" --hidden "$HIDDEN" --layers "$LAYERS" --heads "$HEADS" \
       --intermediate "$INTER" --steps 32
     ;;

@@ -216,20 +216,19 @@ class RunningBatch:
         assert table is not None, "no slot table"
         end = first + int(logits_B_V.shape[0])
         generators: dict[int, torch.Generator] = {}
-        if table.seeded_R[first:end].any():
-            for i in table.seeded_R[first:end].nonzero().squeeze(1).tolist():
-                gen = self.seqs[first + i].generator
-                assert gen is not None, f"seeded slot {first + i} has no generator"
-                generators[i] = gen
+        for i in table.seeded_slots(first, end):
+            gen = self.seqs[first + i].generator
+            assert gen is not None, f"seeded slot {first + i} has no generator"
+            generators[i] = gen
         tokens_B, logprobs_B = sample(
             logits_B_V, table.sampling(first, end, generators), self.options.logprobs_from
         )
-        if table.top_R[first:end].any():
+        if table.any_top(first, end):
             self._record_top(first, logits_B_V)
         finished = []
-        for slot in table.append(first, end, tokens_B, logprobs_B):
+        for slot, token, n_out in table.append(first, end, tokens_B, logprobs_B):
             seq = self.seqs[slot]
-            seq.stop = self._stop_now(seq, slot, int(tokens_B[slot - first]))
+            seq.stop = self._stop_now(seq, slot, token, n_out)
             if seq.stop is not None:
                 finished.append(slot)
         return finished
@@ -244,14 +243,13 @@ class RunningBatch:
                 list(zip(values[i, :k].tolist(), ids[i, :k].tolist(), strict=True))
             )
 
-    def _stop_now(self, seq: Sequence, slot: int, token: int) -> Stop | None:
-        assert self._table is not None, "no slot table"
+    def _stop_now(self, seq: Sequence, slot: int, token: int, n_out: int) -> Stop | None:
         before = len(seq.text)
         if seq.spec.stop:
-            self._detokenize(seq, slot)
+            self._detokenize(seq, slot, n_out)
         return stop_after_token(
             token=token,
-            num_output=int(self._table.n_out_R[slot]),
+            num_output=n_out,
             max_new_tokens=seq.max_new,
             stop_token_ids=seq.spec.stop_token_ids,
             eos_token_ids=self.options.eos_token_ids,
@@ -261,12 +259,11 @@ class RunningBatch:
             text_before_len=before,
         )
 
-    def _detokenize(self, seq: Sequence, slot: int) -> None:
+    def _detokenize(self, seq: Sequence, slot: int, n: int) -> None:
         """Extend `seq.text` incrementally (not the whole output each step): decode the tokens
         from `text_prefix` with and without the unread ones and keep the difference, once it
         does not end inside a character; context before the read point keeps spacing right."""
         assert self._table is not None, "no slot table"
-        n = int(self._table.n_out_R[slot])
         ids = self._table.tok_R_W[slot, seq.text_prefix : n].tolist()
         read = seq.text_read - seq.text_prefix
         old = self.tokenizer.decode(ids[:read], skip_special_tokens=False)
