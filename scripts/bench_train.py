@@ -151,8 +151,11 @@ def bench_compile(model_dir: Path, args: argparse.Namespace) -> None:
     batch = make_batch(lengths, 250)
     backends = {
         name: create_pytorch_backend(config_for(model_dir, args.device, tokens, 1024, compiled))
-        for name, compiled in (("eager", False), ("compile", True))
+        for name, compiled in (("eager", False), ("compile", True), ("compile-foreach", True))
     }
+    # the third: AdamW's foreach path (PyTorch's default on CUDA) in place of the fused one
+    for group in backends["compile-foreach"].core.optimizer.param_groups:
+        group["fused"], group["foreach"] = None, True
 
     def step_of(backend):
         def step() -> None:
@@ -178,8 +181,13 @@ def bench_compile(model_dir: Path, args: argparse.Namespace) -> None:
             f"{tokens / took:,.0f} tok/s, {flops / took / 1e12:.1f} TFLOP/s{mfu}"
         )
     print(f"compile / eager: {min(times['eager']) / min(times['compile']):.2f}x per step")
+    print(
+        "fused AdamW / foreach (compiled): "
+        f"{min(times['compile-foreach']) / min(times['compile']):.2f}x per step"
+    )
     if args.profile:
-        for name, backend in backends.items():
+        for name in ("eager", "compile"):
+            backend = backends[name]
             print_profile(name, inline_step_of(backend, batch), args.device)
     for backend in backends.values():
         backend.close()

@@ -98,13 +98,13 @@ for part in $PARTS; do
       --seq "$SEQ" --batch "$BATCH" --reps 3 --rounds 2 --profile
     ;;
   engine)
-    run_part engine 110 $PY scripts/bench_engine.py --device "$DEV" --dtype "$DTYPE" \
+    run_part engine 100 $PY scripts/bench_engine.py --device "$DEV" --dtype "$DTYPE" \
       --hidden "$HIDDEN" --layers "$LAYERS" --heads "$HEADS" --intermediate "$INTER" \
       --prompts "$PROMPTS" --group 8 --equal-len "$NEW" --max-batch "$ROWS" \
       --connections 64 --clients groups --reps 1
     ;;
   profile)
-    run_part profile 80 $PY scripts/profile_decode.py --device "$DEV" --dtype "$DTYPE" \
+    run_part profile 75 $PY scripts/profile_decode.py --device "$DEV" --dtype "$DTYPE" --rounds 1 \
       --rows "$ROWS" --hidden "$HIDDEN" --layers "$LAYERS" --heads "$HEADS" \
       --intermediate "$INTER" --steps 32
     ;;

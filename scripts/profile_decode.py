@@ -1,21 +1,26 @@
-"""Where a decode step of the built-in engine goes, against `generate`'s, under torch.profiler.
+"""Where a decode step of the built-in engine goes, against `generate`'s, under torch.profiler;
+then the same steps unprofiled: the default decode (CUDA graphs on a GPU) against the eager one.
 
 The engine's running batch (`RunningBatch`, in process: no HTTP) and HF `generate` decode the
-same rows (prompts of 4 tokens, sampled at temperature 1, EOS ignored); each is profiled over
-`--steps` decode steps after a warm-up. Prints ms per step for both, and the top operators by
-self CPU time (and by device time on CUDA), with the count of host-device synchronisations
-(`aten::item`, `aten::_local_scalar_dense`, `cudaStreamSynchronize`, D2H copies) per step.
+same rows (prompts of 4 tokens, sampled at temperature 1, EOS ignored). First the eager engine
+step (`--decode eager`) and generate, each profiled over `--steps` decode steps after a warm-up:
+ms per step, the top operators by self CPU time (and by device time on CUDA), the count of
+host-device synchronisations (`aten::item`, `aten::_local_scalar_dense`,
+`cudaStreamSynchronize`, D2H copies) per step. Then `--rounds` unprofiled rounds of the engine
+with `--decode auto`, with `--decode eager` and generate, alternating; the best of each and the
+ratios.
 
     python scripts/profile_decode.py [--device cuda --dtype bfloat16] [--rows 256] \\
-        [--hidden 1024 --layers 24 --heads 16 --intermediate 4096] [--steps 32]
+        [--hidden 1024 --layers 24 --heads 16 --intermediate 4096] [--steps 32] [--rounds 2]
 
-On the H100 (2026-11-26) the server's decode step took 52.8 ms against generate's 16.6 ms on the
-~0.4B model at 256 rows (scripts/bench_engine.py); this says where.
+On one H200 (2026-11-26, the ~0.4B model, 256 rows): auto (CUDA graphs) 5.31 ms a step, eager
+21.85 ms, generate 25.92 ms: 4.12x and 4.88x.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 import time
@@ -40,19 +45,22 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def engine_steps(model, tok, prompts: list[list[int]], steps: int, device) -> tuple[float, object]:
-    """(seconds per decode step, profiler) of the running batch over `steps` steps."""
+def engine_steps(
+    model, tok, prompts: list[list[int]], steps: int, device, decode: str, profiled: bool
+) -> tuple[float, object]:
+    """(seconds per decode step, profiler or None) of the running batch over `steps` steps."""
     options = BatchOptions(
         max_batch=len(prompts),
         max_prefill=len(prompts),
         pad_token_id=0,
         eos_token_ids=(),
         logprobs_from="raw",
+        decode=decode,
     )
     batch = RunningBatch(model, tok, options)
     spec = SamplingSpec(temperature=1.0, ignore_eos=True)
     seqs = [
-        Sequence(rid=str(i), prompt_ids=p, spec=spec, max_new=10_000, notify=lambda s: None)
+        Sequence(rid=str(i), prompt_ids=p, spec=spec, max_new=steps + 8, notify=lambda s: None)
         for i, p in enumerate(prompts)
     ]
     with torch.inference_mode():
@@ -60,16 +68,23 @@ def engine_steps(model, tok, prompts: list[list[int]], steps: int, device) -> tu
         for _ in range(4):
             batch.step()
         sync(device)
-        with profile(activities=activities(device)) as prof:
+        with maybe_profile(device, profiled) as prof:
             start = time.perf_counter()
             for _ in range(steps):
                 batch.step()
             sync(device)
             took = (time.perf_counter() - start) / steps
+    print(f"engine decode path: {batch.decode_path}")
     return took, prof
 
 
-def generate_steps(model, prompts: list[list[int]], steps: int, device) -> tuple[float, object]:
+def maybe_profile(device: torch.device, profiled: bool):
+    return profile(activities=activities(device)) if profiled else contextlib.nullcontext()
+
+
+def generate_steps(
+    model, prompts: list[list[int]], steps: int, device, profiled: bool
+) -> tuple[float, object]:
     """(seconds per step, profiler) of `generate` over `steps` new tokens (prefill included,
     as one step of many)."""
     ids = torch.tensor(prompts, device=device)
@@ -86,7 +101,7 @@ def generate_steps(model, prompts: list[list[int]], steps: int, device) -> tuple
     with torch.inference_mode():
         model.generate(input_ids=ids, max_new_tokens=4, min_new_tokens=4, **kwargs)
         sync(device)
-        with profile(activities=activities(device)) as prof:
+        with maybe_profile(device, profiled) as prof:
             start = time.perf_counter()
             model.generate(input_ids=ids, max_new_tokens=steps, min_new_tokens=steps, **kwargs)
             sync(device)
@@ -118,6 +133,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--intermediate", type=int, default=0, help="0 = 4 x hidden")
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2, help="unprofiled rounds")
     args = parser.parse_args()
     device = torch.device(args.device)
     spec = TinyModelSpec(
@@ -132,14 +148,30 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = [[5 + i % 7, 6, 7, 8 + i % 5] for i in range(args.rows)]
-    ours = engine_steps(model, tok, prompts, args.steps, device)
-    theirs = generate_steps(model, prompts, args.steps, device)
-    report("engine (RunningBatch.step)", *ours, args.steps, device)
+    ours = engine_steps(model, tok, prompts, args.steps, device, "eager", True)
+    theirs = generate_steps(model, prompts, args.steps, device, True)
+    report("engine (RunningBatch.step, --decode eager)", *ours, args.steps, device)
     report("generate", *theirs, args.steps, device)
     print(
-        f"\nengine {ours[0] * 1e3:.2f} ms/step, generate {theirs[0] * 1e3:.2f} ms/step: "
-        f"engine/generate speed {theirs[0] / ours[0]:.2f}x ({args.rows} rows, {args.device} "
-        f"{args.dtype}, hidden {args.hidden}, {args.layers} layers)"
+        f"\nunder the profiler: engine {ours[0] * 1e3:.2f} ms/step, generate "
+        f"{theirs[0] * 1e3:.2f} ms/step: engine/generate speed {theirs[0] / ours[0]:.2f}x "
+        f"({args.rows} rows, {args.device} {args.dtype}, hidden {args.hidden}, "
+        f"{args.layers} layers)"
+    )
+    # the same steps unprofiled, rounds alternating: the default decode (CUDA graphs on a GPU)
+    # against the eager step and generate
+    times: dict[str, list[float]] = {"auto": [], "eager": [], "generate": []}
+    for _ in range(args.rounds):
+        for decode in ("auto", "eager"):
+            took = engine_steps(model, tok, prompts, args.steps, device, decode, False)[0]
+            times[decode].append(took)
+        times["generate"].append(generate_steps(model, prompts, args.steps, device, False)[0])
+    best = {name: min(ts) for name, ts in times.items()}
+    print(
+        f"unprofiled, best of {args.rounds}: engine --decode auto {best['auto'] * 1e3:.2f} "
+        f"ms/step, --decode eager {best['eager'] * 1e3:.2f}, generate "
+        f"{best['generate'] * 1e3:.2f}; auto/eager speed {best['eager'] / best['auto']:.2f}x, "
+        f"auto/generate speed {best['generate'] / best['auto']:.2f}x"
     )
 
 

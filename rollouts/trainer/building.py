@@ -110,13 +110,18 @@ def load_tokenizer(path: str | Path) -> Any:
 def create_adamw_optimizer(
     params: Iterable[torch.nn.Parameter], optim: OptimConfig, lr: float | None = None
 ) -> torch.optim.AdamW:
-    """AdamW from `[optim]` (`lr` overrides optim.lr, e.g. for SFT)."""
+    """AdamW from `[optim]` (`lr` overrides optim.lr, e.g. for SFT). On CUDA the fused kernel
+    (one launch for every parameter; PyTorch's default there is `foreach`, a launch per op and
+    group): the same update, 8 ms of a 118 ms step of the ~0.4B model on an H200 with foreach."""
+    trained = [p for p in params if p.requires_grad]
+    fused = bool(trained) and all(p.is_cuda and p.is_floating_point() for p in trained)
     return torch.optim.AdamW(
-        [p for p in params if p.requires_grad],
+        trained,
         lr=optim.lr if lr is None else lr,
         betas=(optim.beta1, optim.beta2),
         eps=optim.eps,
         weight_decay=optim.weight_decay,
+        fused=True if fused else None,
     )
 
 

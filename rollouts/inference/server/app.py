@@ -49,7 +49,7 @@ class ServeOptions:
     logprobs_from: str = "raw"
     device: str = "cpu"
     dtype: str = "float32"
-    decode: str = "auto"  # "auto": fast_decode for the models it supports; "hf": the HF forward
+    decode: str = "auto"  # "auto": fast_decode (CUDA graphs on a GPU); "eager": no graphs; "hf"
     weight_version: str = "default"
     served_model_name: str = ""
     request_timeout_s: float = 600.0
@@ -58,7 +58,7 @@ class ServeOptions:
 
     def __post_init__(self) -> None:
         assert self.logprobs_from in ("raw", "scaled"), f"{self.logprobs_from=}"
-        assert self.decode in ("auto", "hf"), f"{self.decode=}"
+        assert self.decode in ("auto", "eager", "hf"), f"{self.decode=}"
         assert self.max_batch >= 1, f"{self.max_batch=}"
         assert self.max_queue >= 1, f"{self.max_queue=}"
         assert self.max_body_mb > 0, f"{self.max_body_mb=}"

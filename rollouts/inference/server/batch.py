@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rollouts.inference.server import fast_decode
+from rollouts.inference.server import fast_decode, graphs
 from rollouts.inference.server import kv as kvops
 from rollouts.inference.server.rows import SlotTable
 from rollouts.inference.server.sampling import SamplingSpec, sample, top_logprobs
@@ -71,7 +71,9 @@ class BatchOptions:
     pad_token_id: int
     eos_token_ids: tuple[int, ...]
     logprobs_from: str
-    decode: str = "auto"  # "auto": fast_decode.decode where the model is supported; "hf": never
+    # "auto": fast_decode where the model is supported, in CUDA graphs on a GPU; "eager": the
+    # same without graphs; "hf": the HF forward always
+    decode: str = "auto"
 
 
 class RunningBatch:
@@ -83,10 +85,18 @@ class RunningBatch:
         self._kv: kvops.SlotCache | None = None
         self._table: SlotTable | None = None
         self._stale = False  # the running rows' KV cache is from weights no longer loaded
-        why = fast_decode.unsupported(model) if options.decode == "auto" else "--decode hf"
-        # the decode step: the engine's own for Llama-family models, else the HF forward
-        self._decode_step = None if why else fast_decode.decode
-        self.decode_path = f"HF forward ({why})" if why else f"fast ({type(model).__name__})"
+        why = fast_decode.unsupported(model) if options.decode != "hf" else "--decode hf"
+        # the decode step: the engine's own for Llama-family models, else the HF forward; on
+        # CUDA its captured graphs ("auto"), or its kernels launched one by one ("eager")
+        self._decode_step: Callable[..., torch.Tensor] | None = None
+        self.decode_path = f"HF forward ({why})"
+        if not why:
+            self._decode_step = fast_decode.decode
+            self.decode_path = f"fast ({type(model).__name__})"
+            on_cuda = next(model.parameters()).device.type == "cuda"
+            if options.decode == "auto" and on_cuda:
+                self._decode_step = graphs.StepGraphs(options.max_batch)
+                self.decode_path += ", CUDA graphs"
 
     def __len__(self) -> int:
         return len(self.seqs)

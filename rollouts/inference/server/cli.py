@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DECODE_PATHS = ("auto", "hf")  # ServeOptions.decode
+DECODE_PATHS = ("auto", "eager", "hf")  # ServeOptions.decode
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=DECODE_PATHS,
         default="auto",
         help="decode steps: 'auto' = the engine's own step for Llama and Qwen2 models (the HF "
-        "forward for others), 'hf' = always the HF forward",
+        "forward for others), replayed as CUDA graphs on a GPU; 'eager' = the same step without "
+        "graphs; 'hf' = always the HF forward",
     )
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--served-model-name", default="")

@@ -55,7 +55,7 @@ class CoreOptions:
     context_len: int = 2048
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
-    decode: str = "auto"  # "auto": fast_decode where the model is supported; "hf": HF forward
+    decode: str = "auto"  # "auto": fast_decode (CUDA graphs on a GPU); "eager"; "hf": HF forward
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

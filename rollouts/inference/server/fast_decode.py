@@ -75,11 +75,49 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 def decode(model: Any, kv: SlotCache, tokens_B: torch.Tensor) -> torch.Tensor:
     """One decode step for every active slot of `kv` (the caller reserved column `kv.t` and
     unmasked it): writes each layer's key and value at `kv.t`, returns the logits_B_V."""
-    b, t, first = kv.batch, kv.t, kv.first_col()
+    b, t = kv.batch, kv.t
+
+    def write(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        keys[:b, :, t] = k
+        values[:b, :, t] = v
+
+    cols = slice(kv.first_col(), t + 1)
+    return _step(model, kv, tokens_B, kv.mask_R_C[:b, cols], cols, write)
+
+
+@torch.inference_mode()
+def decode_padded(model: Any, kv: SlotCache, tokens_P: torch.Tensor, col_1: torch.Tensor):
+    """The same step for the first P = len(tokens_P) slots over every column of the cache, the
+    key and value written at the column held in `col_1` (a one-element device tensor): for a
+    given P and cache buffers, every shape and address is fixed, as a CUDA graph needs
+    (`graphs.py`). Slots past the batch are padding (their logits are not used; they write
+    only into their own free cache rows); each must leave column `col_1` unmasked, so that no
+    row attends to nothing. The caller reserved and unmasked the column, as for `decode`."""
+    rows = int(tokens_P.shape[0])
+    assert kv.batch <= rows <= kv.rows, f"{kv.batch=} {rows=} {kv.rows=}"
+
+    def write(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        keys[:rows].index_copy_(2, col_1, k.unsqueeze(2))
+        values[:rows].index_copy_(2, col_1, v.unsqueeze(2))
+
+    return _step(model, kv, tokens_P, kv.mask_R_C[:rows], slice(0, kv.cap), write)
+
+
+def _step(
+    model: Any,
+    kv: SlotCache,
+    tokens_B: torch.Tensor,
+    mask_B_L: torch.Tensor,
+    cols: slice,
+    write: Any,
+) -> torch.Tensor:
+    """The decoder over rows `[0, B)` of the cache: this step's keys and values go through
+    `write(keys, values, k, v)`, attention reads columns `cols` under `mask_B_L`."""
+    b = int(tokens_B.shape[0])
     inner = model.model
     h = inner.embed_tokens(tokens_B)  # [B, hidden]
     cos, sin = inner.rotary_emb(h, kv.pos_R[:b].unsqueeze(1))  # [B, 1, D] each
-    mask = kv.mask_R_C[:b, first : t + 1].view(b, 1, 1, -1)
+    mask = mask_B_L.view(b, 1, 1, -1)
     for i, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
         x = _rms_norm(layer.input_layernorm, h)
@@ -89,15 +127,14 @@ def decode(model: Any, kv: SlotCache, tokens_B: torch.Tensor) -> torch.Tensor:
         v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(b, -1, d)
         kv_heads = k.shape[1]
         keys, values = kv.keys[i], kv.values[i]
-        keys[:b, :, t] = _rope(k, cos, sin)
-        values[:b, :, t] = v
+        write(keys, values, _rope(k, cos, sin), v)
         q = _rope(q, cos, sin).view(b, kv_heads, -1, d)  # [B, kv_heads, groups, D]
         # K @ q^T, not q @ K^T: the live keys are a plain row-major [L, D] block per head, which
         # matmul reads in place (a transposed one was copied first in bf16: 1.5x the attention)
-        scores = torch.matmul(keys[:b, :, first : t + 1], q.transpose(2, 3)).transpose(2, 3)
+        scores = torch.matmul(keys[:b, :, cols], q.transpose(2, 3)).transpose(2, 3)
         scores = scores * attn.scaling
         probs = F.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, values[:b, :, first : t + 1]).reshape(b, -1)
+        out = torch.matmul(probs, values[:b, :, cols]).reshape(b, -1)
         h = h + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
         x = _rms_norm(layer.post_attention_layernorm, h)
         gate = F.silu(F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias))

@@ -78,6 +78,9 @@ class SlotCache:
                 buf[:b, :, dst] = buf[:b, :, src].clone()
             self.mask_R_C[:b, dst] = self.mask_R_C[:b, src].clone()
         self.mask_R_C[:b, : dst.start] = self.neg
+        # and right of the new t: a move left leaves the old columns' zeros there, which a step
+        # reading every column (`fast_decode.decode_padded`) would attend to
+        self.mask_R_C[:b, dst.stop :] = self.neg
         self.start_R[:b] += dst.start - self.lo
         self.t, self.lo = new_t, dst.start
 
