@@ -237,6 +237,9 @@ async def _one_batch(ctx: _Ctx, st: LoopState) -> dict[str, float] | None:
     st.in_backend = False
     ctx.batches.forget_before(number + 1)
     metrics["rollout/empty_batches"] = float(st.empty_since_step)
+    # known now, so the line a resumed run writes from a rescue checkpoint (the step trained,
+    # then its weight sync failed) has it too
+    metrics["policy/version"] = float(st.version)
     st.empty_in_a_row = st.empty_since_step = 0
     st.step_metrics = metrics  # what a rescue checkpoint stores if the step fails from here
     if ctx.hooks.log_samples is not None:

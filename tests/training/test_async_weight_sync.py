@@ -108,6 +108,10 @@ def test_a_failed_background_delivery_stops_the_run_after_a_rescue_checkpoint(
     assert steps[-2:] == ["step_000002", "step_000003"]
     assert "step 3 (the last trained one) was checkpointed" in "".join(failed[0].__notes__)
     assert [r["step"] for r in _rows(tmp_path / "run")] == [1, 2]
+    # the line --resume writes for step 3 comes from this checkpoint: it has the step's version
+    extra = tmp_path / "run" / "checkpoints" / "rl" / "step_000003" / "extra_state.json"
+    saved = json.loads(extra.read_text())["metrics"]
+    assert saved["policy/version"] == 3.0, sorted(saved)
 
 
 def test_the_background_write_holds_the_published_steps_weights(
