@@ -89,6 +89,51 @@ def test_served_adapter_is_the_merged_model_and_unloads_exactly(
         served.load("bad", str(tmp_path))
 
 
+def test_a_bf16_server_merges_from_the_files_fp32_base(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """low(W + delta), as a full sync of the merged model serves it; not low(low(W) + delta),
+    which drops every delta under half a bf16 step of low(W) (a policy behind the trained one)."""
+    backend = _lora_backend(tiny_model_dir, steps=2)
+    merged = backend.get_weights()  # fp32, merged by the trainer
+    path, _ = publish_adapter(backend.lora_adapters(), tmp_path / "adapter", "1")
+    backend.close()
+
+    def served_by(weights_path: Path | None) -> tuple[ServedAdapters, dict[str, torch.Tensor]]:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+        served = ServedAdapters(model, None if weights_path is None else str(weights_path))
+        served.load("one", str(path))
+        return served, model.state_dict()
+
+    def off_grid(own: dict[str, torch.Tensor]) -> float:
+        """The fraction of adapted weights that are not the merged model rounded to bf16."""
+        keys = [k for k in own if "proj" in k]
+        wrong = sum(int((own[k] != merged[k].to(torch.bfloat16)).sum()) for k in keys)
+        return wrong / sum(own[k].numel() for k in keys)
+
+    served, own = served_by(tiny_model_dir)
+    assert served.precise_base
+    precise_off = off_grid(own)
+    assert precise_off < 1e-3, precise_off  # the fp32 rounding of the merge, no more
+    naive, naive_own = served_by(None)  # the files unknown: merged in bf16
+    assert not naive.precise_base
+    assert off_grid(naive_own) > 10 * max(off_grid(own), 1e-4), (off_grid(naive_own), off_grid(own))
+    # an unload restores the bf16 weights the server loaded
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).state_dict()
+    served.unload("one")
+    assert all(torch.equal(v, base[k]) for k, v in served.model.state_dict().items())
+    # files rewritten since the server loaded them: not its base any more, so not merged from
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in tiny_model_dir.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    model = AutoModelForCausalLM.from_pretrained(copy, dtype=torch.bfloat16)
+    moved = ServedAdapters(model, str(copy))
+    next(copy.glob("*.safetensors")).touch()
+    moved.load("one", str(path))
+    assert not moved.precise_base
+
+
 def test_request_bodies_name_the_adapter() -> None:
     sampling = SamplingParams(max_new_tokens=2)
     assert "lora_path" not in generate_body([1, 2], sampling, None)

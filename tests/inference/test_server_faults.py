@@ -4,6 +4,7 @@ names its field, before it reaches the engine; the requests running beside it ar
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -224,3 +225,38 @@ async def test_tokenising_a_prompt_does_not_stop_the_server(tiny_model_dir) -> N
             release.set()
     assert released == [True]
     assert answers[0].status_code == 400 and "1000 tokens" in answers[0].text
+
+
+async def test_a_client_that_leaves_before_its_body_is_no_server_error(tiny_model_dir, caplog):
+    """A caller that gives up mid-request (an abort it timed out under load, say): logged as
+    such, not as an unhandled error with a traceback, and the server raises nothing."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    core, info = build_core(ServeOptions(model=str(tiny_model_dir)), model, tokenizer)
+    app = build_app(ServerState(core, info, trio.lowlevel.current_trio_token()))
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/abort_request",
+        "raw_path": b"/abort_request",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+        "client": ("127.0.0.1", 5000),
+        "server": ("127.0.0.1", 30000),
+    }
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}  # gone before a byte of the body
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    with caplog.at_level(logging.INFO):
+        await app(scope, receive, send)
+    assert "unhandled error" not in caplog.text, caplog.text
+    assert "/abort_request: the client left before its request was read" in caplog.text

@@ -120,7 +120,10 @@ def build_core(options: ServeOptions, model: Any, tokenizer: Any) -> tuple[Engin
         max_prompt_chars=max_prompt_chars(tokenizer, context_len),
         max_body_bytes=int(options.max_body_mb * 2**20),
     )
-    return EngineCore(model, tokenizer, core_options, options.weight_version), info
+    core = EngineCore(
+        model, tokenizer, core_options, options.weight_version, str(Path(options.model).resolve())
+    )
+    return core, info
 
 
 def build_app(state: ServerState, api_key: str = "") -> Starlette:

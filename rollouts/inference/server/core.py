@@ -71,10 +71,18 @@ class PromptLogprob:
 class EngineCore:
     """Owns model, tokenizer and batch; `run` is the worker thread's body."""
 
-    def __init__(self, model: Any, tokenizer: Any, options: CoreOptions, version: str) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        options: CoreOptions,
+        version: str,
+        weights_path: str | None = None,
+    ) -> None:
         self.model, self.tokenizer, self.options = model, tokenizer, options
         self.weight_version = version
-        self.adapters = ServedAdapters(model)  # LoRA adapters by name, the last one merged in
+        # LoRA adapters by name, the last one merged in (from `weights_path`'s precise base)
+        self.adapters = ServedAdapters(model, weights_path)
         self.paused = False
         self.sleep = SleepState()  # memory released by a sleep: generation waits for a wake-up
         self._cv = threading.Condition()
@@ -281,7 +289,7 @@ class EngineCore:
         self.sleep.check_resident("reload weights")
         load_weights(self.model, path)
         self.sleep.weights_lost = False
-        self.adapters.reset()  # the new weights are the base: the adapters' bases are gone
+        self.adapters.reset(path)  # the new weights are the base: the adapters' bases are gone
         self.weights_changed()
         if version is not None:
             self.set_version(version)

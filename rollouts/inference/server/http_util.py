@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import trio
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -102,6 +102,14 @@ async def on_timeout(_request: Request, exc: Exception) -> Response:
     return error_json(504, f"the request did not finish in time ({exc!r})", "TimeoutError")
 
 
+async def on_client_gone(request: Request, _exc: Exception) -> Response:
+    """The client closed the connection before its body arrived (a caller that stopped waiting,
+    say an abort it timed out): nothing to answer, and no server error. 499 is nginx's code for
+    it; nobody receives it."""
+    log.info("%s %s: the client left before its request was read", request.method, request.url.path)
+    return Response(status_code=499)
+
+
 async def on_crash(_request: Request, exc: Exception) -> Response:
     log.error("unhandled error in a route", exc_info=exc)
     return error_json(500, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError")
@@ -109,6 +117,7 @@ async def on_crash(_request: Request, exc: Exception) -> Response:
 
 EXCEPTION_HANDLERS = {
     Exception: on_crash,
+    ClientDisconnect: on_client_gone,
     BadRequest: on_bad_request,
     ServiceUnavailable: on_unavailable,
     AsleepError: on_unavailable,
