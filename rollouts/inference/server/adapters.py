@@ -15,9 +15,10 @@ reload drops every adapter.
 A server in bf16 or fp16 merges from the base as its files hold it (fp32, say), read once from
 the directory its weights were loaded from: `low(W + delta)`, not `low(low(W) + delta)`. The
 second drops every delta under half a step of the low-precision grid at `low(W)` (a step is
-2^-8 of |W| in bf16) and so serves a policy behind the trained one: SmolLM2 LoRA RL on a bf16
-engine reached 0.63 held-out accuracy (the adapter merged and scored in fp32) where the same
-config on an fp32 engine reached 0.84 (seed 0, 24 steps).
+2^-8 of |W| in bf16) and so serves a policy behind the trained one: in SmolLM2 LoRA RL on a
+bf16 engine (configs/smollm2-lora-cpu.toml) the engine's logprobs of the sampled tokens were
+0.043 a token from the trainer's (median over a run, 3 seeds), 0.020 with this merge, where an
+fp32 engine's are 0.021.
 """
 
 from __future__ import annotations
