@@ -150,6 +150,9 @@ class EngineHttp:
         delays = [*backoff_delays(self.options), None]
         last = ""
         for delay in delays:
+            # a task cancelled since its last checkpoint (e.g. handed a lock as its owner
+            # closes the clients) stops here, not on a closed client's RuntimeError
+            await trio.lowlevel.checkpoint_if_cancelled()
             try:
                 with trio.fail_after(timeout_s):
                     response = await self._pool(path).request(
@@ -187,6 +190,7 @@ class EngineHttp:
 
     async def ok(self, path: str, timeout_s: float) -> bool:
         """True when GET `path` answers 200 within `timeout_s` (no retries)."""
+        await trio.lowlevel.checkpoint_if_cancelled()  # as in `call`
         try:
             with trio.fail_after(timeout_s):
                 response = await self._pool(path).get(path)

@@ -271,6 +271,8 @@ class EnginePool:
             return  # it proves its weights once the pool is awake
         if alive and self.version is not None and not self.asleep:
             async with self.weights_lock:  # a returning engine must prove it; an up one may not say
+                if self.closed:  # handed the lock as the pool closed: its clients are gone
+                    return
                 current = await self._serves_current(i, proof_required=not self.up[i])
             if not current:  # alive with other weights: never routed to
                 self.up[i] = False

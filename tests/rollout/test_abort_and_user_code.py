@@ -78,33 +78,40 @@ async def test_abort_by_prefix_leaves_other_requests_alone(server, client) -> No
 
 
 async def test_eval_beside_an_over_sampling_batch_is_not_aborted(engine, tok) -> None:
+    """The batch aborts its surplus while an evaluation runs on the same server: only the
+    batch's requests end. On a loaded box every surplus group can finish before the batch is
+    full (nothing to abort, the stop 38 CI failure), so it tries again (5 batches at most)
+    until the batch did abort some of its own requests."""
     items = [PromptItem(index=i, prompt=f"e{i}:") for i in range(8)]
     spec = EvalSpec(max_new_tokens=96)
     config = make_config(
         stop_every=16,
         batch_size=1,
         n_samples_per_prompt=2,
-        over_sampling_factor=4.0,
+        over_sampling_factor=6.0,
         max_new_tokens=64,
     )
     manager = AsyncRolloutManager(
         make_buffer(), config, engine, tokenizer=tok, reward_fn=alternating_reward(lambda g: 0)
     )
-    results: dict[str, Any] = {}
+    for _ in range(5):
+        results: dict[str, Any] = {}
 
-    async def run_eval() -> None:
-        results["eval"] = await evaluate(engine, tok, items, lambda s: 1.0, spec)
+        async def run_eval(results: dict[str, Any] = results) -> None:
+            results["eval"] = await evaluate(engine, tok, items, lambda s: 1.0, spec)
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(run_eval)
-        while (await engine.load()).total < len(items):
-            await trio.sleep(0.01)
-        batch = await manager.generate_batch()
-    assert batch.metadata["aborted_samples"] > 0  # the batch did abort its own surplus
-    evaluated = results["eval"].samples
-    assert all(s.status is not Status.ABORTED for s in evaluated)
-    assert all("resumed_at" not in s.metadata for s in evaluated)  # never hit by that abort
-    assert results["eval"].failed == 0
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_eval)
+            while (await engine.load()).total < len(items):
+                await trio.sleep(0.01)
+            batch = await manager.generate_batch()
+        evaluated = results["eval"].samples
+        assert all(s.status is not Status.ABORTED for s in evaluated)
+        assert all("resumed_at" not in s.metadata for s in evaluated)  # never hit by that abort
+        assert results["eval"].failed == 0
+        if batch.metadata.get("aborted_samples", 0) > 0:
+            break
+    assert batch.metadata.get("aborted_samples", 0) > 0  # the batch did abort its own surplus
 
 
 async def test_eval_resumes_an_aborted_rollout_instead_of_scoring_it(engine, tok) -> None:

@@ -34,3 +34,17 @@ async def test_a_health_check_due_while_the_clients_close_sends_nothing(
         engine.aclose, engine.health = slow_close, counted_health  # type: ignore[method-assign]
         await trio.sleep(0.1)  # the checks run
     assert checks_after_close == ["closed"]
+
+
+async def test_a_check_handed_the_weights_lock_as_the_clients_close_sends_nothing(
+    tiny_model_dir: Path,
+) -> None:
+    """The CI failure of stop 38: a check that had just been handed the weights lock (no
+    checkpoint after it, so the pending cancel had not reached it) asked the closed client for
+    the served version. Made certain here: the check waits on the lock and gets it at the close."""
+    config = _config(tiny_model_dir, {"num_engines": 1}, health_interval_s=0.01)
+    async with open_engines(config, tiny_model_dir, "0") as pool:
+        await pool.weights_lock.acquire()
+        while pool.weights_lock.statistics().tasks_waiting == 0:  # a check waits for it
+            await trio.sleep(0.005)
+        pool.weights_lock.release()  # handed over with no checkpoint before the close
