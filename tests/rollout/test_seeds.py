@@ -11,7 +11,13 @@ import torch
 
 from rollouts.inference.launch import EngineProcess
 from rollouts.inference.protocol import SamplingParams
-from rollouts.inference.server.sampling import seeded_draws
+from rollouts.inference.server.sampling import (
+    CDF_BLOCK,
+    BatchSampling,
+    inverse_cdf,
+    sample,
+    seeded_draws,
+)
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.sglang_wire import sampling_body
 from rollouts.inference.vllm import completion_body
@@ -88,3 +94,49 @@ def test_the_built_in_engines_seeded_draws_follow_the_probabilities() -> None:
     assert int((tokens == 1).sum()) == 0  # a token without mass never comes
     again = seeded_draws(probs[:5], [torch.Generator().manual_seed(i) for i in range(5)])
     assert again.tolist() == tokens[:5].tolist()  # a row's draw: its probabilities and seed only
+
+
+def test_the_two_level_inverse_cdf_draws_what_one_float64_cumsum_draws() -> None:
+    """`inverse_cdf` against the plain draw (one float64 cumsum over the whole vocabulary):
+    the same token for the same uniform, on a vocabulary that is not a multiple of the block,
+    with tokens filtered out (no mass), and at the ends of the unit interval."""
+    g = torch.Generator().manual_seed(0)
+    vocab = 3 * CDF_BLOCK + 77
+    logits = torch.randn(64, vocab, generator=g) * 4
+    logits[:, ::3] = float("-inf")  # a third of the vocabulary filtered
+    logits[:, -100:] = float("-inf")  # and the tail, across the last block boundary
+    probs = logits.softmax(dim=1)
+    for u in (torch.rand(64, generator=g, dtype=torch.float64), torch.zeros(64)):
+        cdf = probs.double().cumsum(dim=1)
+        plain = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+        assert inverse_cdf(probs, u).tolist() == plain.tolist()
+    top = inverse_cdf(probs, torch.full((64,), 1.0 - 2.0**-53, dtype=torch.float64))
+    assert bool((probs.gather(1, top.unsqueeze(1)) > 0).all())  # never a token without mass
+    assert all(t < vocab - 100 for t in top.tolist())  # not into the filtered tail
+
+
+def test_unseeded_rows_draw_from_the_global_rng_by_the_same_inverse_cdf() -> None:
+    """The batch's unseeded rows (no `multinomial`): the frequencies follow the probabilities
+    and one `torch.manual_seed` repeats them."""
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
+    logits = probs.log().repeat(20000, 1)
+    rows = len(logits)
+    batch = BatchSampling(
+        temp_B=torch.ones(rows),
+        top_k_B=torch.full((rows,), -1),
+        top_p_B=torch.ones(rows),
+        min_p_B=torch.zeros(rows),
+        greedy_B=torch.zeros(rows, dtype=torch.bool),
+        filtered=False,
+        greedy=False,
+        sampled=True,
+        generators={},
+    )
+    torch.manual_seed(3)
+    tokens, logprobs = sample(logits, batch, "raw")
+    freq = torch.bincount(tokens, minlength=4).double() / rows
+    assert torch.allclose(freq, probs.double(), atol=0.015), freq
+    assert int((tokens == 1).sum()) == 0
+    assert torch.allclose(logprobs, probs.log()[tokens])
+    torch.manual_seed(3)
+    assert sample(logits, batch, "raw")[0].tolist() == tokens.tolist()
