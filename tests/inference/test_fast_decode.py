@@ -6,55 +6,27 @@ not implement takes the HF forward, and says so."""
 from __future__ import annotations
 
 import copy
-import random
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from rollouts.inference.server.batch import BatchOptions, RunningBatch, Sequence
-from rollouts.inference.server.sampling import SamplingSpec
 from tests.gqa_models import llama_gqa, qwen2, random_model
+from tests.inference.batch_driver import greedy_through_batch, random_workload
 
 from .conftest import teacher_forced_logprobs
 
 
 def decode_all(model, tokenizer, prompts, lengths, decode: str, max_batch: int = 3):
-    """Greedy outputs and logprobs of every prompt through a RunningBatch of `max_batch` slots
-    (later prompts join as earlier ones finish), and the batch's decode path."""
-    options = BatchOptions(
-        max_batch=max_batch,
-        max_prefill=max_batch,
-        pad_token_id=0,
-        eos_token_ids=(),
-        logprobs_from="raw",
-        decode=decode,
+    """Greedy outputs, logprobs and the decode path through `max_batch` slots."""
+    return greedy_through_batch(
+        model, tokenizer, prompts, lengths, max_batch=max_batch, decode=decode
     )
-    batch = RunningBatch(model, tokenizer, options)
-    spec = SamplingSpec(temperature=0.0, ignore_eos=True)
-    waiting = [
-        Sequence(rid=str(i), prompt_ids=p, spec=spec, max_new=n, notify=lambda s: None)
-        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
-    ]
-    done: list[Sequence] = []
-    with torch.inference_mode():
-        while waiting or len(batch):
-            free = max_batch - len(batch)
-            if waiting and free:
-                ready, waiting = waiting[:free], waiting[free:]
-                done += batch.admit(ready)[1]
-            if len(batch):
-                done += batch.step()
-    by_rid = {s.rid: s for s in done}
-    seqs = [by_rid[str(i)] for i in range(len(prompts))]
-    return [s.output_ids for s in seqs], [s.logprobs for s in seqs], batch.decode_path
 
 
 def prompts_and_lengths(seed: int, count: int = 7) -> tuple[list[list[int]], list[int]]:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(1, 30))] for _ in range(count)]
-    return prompts, [rng.randint(1, 24) for _ in prompts]
+    return random_workload(seed, count, max_new=24)
 
 
 @pytest.fixture(scope="module")

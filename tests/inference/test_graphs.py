@@ -13,52 +13,29 @@ import pytest
 import torch
 
 from rollouts.inference.server import graphs
-from rollouts.inference.server.batch import BatchOptions, RunningBatch, Sequence
-from rollouts.inference.server.sampling import SamplingSpec
 from tests.gqa_models import llama_gqa, qwen2
+from tests.inference.batch_driver import greedy_through_batch, random_workload
 
 
 def run_batch(model, tokenizer, prompts, lengths, step, max_batch: int) -> tuple[list, list]:
-    """Greedy outputs and logprobs of every prompt through `max_batch` slots (later prompts join
-    as earlier ones finish), the decode step replaced by `step` unless None."""
-    options = BatchOptions(
+    """Greedy outputs and logprobs through `max_batch` slots, prompts admitted a random number
+    at a time, the decode step replaced by `step` unless None."""
+    out, lp, _ = greedy_through_batch(
+        model,
+        tokenizer,
+        prompts,
+        lengths,
         max_batch=max_batch,
-        max_prefill=max_batch,
-        pad_token_id=0,
-        eos_token_ids=(),
-        logprobs_from="raw",
-        decode="eager",
+        step=step,
+        admit_rng=random.Random(0),
     )
-    batch = RunningBatch(model, tokenizer, options)
-    if step is not None:
-        batch._decode_step = step
-    spec = SamplingSpec(temperature=0.0, ignore_eos=True)
-    waiting = [
-        Sequence(rid=str(i), prompt_ids=p, spec=spec, max_new=n, notify=lambda s: None)
-        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
-    ]
-    done: list[Sequence] = []
-    rng = random.Random(0)
-    with torch.inference_mode():
-        while waiting or len(batch):
-            free = max_batch - len(batch)
-            if waiting and free:  # admit a few at a time, so the batch size keeps changing
-                n = rng.randint(1, free)
-                ready, waiting = waiting[:n], waiting[n:]
-                done += batch.admit(ready)[1]
-            if len(batch):
-                done += batch.step()
-    by_rid = {s.rid: s for s in done}
-    seqs = [by_rid[str(i)] for i in range(len(prompts))]
-    return [s.output_ids for s in seqs], [s.logprobs for s in seqs]
+    return out, lp
 
 
 def workload(seed: int, count: int = 14) -> tuple[list[list[int]], list[int]]:
     """Prompts of 1-30 tokens, 1-40 new tokens each: enough steps for the shared timeline to
     reach the cache's end, so it moves left or grows."""
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(1, 30))] for _ in range(count)]
-    return prompts, [rng.randint(1, 40) for _ in prompts]
+    return random_workload(seed, count, max_new=40)
 
 
 @pytest.fixture(scope="module")
