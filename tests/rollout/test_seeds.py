@@ -16,7 +16,6 @@ from rollouts.inference.server.sampling import (
     BatchSampling,
     inverse_cdf,
     sample,
-    seeded_draws,
 )
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.sglang_wire import sampling_body
@@ -84,15 +83,35 @@ async def test_the_samples_of_a_group_get_seeds_of_their_own(engine, tok) -> Non
     assert len(set(tokens)) == 4, tokens
 
 
+def sampling_of(rows: int, generators: dict[int, torch.Generator]) -> BatchSampling:
+    """`rows` rows at temperature 1, no top-k/top-p/min-p; `generators`: the seeded rows."""
+    return BatchSampling(
+        temp_B=torch.ones(rows),
+        top_k_B=torch.full((rows,), -1),
+        top_p_B=torch.ones(rows),
+        min_p_B=torch.zeros(rows),
+        greedy_B=torch.zeros(rows, dtype=torch.bool),
+        filtered=False,
+        greedy=False,
+        sampled=True,
+        generators=generators,
+    )
+
+
 def test_the_built_in_engines_seeded_draws_follow_the_probabilities() -> None:
     """Its seeded rows sample by inverse CDF from one uniform of their own generator."""
-    probs = torch.tensor([0.1, 0.0, 0.6, 0.3]).repeat(20000, 1)
-    gens = [torch.Generator().manual_seed(i) for i in range(len(probs))]
-    tokens = seeded_draws(probs, gens)
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
+    logits = probs.log().repeat(20000, 1)
+
+    def gens(n: int) -> dict[int, torch.Generator]:
+        return {i: torch.Generator().manual_seed(i) for i in range(n)}
+
+    tokens, _ = sample(logits, sampling_of(len(logits), gens(len(logits))), "raw")
     freq = torch.bincount(tokens, minlength=4).double() / len(tokens)
-    assert torch.allclose(freq, probs[0].double(), atol=0.015), freq
+    assert torch.allclose(freq, probs.double(), atol=0.015), freq
     assert int((tokens == 1).sum()) == 0  # a token without mass never comes
-    again = seeded_draws(probs[:5], [torch.Generator().manual_seed(i) for i in range(5)])
+    torch.manual_seed(123)  # the global RNG moved: seeded rows do not see it
+    again, _ = sample(logits[:5], sampling_of(5, gens(5)), "raw")
     assert again.tolist() == tokens[:5].tolist()  # a row's draw: its probabilities and seed only
 
 
@@ -121,17 +140,7 @@ def test_unseeded_rows_draw_from_the_global_rng_by_the_same_inverse_cdf() -> Non
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
     logits = probs.log().repeat(20000, 1)
     rows = len(logits)
-    batch = BatchSampling(
-        temp_B=torch.ones(rows),
-        top_k_B=torch.full((rows,), -1),
-        top_p_B=torch.ones(rows),
-        min_p_B=torch.zeros(rows),
-        greedy_B=torch.zeros(rows, dtype=torch.bool),
-        filtered=False,
-        greedy=False,
-        sampled=True,
-        generators={},
-    )
+    batch = sampling_of(rows, {})
     torch.manual_seed(3)
     tokens, logprobs = sample(logits, batch, "raw")
     freq = torch.bincount(tokens, minlength=4).double() / rows

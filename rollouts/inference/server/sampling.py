@@ -192,14 +192,6 @@ def sample(
     return tokens_B, logprobs_B
 
 
-def seeded_draws(probs_R_V: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """One token per row by inverse CDF, from one uniform of each row's own generator: the
-    row's draw depends on its probabilities and its generator only."""
-    assert probs_R_V.shape[0] == len(generators), f"{probs_R_V.shape=} {len(generators)=}"
-    u_R = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
-    return inverse_cdf(probs_R_V, u_R.to(probs_R_V.device))
-
-
 CDF_BLOCK = 512  # vocabulary entries a block (SmolLM2's 49152 = 96 blocks)
 
 
@@ -209,9 +201,10 @@ def inverse_cdf(probs_B_V: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
 
     In two levels, each summed in float64 where it is searched: the block (CDF_BLOCK
     entries) by the blocks' masses, then the token within the block by its share of the
-    block's mass. `torch.multinomial` draws an exponential per vocabulary entry and a float64
-    cumsum over the whole vocabulary is a scalar loop: 83 ms and 28 ms of a ~180 ms SmolLM2
-    decode step at 80 rows on 2 CPU cores, against ~1 ms here. Block masses are float32 sums
+    block's mass. `torch.multinomial` draws an exponential per vocabulary entry (80-90 ms of a
+    ~180 ms SmolLM2 decode step at 80 rows on 2 CPU cores) and one float64 cumsum over the
+    whole vocabulary took 3-28 ms, against under 1 ms here (`scripts/bench_sampling.py`). Block
+    masses are float32 sums
     (relative error ~1e-7), so a draw within that of a block boundary may pick the
     neighbouring block's token where one float64 cumsum of the vocabulary would not.
     """
