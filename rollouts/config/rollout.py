@@ -12,6 +12,7 @@ RolloutMode = Literal["sync", "async"]
 OnShortBatch = Literal["warn", "error"]  # train on a smaller batch | stop the run
 EngineKind = Literal["builtin", "sglang", "vllm"]
 LogprobsFrom = Literal["raw", "scaled"]  # raw logits | temperature-scaled
+EngineAutocast = Literal["off", "bfloat16"]  # the built-in engines' numerics (precision.py)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -125,6 +126,11 @@ class BuiltinEnginesConfig(_Section):
     # the served weights' dtype; bfloat16 serves what a bf16 trainer computes (the weight
     # sync's content check then allows bf16's tolerance)
     dtype: ModelDtype = "float32"
+    # "bfloat16": compute what the trainer computes under `training.autocast = "bfloat16"` (with
+    # dtype "float32"): linear weights held in bf16, embeddings, norms and the residual stream
+    # fp32, every forward under autocast; about a bf16 engine's speed on CPU
+    # (inference/server/precision.py). "off": the weights' dtype throughout
+    autocast: EngineAutocast = "off"
     torch_threads: int = 0  # each engine's torch threads; 0 = a share of the cores on CPU
     max_restarts: int = 3  # an engine that exits is restarted at most this many times
 
@@ -140,6 +146,12 @@ class BuiltinEnginesConfig(_Section):
             f"{key}.max_restarts = {self.max_restarts}: must be >= 0 (0 = never restart)",
         )
         _check(p, self.torch_threads >= 0, f"{key}.torch_threads: must be >= 0 (0 = default)")
+        _check(
+            p,
+            self.autocast == "off" or self.dtype == "float32",
+            f'{key}.autocast = "{self.autocast}" needs {key}.dtype = "float32" (autocast reads '
+            f'fp32 weights), not "{self.dtype}"',
+        )
         return p
 
 

@@ -98,6 +98,8 @@ async def open_engines(
                     logprobs_from=b.logprobs_from,
                     device=b.device,
                     dtype=b.dtype,
+                    autocast=b.autocast,
+                    attn_implementation=config.model.attn_implementation,
                     torch_threads=engine_threads(config, plan),
                     weight_version=version,
                     startup_timeout_s=e.startup_timeout_s,

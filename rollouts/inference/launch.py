@@ -72,6 +72,8 @@ class EngineSpec:
     logprobs_from: str = "raw"
     device: str = "cpu"
     dtype: str = "float32"  # the served weights' dtype (--dtype)
+    autocast: str = "off"  # --autocast: a trainer's autocast numerics over fp32 weights
+    attn_implementation: str = "sdpa"  # --attn-implementation: the trainer's
     weight_version: str = "default"
     torch_threads: int = 0  # 0 = torch's default
     cpus: tuple[int, ...] = ()  # --cpus: the cores it runs on; () = any
@@ -120,6 +122,10 @@ def server_command(spec: EngineSpec, port: int) -> list[str]:
     cmd += ["--host", spec.host, "--port", str(port), "--max-batch", str(spec.max_batch)]
     cmd += ["--max-queue", str(spec.max_queue), "--logprobs-from", spec.logprobs_from]
     cmd += ["--device", spec.device, "--dtype", spec.dtype]
+    if spec.autocast != "off":
+        cmd += ["--autocast", spec.autocast]
+    if spec.attn_implementation != "sdpa":
+        cmd += ["--attn-implementation", spec.attn_implementation]
     cmd += ["--weight-version", spec.weight_version]
     if spec.torch_threads:
         cmd += ["--torch-threads", str(spec.torch_threads)]

@@ -171,11 +171,13 @@ def probe_metrics(probe: WeightProbe | None) -> dict[str, float]:
 def probe_dtype(config: Config) -> str:
     """The coarser precision of the two sides: the trainer's probe (computed without autocast:
     the model's dtype; bf16 on CUDA, where engines serve bf16) and, for built-in engines, the
-    dtype they serve in."""
+    dtype they serve in (their autocast dtype where they run under one)."""
     trainer = "bfloat16" if config.training.device.startswith("cuda") else config.model.dtype
     if config.engines.kind != "builtin":
         return trainer
-    return max(trainer, config.engines.builtin.dtype, key=TOLERANCE.__getitem__)
+    b = config.engines.builtin
+    served = b.dtype if b.autocast == "off" else b.autocast  # autocast: bf16 matmuls
+    return max(trainer, served, key=TOLERANCE.__getitem__)
 
 
 def content_probe(

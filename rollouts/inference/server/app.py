@@ -25,6 +25,7 @@ from rollouts.inference.server import (
     dist_routes,
     http_util,
     openai_routes,
+    precision,
     sglang_routes,
     sleep_routes,
 )
@@ -49,6 +50,8 @@ class ServeOptions:
     logprobs_from: str = "raw"
     device: str = "cpu"
     dtype: str = "float32"
+    autocast: str = "off"  # "bfloat16": the trainer's autocast numerics (precision.py)
+    attn_implementation: str = "sdpa"  # the HF forward's (prefill, prompt logprobs, --decode hf)
     decode: str = "auto"  # "auto": fast_decode (CUDA graphs on a GPU); "eager": no graphs; "hf"
     weight_version: str = "default"
     served_model_name: str = ""
@@ -59,6 +62,11 @@ class ServeOptions:
     def __post_init__(self) -> None:
         assert self.logprobs_from in ("raw", "scaled"), f"{self.logprobs_from=}"
         assert self.decode in ("auto", "eager", "hf"), f"{self.decode=}"
+        assert self.autocast in ("off", *precision.AUTOCAST_DTYPES), f"{self.autocast=}"
+        assert self.autocast == "off" or self.dtype == "float32", (
+            f"--autocast {self.autocast} needs --dtype float32 (the fp32 weights autocast reads), "
+            f"not {self.dtype}"
+        )
         assert self.max_batch >= 1, f"{self.max_batch=}"
         assert self.max_queue >= 1, f"{self.max_queue=}"
         assert self.max_body_mb > 0, f"{self.max_body_mb=}"
@@ -69,12 +77,15 @@ def load_model(options: ServeOptions) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = getattr(torch, options.dtype)
-    model = AutoModelForCausalLM.from_pretrained(options.model, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        options.model, dtype=dtype, attn_implementation=options.attn_implementation
+    )
     model = model.to(options.device).eval()
     if model.device.type == "cpu":  # own the memory: CPU tensors may map the files, which a
         with torch.no_grad():  # weight sync rewrites in place (weights/disk.py `_recycle`)
             for t in [*model.parameters(), *model.buffers()]:
                 t.data = t.data.clone()
+    precision.mix(model, options.autocast)
     tokenizer = AutoTokenizer.from_pretrained(options.model)
     return model, tokenizer
 
@@ -177,4 +188,7 @@ async def serve(options: ServeOptions, *, task_status: Any = trio.TASK_STATUS_IG
         url = f"http://{options.host}:{options.port}"
         log.info("rollouts engine server on %s (model %s)", url, options.model)
         log.info("decode steps: %s", core.decode_path)
+        if options.autocast != "off":
+            log.info("numerics: a %s autocast trainer's (linear weights %s, the rest float32)",
+                     options.autocast, options.autocast)
         task_status.started(url)

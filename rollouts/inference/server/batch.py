@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rollouts.inference.server import fast_decode, graphs
+from rollouts.inference.server import fast_decode, graphs, precision
 from rollouts.inference.server import kv as kvops
 from rollouts.inference.server.rows import SlotTable
 from rollouts.inference.server.sampling import SamplingSpec, sample, top_logprobs
@@ -117,7 +117,8 @@ class RunningBatch:
         which_N = torch.tensor(which, device=logits_U_V.device)
         if self._kv is None or self._table is None:
             cap = kvops.start_cap(int(mask_U_W.shape[1]), max(s.max_new for s in ready))
-            self._kv = kvops.SlotCache(cache, self.options.max_batch, cap)
+            dtype = precision.cache_dtype(self.model, cache.layers[0].keys.dtype)
+            self._kv = kvops.SlotCache(cache, self.options.max_batch, cap, dtype)
             self._table = SlotTable(self.options.max_batch, self._kv.pos_R.device)
         first = len(self.seqs)
         try:

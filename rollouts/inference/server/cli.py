@@ -53,6 +53,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument(
+        "--autocast",
+        default="off",
+        choices=("off", "bfloat16", "float16"),
+        help="compute what a trainer under torch.autocast in this dtype computes (with --dtype "
+        "float32): linear weights held in it, embeddings, norms and the residual stream float32",
+    )
+    parser.add_argument(
+        "--attn-implementation",
+        default="sdpa",
+        choices=("sdpa", "eager"),
+        help="the HF forward's attention (prefill, prompt logprobs): the trainer's, so that a "
+        "16-bit engine computes its function (the engine's own decode step is eager's)",
+    )
+    parser.add_argument(
         "--decode",
         choices=DECODE_PATHS,
         default="auto",
@@ -110,6 +124,8 @@ def options_from_args(args: argparse.Namespace) -> Any:
         logprobs_from=args.logprobs_from,
         device=args.device,
         dtype=args.dtype,
+        autocast=args.autocast,
+        attn_implementation=args.attn_implementation,
         decode=args.decode,
         weight_version=args.weight_version,
         served_model_name=args.served_model_name,

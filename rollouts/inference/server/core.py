@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from rollouts.inference.protocol import FinishReason
+from rollouts.inference.server import precision
 from rollouts.inference.server.adapters import ServedAdapters
 from rollouts.inference.server.batch import BatchOptions, RunningBatch, Sequence
 from rollouts.inference.server.scheduler import (
@@ -308,8 +309,10 @@ class EngineCore:
             self.weights_changed()
 
     def weights_changed(self) -> None:
-        """The model's weights were replaced in place: running rows (a keep pause) are prefilled
-        again on them before their next token."""
+        """The model's weights were replaced in place: a derived LM head copy (`precision`)
+        follows them, and running rows (a keep pause) are prefilled again on them before their
+        next token."""
+        precision.refresh(self.model)
         self._batch.weights_changed()
 
     def set_version(self, version: str) -> None:
@@ -330,7 +333,7 @@ class EngineCore:
         self.sleep.check_servable("score a prompt")
         device = next(self.model.parameters()).device
         ids_T = torch.tensor(prompt_ids, dtype=torch.long, device=device)
-        with torch.inference_mode():
+        with torch.inference_mode(), precision.context(self.model):
             logits_T_V = self.model(input_ids=ids_T[None]).logits[0, :-1].float()
         logprobs_T_V = torch.log_softmax(logits_T_V, dim=-1)
         targets_T = ids_T[1:]

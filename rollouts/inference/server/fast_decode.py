@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rollouts.inference.server import precision
 from rollouts.inference.server.kv import SlotCache
 
 # the architectures whose decoder layer this step implements (Qwen2 adds q/k/v biases, which
@@ -113,6 +114,18 @@ def _step(
 ) -> torch.Tensor:
     """The decoder over rows `[0, B)` of the cache: this step's keys and values go through
     `write(keys, values, k, v)`, attention reads columns `cols` under `mask_B_L`."""
+    with precision.context(model):
+        return _layers(model, kv, tokens_B, mask_B_L, cols, write)
+
+
+def _layers(
+    model: Any,
+    kv: SlotCache,
+    tokens_B: torch.Tensor,
+    mask_B_L: torch.Tensor,
+    cols: slice,
+    write: Any,
+) -> torch.Tensor:
     b = int(tokens_B.shape[0])
     inner = model.model
     h = inner.embed_tokens(tokens_B)  # [B, hidden]

@@ -18,6 +18,8 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache
 
+from rollouts.inference.server import precision
+
 GROW_COLS = 64  # capacity is a multiple of this
 # The attention reads columns from a multiple of this (<= lo; the extra ones are masked): CUDA's
 # memory-efficient attention checks the mask's strides but not where its data starts, and a mask
@@ -28,11 +30,14 @@ ALIGN_COLS = 16
 class SlotCache:
     """Per-layer K/V buffers, mask and positions for up to `rows` sequences."""
 
-    def __init__(self, like: DynamicCache, rows: int, cap: int) -> None:
+    def __init__(
+        self, like: DynamicCache, rows: int, cap: int, dtype: torch.dtype | None = None
+    ) -> None:
+        """Buffers shaped after the prefill cache `like`, in `dtype` (default: `like`'s)."""
         layers = list(like.layers)
         assert layers, "the prefill cache has no layers"
         _, heads, _, dim = layers[0].keys.shape
-        dtype, device = layers[0].keys.dtype, layers[0].keys.device
+        dtype, device = dtype or layers[0].keys.dtype, layers[0].keys.device
         self.rows, self.cap, self.batch, self.t, self.lo = rows, cap, 0, 0, 0
         self.keys = [torch.zeros(rows, heads, cap, dim, dtype=dtype, device=device) for _ in layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
@@ -149,14 +154,15 @@ def prefill(
         mask[i, width - len(p) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     pos = (mask.cumsum(dim=1) - 1).clamp_min(0)
-    out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=pos,
-        past_key_values=DynamicCache(),
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    with precision.context(model):
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=DynamicCache(),
+            use_cache=True,
+            logits_to_keep=1,
+        )
     return out.past_key_values, mask, out.logits[:, -1]
 
 
@@ -177,13 +183,14 @@ def decode(
     if step is not None:
         logits_B_V = step(model, kv, tokens_B)
     else:
-        logits_B_V = model(
-            input_ids=tokens_B.unsqueeze(1),
-            attention_mask=kv.mask_R_C[:b, None, None, kv.first_col() : t + 1],
-            position_ids=kv.pos_R[:b].unsqueeze(1),
-            past_key_values=kv,
-            use_cache=True,
-        ).logits[:, -1]
+        with precision.context(model):
+            logits_B_V = model(
+                input_ids=tokens_B.unsqueeze(1),
+                attention_mask=kv.mask_R_C[:b, None, None, kv.first_col() : t + 1],
+                position_ids=kv.pos_R[:b].unsqueeze(1),
+                past_key_values=kv,
+                use_cache=True,
+            ).logits[:, -1]
     kv.t += 1
     kv.pos_R[:b] += 1
     return logits_B_V
