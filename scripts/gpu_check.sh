@@ -10,6 +10,11 @@
 #   compile: scripts/bench_train.py --only compile, the same step with model.compile against
 #     eager (MFU of each, the ratio, the top kernels of one step of each)
 #   profile: scripts/profile_decode.py, the engine's decode step against generate's, profiled
+#   compile32: compile at twice the micro-batch (32 x 1024 tokens): MFU once the GPU, not the
+#     host's launches, sets the pace
+#   tests: the CUDA tests (captured decode steps; the engine under autocast in CUDA graphs)
+#   autocast: a short RL run (no SFT) with the engine under bf16 autocast, then with bf16
+#     weights: step phases and the content check's gap of each
 #
 #   bash scripts/gpu_check.sh [OUT_DIR] [PARTS]   # default: "compile profile engine colocated"
 # With GPU_CHECK_SMALL=1 it runs the same steps on CPU with a small model (checks the script).
@@ -102,6 +107,35 @@ for part in $PARTS; do
       --hidden "$HIDDEN" --layers "$LAYERS" --heads "$HEADS" --intermediate "$INTER" \
       --prompts "$PROMPTS" --group 8 --equal-len "$NEW" --max-batch "$ROWS" \
       --connections 64 --clients groups --reps 1
+    ;;
+  compile32)
+    run_part compile32 170 $PY scripts/bench_train.py --device "$DEV" --only compile \
+      --hidden "$HIDDEN" --layers "$LAYERS" --heads "$HEADS" --intermediate "$INTER" \
+      --seq "$SEQ" --batch $((BATCH * 2)) --reps 3 --rounds 2
+    ;;
+  tests)
+    run_part tests 150 $PY -m pytest -q -s -p no:cacheprovider tests/inference/test_graphs.py \
+      tests/inference/test_precision.py
+    ;;
+  autocast)
+    for mode in autocast bf16; do
+      if [ $mode = autocast ]; then ENG=(--set engines.builtin.dtype=float32
+        --set engines.builtin.autocast=bfloat16); else ENG=(); fi
+      run_part "rl_$mode" 120 $PY integration_training/train.py --mode rl \
+        --config configs/gpu-demo-colocated.toml "${MODEL_SET[@]}" "${ENG[@]}" \
+        --set "run.output_dir=$RUN-$mode" --set "model.path=$RUN-$mode/base-model" \
+        --set training.rl_steps=4 --set training.eval_every=0
+      cp "$RUN-$mode/metrics.jsonl" "$OUT_DIR/rl_${mode}_metrics.jsonl" 2>/dev/null
+      $PY - "$RUN-$mode/metrics.jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+for key in ("perf/step_time_s", "time/generate_s", "time/train_s", "time/sync_s",
+            "sync/content_gap_max", "train/logprob_mismatch"):
+    values = [r[key] for r in rows if key in r]
+    if values:
+        print(f"  {key}: median {statistics.median(values):.4f} over {len(values)}")
+PY
+    done
     ;;
   profile)
     run_part profile 75 $PY scripts/profile_decode.py --device "$DEV" --dtype "$DTYPE" --rounds 1 \

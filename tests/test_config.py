@@ -230,3 +230,20 @@ def test_engines_sleep_needs_sync_mode_and_a_sync_every_step() -> None:
     with pytest.raises(ConfigError, match="set weight_sync.every = 1"):
         every_2 = {"engines": {"sleep_level": 1}, "weight_sync": {"every": 2}}
         config_from_dict(every_2 | {"rollout": {"mode": "sync"}})
+
+
+def test_automatic_concurrency_is_the_built_in_engines_capacity() -> None:
+    from rollouts.config.rollout import EXTERNAL_CONCURRENCY, resolved_concurrency
+
+    def resolved(raw: dict) -> int:
+        config = config_from_dict(raw)
+        return resolved_concurrency(config.rollout, config.engines)
+
+    # 10 groups of 8 under a bound of 64 ran their last 2 groups after the first 8 finished
+    two = {"engines": {"builtin": {"num_engines": 2, "max_batch": 128}}}
+    assert resolved(two) == 256
+    assert resolved({**two, "rollout": {"max_concurrency": 48}}) == 48  # as set
+    vllm = {"engines": {"kind": "vllm", "urls": ["http://h:1"]}}
+    assert resolved(vllm) == EXTERNAL_CONCURRENCY
+    with pytest.raises(ConfigError, match="rollout.max_concurrency"):
+        config_from_dict({"rollout": {"max_concurrency": -1}})

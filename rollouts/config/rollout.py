@@ -57,7 +57,10 @@ class RolloutConfig(_Section):
     batch_size: int = 8  # groups (prompts) per training batch
     n_samples_per_prompt: int = 4
     over_sampling_factor: float = 1.5
-    max_concurrency: int = 64
+    # samples in flight at once, over all engines; 0 = the built-in engines' capacity
+    # (num_engines x max_batch: a batch of 80 samples under a bound of 64 ran its last 2 groups
+    # after the first 8), or 64 for SGLang / vLLM servers (set it to their batch capacity)
+    max_concurrency: int = 0
     max_over_sampling_rounds: int = 4
     on_short_batch: OnShortBatch = "warn"
     # aborted groups resume in a later batch; off: they restart from their prompts
@@ -95,7 +98,9 @@ class RolloutConfig(_Section):
             self.over_sampling_factor >= 1.0,
             f"rollout.over_sampling_factor = {self.over_sampling_factor}: must be >= 1.0",
         )
-        _check(p, self.max_concurrency >= 1, "rollout.max_concurrency: must be >= 1")
+        _check(
+            p, self.max_concurrency >= 0, "rollout.max_concurrency: must be >= 1 (0 = automatic)"
+        )
         _check(
             p, self.max_over_sampling_rounds >= 1, "rollout.max_over_sampling_rounds: must be >= 1"
         )
@@ -214,3 +219,16 @@ class EnginesConfig(_Section):
             f"engines.urls: must list the server URLs when engines.kind = {self.kind!r}",
         )
         return p
+
+
+EXTERNAL_CONCURRENCY = 64  # rollout.max_concurrency = 0 with SGLang / vLLM servers
+
+
+def resolved_concurrency(rollout: RolloutConfig, engines: EnginesConfig) -> int:
+    """`rollout.max_concurrency`, its 0 resolved: the built-in engines' capacity (every engine's
+    max_batch), else EXTERNAL_CONCURRENCY."""
+    if rollout.max_concurrency:
+        return rollout.max_concurrency
+    if engines.kind == "builtin":
+        return engines.builtin.num_engines * engines.builtin.max_batch
+    return EXTERNAL_CONCURRENCY

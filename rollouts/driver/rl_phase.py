@@ -18,6 +18,7 @@ import torch
 import trio
 
 from rollouts.config import Config
+from rollouts.config.rollout import resolved_concurrency
 from rollouts.data.buffer import DataBuffer
 from rollouts.driver.engines import cpu_share, open_engines
 from rollouts.driver.evaluation import EvalSpec, evaluate
@@ -243,9 +244,12 @@ async def _rl_with_engines(run: RLRun) -> dict[str, float]:
     """RL with the engines up: the manager, the hooks and the publisher, then the loop."""
     config, r = run.config, run.resumed
     logger = _rl_logger(run)
+    rollout = dataclasses.replace(
+        config.rollout, max_concurrency=resolved_concurrency(config.rollout, config.engines)
+    )
     manager = AsyncRolloutManager(
         run.buffer,
-        config.rollout,
+        rollout,
         run.pool,
         tokenizer=run.tokenizer,
         reward_fn=run.reward_fn,

@@ -45,6 +45,7 @@ from typing import Any
 import trio
 
 from rollouts.config import RewardConfig, RolloutConfig
+from rollouts.config.rollout import EXTERNAL_CONCURRENCY
 from rollouts.data.buffer import DataBuffer
 from rollouts.envs import resolve_env_factory
 from rollouts.envs.protocol import EnvFactory
@@ -114,6 +115,8 @@ class AsyncRolloutManager:
         self.buffer = data_buffer
         self.reward_shaping = reward_shaping  # None: the batch keeps its rewards as scored
         self.seed = seed  # the run's seed; None: requests carry no sampling seed
+        if not config.max_concurrency:  # automatic; the driver resolves it for built-in engines
+            config = dataclasses.replace(config, max_concurrency=EXTERNAL_CONCURRENCY)
         self.config = config
         self.engines = engines
         self.tokenizer = tokenizer

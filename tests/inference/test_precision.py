@@ -142,3 +142,32 @@ def _saved_names(path: Path) -> set[str]:
         with safe_open(str(f), "pt") as handle:
             names |= set(handle.keys())
     return names
+
+
+def _device_logprobs(model, prompt: list[int], output: list[int], autocast: bool) -> torch.Tensor:
+    device = next(model.parameters()).device
+    full = torch.tensor([prompt + output], device=device)
+    with torch.no_grad(), torch.autocast(device.type, dtype=BF16, enabled=autocast):
+        logits = model(full).logits[0, len(prompt) - 1 : -1].float()
+    target = torch.tensor(output, device=device)[:, None]
+    return logits.log_softmax(-1).gather(1, target)[:, 0].cpu()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_the_captured_mixed_step_serves_the_trainers_logprobs(models) -> None:
+    # the engine's default path on a GPU: the fast step replayed as CUDA graphs, under autocast
+    model = copy.deepcopy(models["llama-gqa-tied"]).cuda()
+    gaps = {}
+    for name, engine in (("mixed", mixed(model)), ("bf16", copy.deepcopy(model).to(BF16))):
+        prompts, lengths = random_workload(7, 6, max_new=16)
+        outs, lps, path = greedy_through_batch(
+            engine, None, prompts, lengths, max_batch=3, decode="auto"
+        )
+        assert "graphs" in path, path
+        gaps[name] = max(
+            float((torch.tensor(lp) - _device_logprobs(model, p, o, autocast=True)).abs().max())
+            for p, o, lp in zip(prompts, outs, lps, strict=True)
+        )
+    print(f"largest |engine - trainer autocast| on the GPU: {gaps}")
+    assert gaps["mixed"] < 0.02, gaps
+    assert gaps["bf16"] > 2 * gaps["mixed"], gaps
