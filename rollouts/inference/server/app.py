@@ -189,6 +189,9 @@ async def serve(options: ServeOptions, *, task_status: Any = trio.TASK_STATUS_IG
         log.info("rollouts engine server on %s (model %s)", url, options.model)
         log.info("decode steps: %s", core.decode_path)
         if options.autocast != "off":
-            log.info("numerics: a %s autocast trainer's (linear weights %s, the rest float32)",
-                     options.autocast, options.autocast)
+            log.info(
+                "numerics: a %s autocast trainer's (linear weights %s, the rest float32)",
+                options.autocast,
+                options.autocast,
+            )
         task_status.started(url)
