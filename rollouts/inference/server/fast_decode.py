@@ -83,7 +83,8 @@ def decode(model: Any, kv: SlotCache, tokens_B: torch.Tensor) -> torch.Tensor:
         values[:b, :, t] = v
 
     cols = slice(kv.first_col(), t + 1)
-    return _step(model, kv, tokens_B, kv.mask_R_C[:b, cols], cols, write)
+    with precision.context(model):
+        return _step(model, kv, tokens_B, kv.mask_R_C[:b, cols], cols, write)
 
 
 @torch.inference_mode()
@@ -101,7 +102,8 @@ def decode_padded(model: Any, kv: SlotCache, tokens_P: torch.Tensor, col_1: torc
         keys[:rows].index_copy_(2, col_1, k.unsqueeze(2))
         values[:rows].index_copy_(2, col_1, v.unsqueeze(2))
 
-    return _step(model, kv, tokens_P, kv.mask_R_C[:rows], slice(0, kv.cap), write)
+    with precision.context(model):
+        return _step(model, kv, tokens_P, kv.mask_R_C[:rows], slice(0, kv.cap), write)
 
 
 def _step(
@@ -113,19 +115,8 @@ def _step(
     write: Any,
 ) -> torch.Tensor:
     """The decoder over rows `[0, B)` of the cache: this step's keys and values go through
-    `write(keys, values, k, v)`, attention reads columns `cols` under `mask_B_L`."""
-    with precision.context(model):
-        return _layers(model, kv, tokens_B, mask_B_L, cols, write)
-
-
-def _layers(
-    model: Any,
-    kv: SlotCache,
-    tokens_B: torch.Tensor,
-    mask_B_L: torch.Tensor,
-    cols: slice,
-    write: Any,
-) -> torch.Tensor:
+    `write(keys, values, k, v)`, attention reads columns `cols` under `mask_B_L` (the callers
+    enter the model's autocast, if it was mixed for one: `precision.py`)."""
     b = int(tokens_B.shape[0])
     inner = model.model
     h = inner.embed_tokens(tokens_B)  # [B, hidden]
