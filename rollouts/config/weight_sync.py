@@ -16,6 +16,8 @@ LoraSync = Literal["adapter", "merged"]
 # the dtype of the weight files written for the engines; "auto" = the built-in engines' dtype
 # when it is 16-bit, else the trained dtype
 SyncDtype = Literal["auto", "float32", "bfloat16", "float16"]
+# async mode: what a weight load does to the requests in flight (sync mode has none: it aborts)
+InFlight = Literal["wait", "keep"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,6 +75,13 @@ class WeightSyncConfig(_Section):
     # writing its 16-bit dtype gives it the same weights in half the bytes): "auto" = the
     # built-in engines' dtype when it is 16-bit, else as trained
     dtype: SyncDtype = "auto"
+    # async mode, a load while requests run: "wait": it waits until they finish (the producer
+    # starts no batch meanwhile), so every sample comes from one weight version; "keep": they
+    # go on under the new weights, their KV cache rebuilt (the built-in engine and SGLang prefill
+    # every running row again; vLLM keeps its cache). A sample's staleness counts its oldest
+    # version either way. Case A (scripts/bench_trl.py): an async step 0.74-0.82 s with "wait"
+    # against 0.93-0.98 s with "keep", whose prefill took 0.17 s of each batch's 0.7 s
+    in_flight: InFlight = "wait"
     distributed: DistributedSyncConfig = dataclasses.field(default_factory=DistributedSyncConfig)
 
     def problems(self) -> list[str]:

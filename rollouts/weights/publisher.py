@@ -94,7 +94,7 @@ class _Publisher:
     pool: EnginePool
     backend: TrainingBackend
     probe_of: ProbeOf | None  # None: weight_sync.check is off
-    pause_mode: str  # how engines pause for a load: "abort" (sync mode) or "keep" (async)
+    pause_mode: str  # engines pause for a load: "abort" (sync), weight_sync.in_flight (async)
 
     async def probe(self, version: str) -> WeightProbe | None:
         return await self.probe_of(version) if self.probe_of is not None else None
@@ -277,7 +277,7 @@ async def open_publisher(
         "pool": pool,
         "backend": backend,
         "probe_of": content_probe(config, backend, tokenizer),
-        "pause_mode": "keep" if is_async else "abort",
+        "pause_mode": config.weight_sync.in_flight if is_async else "abort",
     }
     disk = {"root": sync_root, "attempts": config.weight_sync.attempts}
     adapters = backend.lora_adapters() if config.weight_sync.lora == "adapter" else None

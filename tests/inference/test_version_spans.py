@@ -1,7 +1,8 @@
 """A weight reload in place (keep-mode pause) during a request: the built-in server reports
 which tokens each version produced, and the clients take the oldest (issue 17: a response
 whose first tokens came from the old weights is not staleness 0); the tokens after the reload
-come from the new weights over the whole sequence, its KV cache rebuilt (issue 27)."""
+come from the new weights over the whole sequence, its KV cache rebuilt (issue 27). A wait
+pause instead lets the request finish on the old weights first."""
 
 from __future__ import annotations
 
@@ -148,6 +149,41 @@ async def test_keep_reload_prefills_running_rows_again_on_the_new_weights(
     cut = meta["weight_versions"][1]["start"]
     _check_from(ref_model, prompt, ids, lps, slice(0, cut))
     _check_from(new_model, prompt, ids, lps, slice(cut, len(ids)))
+
+
+async def test_wait_pause_lets_a_running_request_finish_on_the_old_weights(
+    server, tiny_model_dir, other_model_dir, ref_model
+) -> None:
+    """weight_sync.in_flight = "wait" (async mode's default): the pause returns only once the
+    running request has finished, every token of it the old model's; the reload comes after."""
+    prompt, greedy = [5, 6, 7], SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+    sync = SGLangEngine(server.url)
+    old = await sync.weight_version()
+    out: dict[str, Any] = {}
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+
+            async def request() -> None:
+                body = generate_body(prompt, greedy, "wait-pause")
+                out["answer"] = (await http.post("/generate", json=body)).json()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(request)
+                while (await sync.load()).running < 1:
+                    await trio.sleep(0.005)
+                await sync.pause("wait")
+                assert "answer" in out, "the wait pause returned while the request ran"
+                await sync.update_weights_from_disk(str(other_model_dir), "waited")
+                await sync.resume()
+    finally:  # the other tests here serve the tiny model
+        await sync.update_weights_from_disk(str(tiny_model_dir), "restored")
+        await sync.aclose()
+    ids, meta = out["answer"]["output_ids"], out["answer"]["meta_info"]
+    assert len(ids) == greedy.max_new_tokens
+    assert meta["weight_version"] == old
+    assert "weight_versions" not in meta  # as SGLang: spans only when the weights changed
+    lps = [entry[0] for entry in meta["output_token_logprobs"]]
+    _check_from(ref_model, prompt, ids, lps, slice(0, len(ids)))
 
 
 async def test_keep_reload_leaves_a_seeded_request_as_it_was(server, tiny_model_dir) -> None:

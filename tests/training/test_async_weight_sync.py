@@ -50,8 +50,16 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 def test_async_engines_load_weights_while_the_next_step_trains(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    pauses: list[str] = []
+    real_sync_pool = publisher_module.sync_pool
+
+    async def sync_pool(pool: Any, path: Any, version: str, **kwargs: Any) -> SyncReport:
+        pauses.append(kwargs["pause_mode"])
+        return await real_sync_pool(pool, path, version, **kwargs)
+
+    monkeypatch.setattr(publisher_module, "sync_pool", sync_pool)
     result = quick_start_training(
         tiny_model_dir,
         PROMPTS,
@@ -74,6 +82,8 @@ def test_async_engines_load_weights_while_the_next_step_trains(
     assert sum(r["rollout/surplus_groups_saved"] for r in rows) > 0
     assert all(r["rollout/groups_kept"] == 2.0 for r in rows), rows
     assert result.metrics["policy/version"] == 5.0
+    # weight_sync.in_flight = "wait" (the default): a load waits for the requests in flight
+    assert pauses and set(pauses) == {"wait"}, pauses
 
 
 def test_a_failed_background_delivery_stops_the_run_after_a_rescue_checkpoint(
