@@ -11,6 +11,7 @@
                                loads it under the version's name (model.lora, weight_sync.lora
                                = "adapter"); with "merged", the disk publishers above send the
                                merged full weights
+        OverlappedAdapterPublisher  the same, loaded while the next step trains (async mode)
 
 The loop calls `publish(version, urgent=...)` when a sync is due, `settle()` before it evaluates,
 and `idle()` before it generates (no batch starts while a delivery is in flight). Every delivery
@@ -159,6 +160,11 @@ class AdapterPublisher(_Publisher):
     async def publish(self, version: str, *, urgent: bool) -> Metrics:
         probe = await self.probe(version)
         (path, size), written = await _write(publish_adapter, self.adapters, self.root, version)
+        return as_sync_metrics(await self.deliver(path, version, probe, size, written))
+
+    async def deliver(
+        self, path: Path, version: str, probe: WeightProbe | None, size: int, written: Metrics
+    ) -> Metrics:
         report = await sync_pool(
             self.pool,
             path,
@@ -168,19 +174,17 @@ class AdapterPublisher(_Publisher):
             probe=probe,
             adapter=True,
         )
-        figures = report.metrics() | probe_metrics(probe) | {"bytes": float(size)} | written
-        return as_sync_metrics(figures)
+        return report.metrics() | probe_metrics(probe) | {"bytes": float(size)} | written
 
 
 @dataclasses.dataclass(kw_only=True)
-class OverlappedDiskPublisher(DiskPublisher):
-    """A disk publisher whose engines load a version while the next step trains.
+class _Overlapped:
+    """The engines load a version while the next step trains (async mode).
 
     `publish` fixes the version's weights before it returns (the next optimizer step must not
-    change them): a backend with snapshots (`TrainingBackend.weight_snapshots`) copies them and
-    another thread writes the files; others write them now. The delivery (pause, load, resume,
-    verify) runs in `nursery`; at most one is in flight. A failed one raises from the next
-    `publish` or `settle`, in the loop (which first checkpoints the trained step).
+    change them: `_fix`); the delivery it returns (pause, load, resume, verify) runs in
+    `nursery`, at most one in flight. A failed one raises from the next `publish` or `settle`,
+    in the loop (which first checkpoints the trained step).
     """
 
     nursery: trio.Nursery
@@ -190,6 +194,9 @@ class OverlappedDiskPublisher(DiskPublisher):
     def __post_init__(self) -> None:
         self._done.set()
 
+    async def _fix(self, version: str) -> Delivery:
+        raise NotImplementedError
+
     async def publish(self, version: str, *, urgent: bool) -> Metrics:
         metrics = await self.settle()
         deliver = await self._fix(version)
@@ -197,23 +204,6 @@ class OverlappedDiskPublisher(DiskPublisher):
             return metrics | as_sync_metrics(await deliver())
         self._start(deliver)
         return metrics
-
-    async def _fix(self, version: str) -> Delivery:
-        """Fix `version`'s weights now; the delivery that writes (if needed) and loads them."""
-        snapshots = self.backend.weight_snapshots()
-        if snapshots is None:
-            probe = await self.probe(version)
-            path = await trio.to_thread.run_sync(publish_weights, self.backend, self.root, version)
-            return functools.partial(self.deliver, path, version, probe)
-        weights = await trio.to_thread.run_sync(snapshots.snapshot_weights)
-        probe = await self.probe(version)  # of the snapshot: no step ran since
-
-        async def write_and_deliver() -> Metrics:
-            write = functools.partial(publish_weights, weights=weights)
-            path, written = await _write(write, self.backend, self.root, version)
-            return await self.deliver(path, version, probe) | written
-
-        return write_and_deliver
 
     def _start(self, deliver: Delivery) -> None:
         assert self._done.is_set() and self._result is None, "a delivery is still pending"
@@ -238,6 +228,41 @@ class OverlappedDiskPublisher(DiskPublisher):
         if isinstance(result, Exception):
             raise result
         return as_sync_metrics(result) if result else {}
+
+
+@dataclasses.dataclass(kw_only=True)
+class OverlappedDiskPublisher(_Overlapped, DiskPublisher):
+    """A disk publisher whose engines load a version while the next step trains: a backend
+    with snapshots (`TrainingBackend.weight_snapshots`) copies the weights and another thread
+    writes the files; others write them now."""
+
+    async def _fix(self, version: str) -> Delivery:
+        """Fix `version`'s weights now; the delivery that writes (if needed) and loads them."""
+        snapshots = self.backend.weight_snapshots()
+        if snapshots is None:
+            probe = await self.probe(version)
+            path = await trio.to_thread.run_sync(publish_weights, self.backend, self.root, version)
+            return functools.partial(self.deliver, path, version, probe)
+        weights = await trio.to_thread.run_sync(snapshots.snapshot_weights)
+        probe = await self.probe(version)  # of the snapshot: no step ran since
+
+        async def write_and_deliver() -> Metrics:
+            write = functools.partial(publish_weights, weights=weights)
+            path, written = await _write(write, self.backend, self.root, version)
+            return await self.deliver(path, version, probe) | written
+
+        return write_and_deliver
+
+
+@dataclasses.dataclass(kw_only=True)
+class OverlappedAdapterPublisher(_Overlapped, AdapterPublisher):
+    """LoRA in async mode: the adapter (a few MB) is written now, and the engines load it while
+    the next step trains."""
+
+    async def _fix(self, version: str) -> Delivery:
+        probe = await self.probe(version)
+        (path, size), written = await _write(publish_adapter, self.adapters, self.root, version)
+        return functools.partial(self.deliver, path, version, probe, size, written)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -283,7 +308,11 @@ async def open_publisher(
     adapters = backend.lora_adapters() if config.weight_sync.lora == "adapter" else None
     try:
         async with trio.open_nursery() as nursery:
-            if adapters is not None:
+            if adapters is not None and is_async:
+                yield OverlappedAdapterPublisher(
+                    **common, **disk, adapters=adapters, nursery=nursery
+                )
+            elif adapters is not None:
                 yield AdapterPublisher(**common, **disk, adapters=adapters)
             elif sender is not None:
                 yield DistributedPublisher(**common, sender=sender)

@@ -172,3 +172,27 @@ def _leaves(error: BaseException) -> list[BaseException]:
     if isinstance(error, BaseExceptionGroup):
         return [leaf for e in error.exceptions for leaf in _leaves(e)]
     return [error]
+
+
+def test_async_lora_engines_load_the_adapter_while_the_next_step_trains(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """weight_sync.lora = "adapter" in async mode: the adapter is written when the step ends and
+    loaded behind the next step (OverlappedAdapterPublisher), checked by content each time."""
+    result = quick_start_training(
+        tiny_model_dir,
+        PROMPTS,
+        reward_last_token_parity,
+        num_iterations=4,
+        output_dir=tmp_path / "run",
+        overrides=_overrides(model={"lora": {"enabled": True, "rank": 4, "alpha": 16.0}}),
+    )
+    rows = _rows(result.run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert "sync/total_s" not in rows[0]  # step 1's delivery is reported on step 2's line
+    for row in rows[1:]:
+        assert row["sync/failed_engines"] == 0.0, row
+        assert row["sync/content_gap_max"] < 1e-4, row
+        assert 0 < row["sync/bytes"] < 100_000, row  # the rank-4 adapter, not the model
+    assert all(r["rollout/staleness_max"] <= 1.0 for r in rows), rows
+    assert result.metrics["policy/version"] == 4.0
