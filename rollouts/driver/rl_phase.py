@@ -33,6 +33,7 @@ from rollouts.driver.setup import (
     with_response_text,
 )
 from rollouts.driver.trainer_io import BackendFactory, checkpoint_root, save
+from rollouts.gcpolicy import freeze_startup_objects
 from rollouts.inference.pool import EnginePool
 from rollouts.loop.rl import RLHooks, run_rl_training
 from rollouts.plugins import load_function
@@ -265,6 +266,7 @@ async def _rl_with_engines(run: RLRun) -> dict[str, float]:
     )
     async with open_publisher(config, run.backend, run.pool, run.tokenizer, run.sync_root) as w:
         await w.check_start(str(r.version))  # the engines serve the starting weights
+        freeze_startup_objects()  # full collections then skip what the set-up built
         if r.step == 0 and evaluate_fn is not None:
             before = await evaluate_fn()
             logger.log(0, before)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from rollouts.gcpolicy import freeze_startup_objects
 from rollouts.trainer.process_wire import HOST, pack, unpack
 from rollouts.types import TrainFuture
 
@@ -125,6 +126,7 @@ class _Host:
 
         with _on_cores(self.start_cores):  # start-up work may use every core (the engines'
             self.backends[target] = create_pytorch_backend(*args, **kwargs)  # start as well)
+        freeze_startup_objects()  # full collections then skip the model and the imports
         return None
 
     def call_backend(self, call_id: int, target: int, name: str, args: tuple, kwargs: dict) -> Any:

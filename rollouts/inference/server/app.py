@@ -20,6 +20,7 @@ import trio
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
+from rollouts.gcpolicy import freeze_startup_objects
 from rollouts.inference.server import (
     adapter_routes,
     dist_routes,
@@ -169,6 +170,7 @@ async def serve(options: ServeOptions, *, task_status: Any = trio.TASK_STATUS_IG
     """Load the model, start the worker and the HTTP server; `started(url)` once it listens."""
     model, tokenizer = await trio.to_thread.run_sync(load_model, options)
     core, info = build_core(options, model, tokenizer)
+    freeze_startup_objects()  # full collections then skip the model and the imports
     state = ServerState(core, info, trio.lowlevel.current_trio_token())
     config = hypercorn.config.Config()
     config.bind = [f"{options.host}:{options.port}"]
