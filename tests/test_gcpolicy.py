@@ -26,7 +26,7 @@ def test_garbage_is_collected_and_the_survivors_are_frozen() -> None:
     try:
         frozen = freeze_startup_objects()
         assert gone() is None  # collected, not frozen
-        assert frozen == gc.get_freeze_count() > walked_before / 2
+        assert frozen > walked_before / 2  # (the count falls as frozen objects are freed)
         assert len(gc.get_objects(generation=2)) < walked_before / 10
         assert not any(o is kept for o in gc.get_objects(generation=2))
     finally:
