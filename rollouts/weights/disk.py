@@ -370,7 +370,7 @@ def _recycle(root: Path, tmp: Path, keep_last: int) -> None:
     place: a tmpfs then reuses its pages instead of allocating (and later freeing) a model's
     worth of new ones each sync (`scripts/bench_weight_write.py`). Only with `keep_last` >= 2:
     the recycled version is then never the newest, the one engines load or restart on (a
-    publish starts after the previous delivery ended, `OverlappedDiskPublisher.settle`)."""
+    publish starts after the previous delivery ended, `OverlappedPublisher.settle`)."""
     olds = _versions(root)
     if keep_last >= 2 and len(olds) >= keep_last:
         olds[0].rename(tmp)

@@ -3,15 +3,15 @@
     open_publisher(config, ...) ->
         DiskPublisher          write weights-only HF files (in /dev/shm), every engine reloads
                                them by path, now                          (rollout.mode = "sync")
-        OverlappedDiskPublisher  the same, but the engines load a step's files while the next
-                               step trains; a step that must be served now waits (async mode)
         DistributedPublisher   broadcast over a process group the trainer forms with the
                                engines (weight_sync.method = "distributed")
         AdapterPublisher       LoRA: only the adapter (a few MB) is written, and every engine
                                loads it under the version's name (model.lora, weight_sync.lora
-                               = "adapter"); with "merged", the disk publishers above send the
+                               = "adapter"); with "merged", the disk publisher sends the
                                merged full weights
-        OverlappedAdapterPublisher  the same, loaded while the next step trains (async mode)
+        OverlappedPublisher    async mode, around the disk or the adapter publisher: the
+                               engines load a step's weights while the next step trains; a step
+                               that must be served now waits
 
 The loop calls `publish(version, urgent=...)` when a sync is due, `settle()` before it evaluates,
 and `idle()` before it generates (no batch starts while a delivery is in flight). Every delivery
@@ -125,6 +125,25 @@ class DiskPublisher(_Publisher):
         path, written = await _write(publish_weights, self.backend, self.root, version)
         return as_sync_metrics(await self.deliver(path, version, probe) | written)
 
+    async def fix(self, version: str) -> Delivery:
+        """Fix `version`'s weights now; the delivery that writes (if still needed) and loads
+        them. A backend with snapshots (`TrainingBackend.weight_snapshots`) copies the weights
+        and another thread writes the files; others write them now."""
+        snapshots = self.backend.weight_snapshots()
+        if snapshots is None:
+            probe = await self.probe(version)
+            path = await trio.to_thread.run_sync(publish_weights, self.backend, self.root, version)
+            return functools.partial(self.deliver, path, version, probe)
+        weights = await trio.to_thread.run_sync(snapshots.snapshot_weights)
+        probe = await self.probe(version)  # of the snapshot: no step ran since
+
+        async def write_and_deliver() -> Metrics:
+            write = functools.partial(publish_weights, weights=weights)
+            path, written = await _write(write, self.backend, self.root, version)
+            return await self.deliver(path, version, probe) | written
+
+        return write_and_deliver
+
     async def deliver(self, path: Path, version: str, probe: WeightProbe | None) -> Metrics:
         report = await sync_pool(
             self.pool,
@@ -158,9 +177,13 @@ class AdapterPublisher(_Publisher):
         )
 
     async def publish(self, version: str, *, urgent: bool) -> Metrics:
+        return as_sync_metrics(await (await self.fix(version))())
+
+    async def fix(self, version: str) -> Delivery:
+        """Write `version`'s adapter now (a few MB); the delivery that loads it."""
         probe = await self.probe(version)
         (path, size), written = await _write(publish_adapter, self.adapters, self.root, version)
-        return as_sync_metrics(await self.deliver(path, version, probe, size, written))
+        return functools.partial(self.deliver, path, version, probe, size, written)
 
     async def deliver(
         self, path: Path, version: str, probe: WeightProbe | None, size: int, written: Metrics
@@ -177,16 +200,25 @@ class AdapterPublisher(_Publisher):
         return report.metrics() | probe_metrics(probe) | {"bytes": float(size)} | written
 
 
+class _Fixes(Protocol):
+    """A publisher that can fix a version's weights now and deliver them later."""
+
+    async def check_start(self, version: str) -> None: ...
+
+    async def fix(self, version: str) -> Delivery: ...
+
+
 @dataclasses.dataclass(kw_only=True)
-class _Overlapped:
+class OverlappedPublisher:
     """The engines load a version while the next step trains (async mode).
 
-    `publish` fixes the version's weights before it returns (the next optimizer step must not
-    change them: `_fix`); the delivery it returns (pause, load, resume, verify) runs in
+    `publish` fixes the version's weights before it returns (`inner.fix`: the next optimizer
+    step must not change them); the delivery it returns (pause, load, resume, verify) runs in
     `nursery`, at most one in flight. A failed one raises from the next `publish` or `settle`,
     in the loop (which first checkpoints the trained step).
     """
 
+    inner: _Fixes  # a DiskPublisher or an AdapterPublisher
     nursery: trio.Nursery
     _done: trio.Event = dataclasses.field(default_factory=trio.Event)
     _result: Metrics | Exception | None = None
@@ -194,19 +226,20 @@ class _Overlapped:
     def __post_init__(self) -> None:
         self._done.set()
 
-    async def _fix(self, version: str) -> Delivery:
-        raise NotImplementedError
+    async def check_start(self, version: str) -> None:
+        await self.inner.check_start(version)
 
     async def publish(self, version: str, *, urgent: bool) -> Metrics:
         metrics = await self.settle()
-        deliver = await self._fix(version)
+        deliver = await self.inner.fix(version)
         if urgent:
             return metrics | as_sync_metrics(await deliver())
         self._start(deliver)
         return metrics
 
     def _start(self, deliver: Delivery) -> None:
-        assert self._done.is_set() and self._result is None, "a delivery is still pending"
+        assert self._done.is_set(), "a delivery is still in flight"
+        assert self._result is None, f"an unsettled delivery: {self._result!r}"
         done = self._done = trio.Event()
 
         async def run() -> None:
@@ -228,41 +261,6 @@ class _Overlapped:
         if isinstance(result, Exception):
             raise result
         return as_sync_metrics(result) if result else {}
-
-
-@dataclasses.dataclass(kw_only=True)
-class OverlappedDiskPublisher(_Overlapped, DiskPublisher):
-    """A disk publisher whose engines load a version while the next step trains: a backend
-    with snapshots (`TrainingBackend.weight_snapshots`) copies the weights and another thread
-    writes the files; others write them now."""
-
-    async def _fix(self, version: str) -> Delivery:
-        """Fix `version`'s weights now; the delivery that writes (if needed) and loads them."""
-        snapshots = self.backend.weight_snapshots()
-        if snapshots is None:
-            probe = await self.probe(version)
-            path = await trio.to_thread.run_sync(publish_weights, self.backend, self.root, version)
-            return functools.partial(self.deliver, path, version, probe)
-        weights = await trio.to_thread.run_sync(snapshots.snapshot_weights)
-        probe = await self.probe(version)  # of the snapshot: no step ran since
-
-        async def write_and_deliver() -> Metrics:
-            write = functools.partial(publish_weights, weights=weights)
-            path, written = await _write(write, self.backend, self.root, version)
-            return await self.deliver(path, version, probe) | written
-
-        return write_and_deliver
-
-
-@dataclasses.dataclass(kw_only=True)
-class OverlappedAdapterPublisher(_Overlapped, AdapterPublisher):
-    """LoRA in async mode: the adapter (a few MB) is written now, and the engines load it while
-    the next step trains."""
-
-    async def _fix(self, version: str) -> Delivery:
-        probe = await self.probe(version)
-        (path, size), written = await _write(publish_adapter, self.adapters, self.root, version)
-        return functools.partial(self.deliver, path, version, probe, size, written)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -308,16 +306,13 @@ async def open_publisher(
     adapters = backend.lora_adapters() if config.weight_sync.lora == "adapter" else None
     try:
         async with trio.open_nursery() as nursery:
-            if adapters is not None and is_async:
-                yield OverlappedAdapterPublisher(
-                    **common, **disk, adapters=adapters, nursery=nursery
-                )
-            elif adapters is not None:
-                yield AdapterPublisher(**common, **disk, adapters=adapters)
+            if adapters is not None:
+                adapter = AdapterPublisher(**common, **disk, adapters=adapters)
+                yield OverlappedPublisher(inner=adapter, nursery=nursery) if is_async else adapter
             elif sender is not None:
                 yield DistributedPublisher(**common, sender=sender)
             elif is_async:
-                yield OverlappedDiskPublisher(**common, **disk, nursery=nursery)
+                yield OverlappedPublisher(inner=DiskPublisher(**common, **disk), nursery=nursery)
             else:
                 yield DiskPublisher(**common, **disk)
             nursery.cancel_scope.cancel()

@@ -178,7 +178,8 @@ def test_async_lora_engines_load_the_adapter_while_the_next_step_trains(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """weight_sync.lora = "adapter" in async mode: the adapter is written when the step ends and
-    loaded behind the next step (OverlappedAdapterPublisher), checked by content each time."""
+    loaded behind the next step (an OverlappedPublisher around the AdapterPublisher), checked
+    by content each time."""
     result = quick_start_training(
         tiny_model_dir,
         PROMPTS,
