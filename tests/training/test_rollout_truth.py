@@ -57,6 +57,41 @@ def test_sync_mode_with_partial_rollouts_trains_nothing_stale(
         assert r["rollout/discarded_fraction"] == pytest.approx(fraction), r
 
 
+def test_sync_mode_with_a_staleness_bound_of_one_trains_the_saved_work_a_step_later(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # configs/smollm2-lora-cpu.toml's setting: the surplus and aborted groups of one batch are
+    # trained in the next one (one version old) instead of being dropped as stale
+    prompts = [f"{a}+{a}=" for a in range(10, 30)]
+    result = quick_start_training(
+        tiny_model_dir,
+        prompts,
+        reward_len_mod_2,
+        num_iterations=4,
+        output_dir=tmp_path / "run",
+        overrides={
+            "rollout": {
+                "mode": "sync",
+                "batch_size": 2,
+                "n_samples_per_prompt": 2,
+                "over_sampling_factor": 2.0,
+                "partial_rollouts": True,
+                "max_staleness": 1,
+                "sampling": {"max_new_tokens": 24, "stop_token_ids": list(range(0, 300, 16))},
+            },
+            "logging": {"console": False},
+        },
+    )
+    rows = _rows(result.run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["rollout/staleness_max"] <= 1.0 for r in rows), rows
+    assert any(r["rollout/staleness_max"] == 1.0 for r in rows), rows  # saved work trained
+    saved = sum(r["rollout/partial_groups_saved"] for r in rows)
+    # only work saved twice (aborted, resumed, aborted again: two versions old) is dropped
+    assert sum(r["rollout/stale_partial_groups"] for r in rows) < saved / 2, rows
+    assert all(r["rollout/stale_groups_dropped"] == 0.0 for r in rows), rows
+
+
 @pytest.mark.filterwarnings("ignore::rollouts.rollout.manager.ShortBatchWarning")
 def test_a_run_whose_filter_drops_everything_names_the_filter(
     tiny_model_dir: Path, tmp_path: Path
