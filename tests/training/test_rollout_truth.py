@@ -21,16 +21,14 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in lines if x.strip()]
 
 
-def test_sync_mode_with_partial_rollouts_trains_nothing_stale(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    prompts = [f"{a}+{a}=" for a in range(10, 30)]
+def _sync_run_with_partial_rollouts(model_dir: Path, out: Path, **rollout: object) -> list[dict]:
+    """Four sync steps that over-sample 2x with partial rollouts; the metrics rows."""
     result = quick_start_training(
-        tiny_model_dir,
-        prompts,
+        model_dir,
+        [f"{a}+{a}=" for a in range(10, 30)],
         reward_len_mod_2,
         num_iterations=4,
-        output_dir=tmp_path / "run",
+        output_dir=out,
         overrides={
             "rollout": {
                 "mode": "sync",
@@ -40,11 +38,18 @@ def test_sync_mode_with_partial_rollouts_trains_nothing_stale(
                 "partial_rollouts": True,
                 # every 16th token id stops: varied lengths, so surplus groups get aborted
                 "sampling": {"max_new_tokens": 24, "stop_token_ids": list(range(0, 300, 16))},
+                **rollout,
             },
             "logging": {"console": False},
         },
     )
-    rows = _rows(result.run_dir)
+    return _rows(result.run_dir)
+
+
+def test_sync_mode_with_partial_rollouts_trains_nothing_stale(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    rows = _sync_run_with_partial_rollouts(tiny_model_dir, tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["rollout/staleness_max"] == 0.0 for r in rows), rows
     assert all(r["rollout/stale_groups_dropped"] == 0.0 for r in rows)  # dropped before: none
@@ -62,27 +67,7 @@ def test_sync_mode_with_a_staleness_bound_of_one_trains_the_saved_work_a_step_la
 ) -> None:
     # configs/smollm2-lora-cpu.toml's setting: the surplus and aborted groups of one batch are
     # trained in the next one (one version old) instead of being dropped as stale
-    prompts = [f"{a}+{a}=" for a in range(10, 30)]
-    result = quick_start_training(
-        tiny_model_dir,
-        prompts,
-        reward_len_mod_2,
-        num_iterations=4,
-        output_dir=tmp_path / "run",
-        overrides={
-            "rollout": {
-                "mode": "sync",
-                "batch_size": 2,
-                "n_samples_per_prompt": 2,
-                "over_sampling_factor": 2.0,
-                "partial_rollouts": True,
-                "max_staleness": 1,
-                "sampling": {"max_new_tokens": 24, "stop_token_ids": list(range(0, 300, 16))},
-            },
-            "logging": {"console": False},
-        },
-    )
-    rows = _rows(result.run_dir)
+    rows = _sync_run_with_partial_rollouts(tiny_model_dir, tmp_path / "run", max_staleness=1)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["rollout/staleness_max"] <= 1.0 for r in rows), rows
     assert any(r["rollout/staleness_max"] == 1.0 for r in rows), rows  # saved work trained
