@@ -247,3 +247,44 @@ def test_automatic_concurrency_is_the_built_in_engines_capacity() -> None:
     assert resolved(vllm) == EXTERNAL_CONCURRENCY
     with pytest.raises(ConfigError, match="rollout.max_concurrency"):
         config_from_dict({"rollout": {"max_concurrency": -1}})
+
+
+def test_rollout_correction_refuses_engine_logprobs_of_the_scaled_distribution() -> None:
+    """TIS / rejection weigh each token by pi_trainer / pi_engine; the trainer's logprobs are of
+    the raw logits, so an engine reporting log softmax(logits / T) would skew every weight."""
+    from rollouts.config.rollout import engine_logprobs
+
+    sglang = {"kind": "sglang", "urls": ["http://h:1"]}
+    vllm = {"kind": "vllm", "urls": ["http://h:1"]}
+    tis = {"algorithm": {"rollout_correction": {"tis": True}}}
+    at_07 = {"rollout": {"sampling": {"temperature": 0.7}}}
+    # each server's own default: SGLang scaled, vLLM raw; the built-in engines as configured
+    assert engine_logprobs(config_from_dict({"engines": sglang}).engines) == "scaled"
+    assert engine_logprobs(config_from_dict({"engines": vllm}).engines) == "raw"
+    assert engine_logprobs(config_from_dict({}).engines) == "raw"
+
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"engines": sglang} | tis | at_07)
+    message = str(info.value)
+    assert "rollout.sampling.temperature = 0.7" in message
+    assert "SGLANG_RETURN_ORIGINAL_LOGPROB=1" in message
+    assert "engines.served_logprobs = 'raw'" in message
+    rejection = {"algorithm": {"rollout_correction": {"rejection": "token"}}}
+    with pytest.raises(ConfigError, match="rejection = 'token'"):
+        config_from_dict({"engines": sglang} | rejection | at_07)
+    scaled_builtin = {"engines": {"builtin": {"logprobs_from": "scaled"}}}
+    with pytest.raises(ConfigError, match="set engines.builtin.logprobs_from = 'raw'"):
+        config_from_dict(scaled_builtin | tis | at_07)
+    scaled_vllm = {"engines": vllm | {"served_logprobs": "scaled"}}
+    with pytest.raises(ConfigError, match="--logprobs-mode raw_logprobs"):
+        config_from_dict(scaled_vllm | tis | at_07)
+
+    # what runs: raw logprobs declared, vLLM's default, temperature 1 (or greedy), no correction
+    config_from_dict({"engines": sglang | {"served_logprobs": "raw"}} | tis | at_07)
+    config_from_dict({"engines": vllm} | tis | at_07)
+    config_from_dict({"engines": sglang} | tis)  # temperature 1.0: the same distribution
+    config_from_dict({"engines": sglang} | tis | {"rollout": {"sampling": {"temperature": 0}}})
+    config_from_dict({"engines": sglang} | at_07)
+    config_from_dict(scaled_builtin | at_07)
+    with pytest.raises(ConfigError, match="engines.builtin.logprobs_from"):
+        config_from_dict({"engines": {"served_logprobs": "raw"}})

@@ -19,7 +19,7 @@ from rollouts.config.algorithm import ALGORITHM_MOVED_KEYS, AlgorithmConfig
 from rollouts.config.base import ConfigError, _check, _Section, is_literal, literal_problem
 from rollouts.config.model import DataConfig, ModelConfig, RunSection
 from rollouts.config.reward import RewardConfig
-from rollouts.config.rollout import EnginesConfig, RolloutConfig
+from rollouts.config.rollout import EnginesConfig, RolloutConfig, engine_logprobs
 from rollouts.config.training import CheckpointConfig, LoggingConfig, OptimConfig, TrainingConfig
 from rollouts.config.weight_sync import WeightSyncConfig
 
@@ -42,7 +42,54 @@ class Config(_Section):
     weight_sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
 
     def problems(self) -> list[str]:
-        return lora_problems(self) + sleep_problems(self) + layout_problems(self)
+        return (
+            lora_problems(self)
+            + sleep_problems(self)
+            + layout_problems(self)
+            + logprob_problems(self)
+        )
+
+
+def logprob_problems(config: Config) -> list[str]:
+    """Rollout correction (TIS, rejection) weighs each token by pi_trainer / pi_engine: both
+    logprobs must be of the same distribution. The trainer's are of the raw logits; an engine
+    whose logprobs are of the temperature-scaled ones would make every weight
+    pi_1 / pi_T at a temperature T other than 1 (below 1 on the likely tokens when T < 1),
+    silently."""
+    engines = config.engines
+    p: list[str] = []
+    _check(
+        p,
+        engines.kind != "builtin" or engines.served_logprobs == "auto",
+        f"engines.served_logprobs = {engines.served_logprobs!r} with engines.kind = 'builtin': "
+        "it describes SGLang / vLLM servers; the built-in engines' logprobs are set by "
+        "engines.builtin.logprobs_from",
+    )
+    temperature = config.rollout.sampling.temperature
+    correction = config.algorithm.rollout_correction
+    if not correction.enabled or temperature in (0.0, 1.0) or engine_logprobs(engines) == "raw":
+        return p
+    if engines.kind == "builtin":
+        fix = "set engines.builtin.logprobs_from = 'raw'"
+    elif engines.kind == "sglang":
+        fix = (
+            "start the SGLang servers with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (their logprobs are "
+            "then of the raw logits) and set engines.served_logprobs = 'raw'"
+        )
+    else:
+        fix = (
+            "start the vLLM servers with --logprobs-mode raw_logprobs (vLLM's default) and set "
+            "engines.served_logprobs = 'raw'"
+        )
+    p.append(
+        f"algorithm.rollout_correction (tis = {correction.tis}, rejection = "
+        f"{correction.rejection!r}) at rollout.sampling.temperature = {temperature}: the "
+        f"{engines.kind} engines' logprobs are of the temperature-scaled distribution, the "
+        "trainer's of the raw logits, so every correction weight would be pi_1 / "
+        f"pi_{temperature:g} instead of pi_trainer / pi_engine; {fix}; or sample at "
+        "temperature 1.0; or turn the correction off"
+    )
+    return p
 
 
 def layout_problems(config: Config) -> list[str]:

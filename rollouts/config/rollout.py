@@ -12,6 +12,7 @@ RolloutMode = Literal["sync", "async"]
 OnShortBatch = Literal["warn", "error"]  # train on a smaller batch | stop the run
 EngineKind = Literal["builtin", "sglang", "vllm"]
 LogprobsFrom = Literal["raw", "scaled"]  # raw logits | temperature-scaled
+ServedLogprobs = Literal["auto", "raw", "scaled"]  # SGLang / vLLM servers; auto: their default
 EngineAutocast = Literal["off", "bfloat16"]  # the built-in engines' numerics (precision.py)
 
 
@@ -183,6 +184,12 @@ class EnginesConfig(_Section):
     # sleep levels: 1 keeps the weights in host memory, 2 discards them; the step's weight sync
     # reloads them after the wake-up). 0 = they stay awake
     sleep_level: int = 0
+    # which logits the SGLang / vLLM servers' sampled-token logprobs come from (the built-in
+    # engines': builtin.logprobs_from). "auto": each server's default: SGLang's are of the
+    # temperature-scaled distribution ("scaled") unless it runs with
+    # SGLANG_RETURN_ORIGINAL_LOGPROB=1, vLLM's of the raw logits (--logprobs-mode raw_logprobs).
+    # The trainer's are raw: rollout correction refuses "scaled" at a temperature other than 1
+    served_logprobs: ServedLogprobs = "auto"
     builtin: BuiltinEnginesConfig = dataclasses.field(default_factory=BuiltinEnginesConfig)
 
     def problems(self) -> list[str]:
@@ -219,6 +226,18 @@ class EnginesConfig(_Section):
             f"engines.urls: must list the server URLs when engines.kind = {self.kind!r}",
         )
         return p
+
+
+def engine_logprobs(engines: EnginesConfig) -> LogprobsFrom:
+    """Which logits the engines' sampled-token logprobs come from: "raw" or "scaled" (by the
+    sampling temperature). SGLang's own default is "scaled" (its sampler returns log(softmax(
+    logits / T)) unless SGLANG_RETURN_ORIGINAL_LOGPROB is set); vLLM's is "raw"
+    (`--logprobs-mode raw_logprobs`)."""
+    if engines.kind == "builtin":
+        return engines.builtin.logprobs_from
+    if engines.served_logprobs != "auto":
+        return engines.served_logprobs
+    return "scaled" if engines.kind == "sglang" else "raw"
 
 
 EXTERNAL_CONCURRENCY = 64  # rollout.max_concurrency = 0 with SGLang / vLLM servers
