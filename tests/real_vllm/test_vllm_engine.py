@@ -107,6 +107,38 @@ async def test_generate_logprobs_equal_the_trainers(
     assert gap < FP32_MATCH
 
 
+def _teacher_forced(
+    trainer: Trainer, prompt: list[int], output: tuple[int, ...], temperature: float
+) -> list[float]:
+    """The trainer model's logprob of each output token under softmax(logits / temperature)."""
+    ids = torch.tensor([[*prompt, *output]])
+    with torch.no_grad():
+        logits = trainer.backend.lm(input_ids=ids).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)[:-1]
+    picked = logp.gather(-1, ids[0, 1:, None])[:, 0]
+    return picked[len(prompt) - 1 :].tolist()
+
+
+async def test_sampled_logprobs_are_of_the_raw_logits_at_temperature_0_7(
+    vllm: dict[str, VLLMServer], trainers: dict[str, Trainer], tmp_path: Path
+) -> None:
+    """`engines.served_logprobs = "auto"` takes vLLM's sampled-token logprobs as the raw
+    logits' (its default `--logprobs-mode raw_logprobs`), which is what rollout correction
+    compares with the trainer's: at temperature 0.7 they are log softmax(logits), not
+    log softmax(logits / 0.7)."""
+    trainer = trainers["tiny"]
+    engine = await _at_base(vllm["tiny"], trainer, tmp_path)
+    prompt = _prompt(trainer, seed=3)
+    sampling = SamplingParams(max_new_tokens=24, temperature=0.7, ignore_eos=True, seed=11)
+    done = await engine.generate(prompt, sampling)
+    await engine.aclose()
+    raw = _teacher_forced(trainer, prompt, done.output_ids, 1.0)
+    scaled = _teacher_forced(trainer, prompt, done.output_ids, 0.7)
+    assert len(done.logprobs) == 24
+    assert largest_gap(raw, done.logprobs)[0] < FP32_MATCH
+    assert largest_gap(scaled, done.logprobs)[0] > 100 * FP32_MATCH  # the two are told apart
+
+
 async def test_n_samples_on_the_completions_route(
     vllm: dict[str, VLLMServer], trainers: dict[str, Trainer]
 ) -> None:
