@@ -57,18 +57,10 @@ def logprob_problems(config: Config) -> list[str]:
     pi_1 / pi_T at a temperature T other than 1 (below 1 on the likely tokens when T < 1),
     silently."""
     engines = config.engines
-    p: list[str] = []
-    _check(
-        p,
-        engines.kind != "builtin" or engines.served_logprobs == "auto",
-        f"engines.served_logprobs = {engines.served_logprobs!r} with engines.kind = 'builtin': "
-        "it describes SGLang / vLLM servers; the built-in engines' logprobs are set by "
-        "engines.builtin.logprobs_from",
-    )
     temperature = config.rollout.sampling.temperature
     correction = config.algorithm.rollout_correction
     if not correction.enabled or temperature in (0.0, 1.0) or engine_logprobs(engines) == "raw":
-        return p
+        return []
     if engines.kind == "builtin":
         fix = "set engines.builtin.logprobs_from = 'raw'"
     elif engines.kind == "sglang":
@@ -81,15 +73,14 @@ def logprob_problems(config: Config) -> list[str]:
             "start the vLLM servers with --logprobs-mode raw_logprobs (vLLM's default) and set "
             "engines.served_logprobs = 'raw'"
         )
-    p.append(
+    return [
         f"algorithm.rollout_correction (tis = {correction.tis}, rejection = "
         f"{correction.rejection!r}) at rollout.sampling.temperature = {temperature}: the "
         f"{engines.kind} engines' logprobs are of the temperature-scaled distribution, the "
         "trainer's of the raw logits, so every correction weight would be pi_1 / "
         f"pi_{temperature:g} instead of pi_trainer / pi_engine; {fix}; or sample at "
         "temperature 1.0; or turn the correction off"
-    )
-    return p
+    ]
 
 
 def layout_problems(config: Config) -> list[str]:

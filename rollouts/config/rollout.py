@@ -184,11 +184,8 @@ class EnginesConfig(_Section):
     # sleep levels: 1 keeps the weights in host memory, 2 discards them; the step's weight sync
     # reloads them after the wake-up). 0 = they stay awake
     sleep_level: int = 0
-    # which logits the SGLang / vLLM servers' sampled-token logprobs come from (the built-in
-    # engines': builtin.logprobs_from). "auto": each server's default: SGLang's are of the
-    # temperature-scaled distribution ("scaled") unless it runs with
-    # SGLANG_RETURN_ORIGINAL_LOGPROB=1, vLLM's of the raw logits (--logprobs-mode raw_logprobs).
-    # The trainer's are raw: rollout correction refuses "scaled" at a temperature other than 1
+    # which logits the SGLang / vLLM servers' sampled-token logprobs come from; "auto": each
+    # server's default (`engine_logprobs`). The built-in engines': builtin.logprobs_from
     served_logprobs: ServedLogprobs = "auto"
     builtin: BuiltinEnginesConfig = dataclasses.field(default_factory=BuiltinEnginesConfig)
 
@@ -224,6 +221,12 @@ class EnginesConfig(_Section):
             p,
             self.kind == "builtin" or bool(self.urls),
             f"engines.urls: must list the server URLs when engines.kind = {self.kind!r}",
+        )
+        _check(
+            p,
+            self.kind != "builtin" or self.served_logprobs == "auto",
+            f"engines.served_logprobs = {self.served_logprobs!r} with engines.kind = 'builtin': "
+            "it describes SGLang / vLLM servers; set engines.builtin.logprobs_from instead",
         )
         return p
 
