@@ -22,10 +22,15 @@ class TemplateError(ValueError):
     """The chat template is not append-only for this conversation."""
 
 
-def render(tokenizer: Any, messages: Sequence[Message], add_generation_prompt: bool) -> str:
-    """The chat template applied to `messages`, as text."""
+def render(
+    tokenizer: Any, messages: Sequence[Message], add_generation_prompt: bool, **extra: Any
+) -> str:
+    """The chat template applied to `messages`, as text (`extra`: template arguments, `tools`)."""
     return tokenizer.apply_chat_template(
-        [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+        [dict(m) for m in messages],
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        **extra,
     )
 
 

@@ -7,11 +7,11 @@ loudly (`TemplateError`) when a template rewrites text it has already rendered.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollouts.data.sft import TemplateError, encode, render, tokenize_conversation
+from rollouts.envs.tool_format import inline_tool_calls
 from rollouts.types import Message, Sample, Status
 
 
@@ -37,26 +37,6 @@ class ChatRenderer:
     def generated(self, text: str) -> None:
         """Record text the model produced (its tokens are kept as sampled, not re-encoded)."""
         self.text += text
-
-
-def inline_tool_calls(message: Message) -> dict[str, Any]:
-    """An assistant message whose `tool_calls` field is written into its content (JSON style).
-
-    For templates that do not render `tool_calls` themselves (like the tiny ChatML one), so that
-    the calls the model made are part of the trained tokens.
-    """
-    out = dict(message)
-    calls = out.pop("tool_calls", None) or []
-    parts = [out.get("content") or ""]
-    for call in calls:
-        fn = call.get("function", call)
-        args = fn.get("arguments", {})
-        args = json.loads(args) if isinstance(args, str) else args
-        parts.append(
-            f"<tool_call>{json.dumps({'name': fn['name'], 'arguments': args})}</tool_call>"
-        )
-    out["content"] = "".join(parts)
-    return out
 
 
 def trajectory_to_sample(
