@@ -213,6 +213,8 @@ async def _one_batch(ctx: _Ctx, st: LoopState) -> dict[str, float] | None:
     rollout, gen_s = await ctx.batches.next(number)
     prep = prepare_groups(rollout.groups, str(st.version), ctx.bound)
     metrics, times = _batch_metrics(rollout, prep, gen_s, time.monotonic() - started, ctx.is_async)
+    if ctx.hooks.report_batch is not None:  # failures said and written, trained or not
+        ctx.hooks.report_batch(st.step + 1, rollout)
     if not prep.groups:
         _count_empty(st, number, rollout, prep)
         st.batches = number
@@ -242,8 +244,6 @@ async def _one_batch(ctx: _Ctx, st: LoopState) -> dict[str, float] | None:
     metrics["policy/version"] = float(st.version)
     st.empty_in_a_row = st.empty_since_step = 0
     st.step_metrics = metrics  # what a rescue checkpoint stores if the step fails from here
-    if ctx.hooks.log_samples is not None:
-        ctx.hooks.log_samples(step, rollout)
     times |= await _after_training(ctx, st, metrics)
     return metrics | _timing(times, time.monotonic() - started, rollout, st.version)
 

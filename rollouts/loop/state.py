@@ -38,7 +38,9 @@ class RLHooks:
     checkpoint: Callable[..., Awaitable[None]]
     evaluate: Callable[[], Awaitable[dict[str, float]]] | None = None
     should_stop: Callable[[], bool] = lambda: False
-    log_samples: Callable[[int, RolloutBatch], None] | None = None
+    # (step, batch): every batch the loop takes, trained or not, with the step it trains as
+    # (failed samples, a short batch and sampled rows reported; `driver/failures.py`)
+    report_batch: Callable[[int, RolloutBatch], None] | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

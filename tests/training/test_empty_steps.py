@@ -74,9 +74,17 @@ def test_a_run_where_every_reward_times_out_says_why_and_fails(
         },
         logging={"progress_bar": False},
     )
-    with pytest.warns(Warning, match="only 0/2 groups kept"):
-        code = main(["--mode", "rl", "--config", str(config)])
+    code = main(["--mode", "rl", "--config", str(config)])
     captured = capsys.readouterr()
+    # every reward failed: no reward of 0; the step's one line says why, with no Python warning
+    line = "[train] step 1 rollouts: 4 sample(s) failed (reward timed_out 4); short batch: only 0/2"
+    assert line in captured.out, captured.out
+    full = f"reward failed at group 0, index 0: reward_fn {__name__}.too_slow timed out after 0.2 s"
+    assert full in captured.out, captured.out
+    assert "Warning" not in captured.out + captured.err
+    rows = [json.loads(r) for r in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 * 4 and {r["status"] for r in rows} == {"failed"}, rows
+    assert {r["failure"] for r in rows} == {"reward/timed_out"} and rows[0]["reward"] is None
     assert code == 1, captured.out[-2000:] + captured.err[-2000:]  # was: 0, and no word
     said = "[train] batch 1 trained nothing (not a step, 1/3 in a row): no trainable sample (4 "
     assert said + "sample(s) failed" in captured.out, captured.out
