@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal, get_args
 
 from rollouts.types import Sample, Status
@@ -84,10 +84,23 @@ def describe_counts(counts: Mapping[str, int]) -> str:
     return ", ".join(f"{reason.replace('/', ' ')} {n}" for n, reason in ranked)
 
 
+def failed_in_group(group: Sequence[Sample]) -> list[Sample]:
+    """The FAILED samples of a group, each with its place in the group kept in its metadata
+    (`place`: a group's samples share their group and index)."""
+    return [
+        dataclasses.replace(s, metadata={**s.metadata, "place": place})
+        for place, s in enumerate(group)
+        if s.status is Status.FAILED
+    ]
+
+
 def full_error(sample: Sample) -> str:
-    """'group 3, index 12: reward_fn pkg.mod.fn raised ValueError: no label' (one sample)."""
+    """'group 3 sample 1, index 12: reward_fn pkg.mod.fn raised ValueError: no label' (the
+    sample's group, its place in it when known, its prompt's index, then the error)."""
     error = str(sample.metadata.get("error", "")) or "no error recorded"
-    return f"group {sample.group_index}, index {sample.index}: {error}"
+    place = sample.metadata.get("place")
+    where = f"group {sample.group_index}" + (f" sample {place}" if place is not None else "")
+    return f"{where}, index {sample.index}: {error}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -17,12 +17,15 @@ from rollouts.failures import FailureLines, failure_lines
 from rollouts.types import RolloutBatch
 
 
-def batch_lines(step: int, batch: RolloutBatch, shown: Mapping[str, int]) -> FailureLines:
+def batch_lines(
+    step: int, number: int, batch: RolloutBatch, shown: Mapping[str, int]
+) -> FailureLines:
     """'step 3 rollouts: 4 sample(s) failed (reward non_finite 2, ...); short batch: only 1/2
-    groups kept ...' (one line; none when nothing failed and the batch is whole), then the
+    groups kept ...' (one line; none when nothing failed and the batch is whole; 'batch 4
+    rollouts (step 3)' once batches that trained nothing made the numbers differ), then the
     errors of reasons shown fewer than `MAX_FULL_ERRORS` times in this run, in full."""
     meta = batch.metadata
-    head = f"step {step} rollouts"
+    head = f"step {step} rollouts" if number == step else f"batch {number} rollouts (step {step})"
     report = failure_lines(head, dict(meta.get("failures", {})), batch.failed, shown)
     short = str(meta.get("short_batch_message", ""))
     if not short:
@@ -43,10 +46,11 @@ class BatchReporter:
     rows_per_step: int
     shown: dict[str, int] = dataclasses.field(default_factory=dict)  # full errors per reason
 
-    def __call__(self, step: int, batch: RolloutBatch) -> None:
-        """Report batch `batch`, which trains as step `step` (or trains nothing)."""
+    def __call__(self, step: int, number: int, batch: RolloutBatch) -> None:
+        """Report batch `number`, which trains as step `step` (or trains nothing)."""
         assert step >= 1, f"{step=}: a batch trains as step 1 or later"
-        report = batch_lines(step, batch, self.shown)
+        assert number >= step, f"batch {number=} before {step=}: a step is a trained batch"
+        report = batch_lines(step, number, batch, self.shown)
         self.shown = dict(report.shown)
         for line in report.lines:
             print(f"[train] {line}", flush=True)

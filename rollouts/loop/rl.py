@@ -214,7 +214,7 @@ async def _one_batch(ctx: _Ctx, st: LoopState) -> dict[str, float] | None:
     prep = prepare_groups(rollout.groups, str(st.version), ctx.bound)
     metrics, times = _batch_metrics(rollout, prep, gen_s, time.monotonic() - started, ctx.is_async)
     if ctx.hooks.report_batch is not None:  # failures said and written, trained or not
-        ctx.hooks.report_batch(st.step + 1, rollout)
+        ctx.hooks.report_batch(st.step + 1, number, rollout)
     if not prep.groups:
         _count_empty(st, number, rollout, prep)
         st.batches = number

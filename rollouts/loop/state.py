@@ -38,9 +38,10 @@ class RLHooks:
     checkpoint: Callable[..., Awaitable[None]]
     evaluate: Callable[[], Awaitable[dict[str, float]]] | None = None
     should_stop: Callable[[], bool] = lambda: False
-    # (step, batch): every batch the loop takes, trained or not, with the step it trains as
-    # (failed samples, a short batch and sampled rows reported; `driver/failures.py`)
-    report_batch: Callable[[int, RolloutBatch], None] | None = None
+    # (step, number, batch): every batch the loop takes, trained or not, with the step it
+    # trains as and its number (failed samples, a short batch and sampled rows reported:
+    # `driver/failures.py`)
+    report_batch: Callable[[int, int, RolloutBatch], None] | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -55,7 +55,7 @@ from rollouts.data.buffer import DataBuffer
 from rollouts.envs import resolve_env_factory
 from rollouts.envs.protocol import EnvFactory
 from rollouts.envs.threads import ThreadRunner
-from rollouts.failures import failure_reason
+from rollouts.failures import failed_in_group, failure_reason
 from rollouts.inference.protocol import InferenceEngine, batches_requests
 from rollouts.plugins import load_function
 from rollouts.rewards.protocol import RewardFn
@@ -278,7 +278,7 @@ class AsyncRolloutManager:
         if not is_unfinished(group) or not self.config.partial_rollouts:
             run.counts["failed_samples"] += len(failed)  # every group, kept or not; once each
             run.failures.update(failure_reason(s) for s in failed)
-            run.failed += failed[: MAX_FAILED_KEPT - len(run.failed)]
+            run.failed += failed_in_group(group)[: MAX_FAILED_KEPT - len(run.failed)]
         run.errors += [str(s.metadata.get("error", "")) for s in failed][: 10 - len(run.errors)]
         if is_unfinished(group):
             run.counts["aborted_samples"] += sum(s.status is Status.ABORTED for s in group)
