@@ -67,6 +67,15 @@ def failure_metrics(counts: Mapping[str, int], prefix: str) -> dict[str, float]:
     return out
 
 
+def merge_counts(*counts: Mapping[str, int]) -> dict[str, int]:
+    """Counts by reason summed (a step's, and those of the batches before it that trained
+    nothing)."""
+    total: collections.Counter[str] = collections.Counter()
+    for c in counts:
+        total.update(c)
+    return dict(sorted(total.items()))
+
+
 def counts_from_metrics(metrics: Mapping[str, object], prefix: str) -> dict[str, int]:
     """The counts by reason back from a metrics line (`failure_metrics`' inverse)."""
     out: dict[str, int] = {}

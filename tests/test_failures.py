@@ -25,6 +25,7 @@ from rollouts.failures import (
     failure_metrics,
     full_error,
     mark_failed,
+    merge_counts,
 )
 from rollouts.loop.batch import rollout_metrics
 from rollouts.rewards.scoring import score_sample
@@ -87,6 +88,9 @@ def test_failure_metrics_count_each_stage_and_reason() -> None:
     assert counts_from_metrics(metrics, "rollout") == dict(sorted(counts.items()))
     assert failure_metrics({}, "eval") == {"eval/reward_failed": 0.0, "eval/generate_failed": 0.0}
     assert describe_counts(counts) == "reward non_finite 2, generate timed_out 1, reward raised 1"
+    # a step's line also counts the failures of the batches before it that trained nothing
+    merged = merge_counts({"reward/raised": 1}, {"reward/raised": 2, "reward/timed_out": 1})
+    assert merged == {"reward/raised": 3, "reward/timed_out": 1}
     meta = {"failures": {"reward/raised": 2}, "failed_samples": 2}
     assert rollout_metrics([], meta)["rollout/reward_failed/raised"] == 2.0
 

@@ -67,6 +67,9 @@ class LoopState:
     empty_batches: int = 0  # batches that trained nothing, in all
     empty_in_a_row: int = 0
     empty_since_step: int = 0  # reported (and reset) on the next step's line
+    # FAILED samples by reason of the batches that trained nothing since the last step (they go
+    # on the next step's line with its own: rollout/reward_failed/<reason>)
+    failures_since_step: dict[str, int] = dataclasses.field(default_factory=dict)
     in_backend: bool = False  # training, or writing a checkpoint: no rescue from there
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the last step's line
     step_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # for a rescue
