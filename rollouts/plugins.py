@@ -93,6 +93,17 @@ def load_function(dotted_or_fn: str | Callable[..., Any], protocol: type) -> Cal
     return fn
 
 
+def dotted_name(fn: Callable[..., Any]) -> str:
+    """The name errors give a user function: module and qualified name (or its type's), looked
+    for through wrappers (`__wrapped__`) and `functools.partial` (`func`)."""
+    inner: Any = fn
+    for _ in range(8):
+        inner = getattr(inner, "__wrapped__", None) or getattr(inner, "func", None) or inner
+    name = getattr(inner, "__qualname__", None) or type(inner).__qualname__
+    module = getattr(inner, "__module__", None)
+    return f"{module}.{name}" if module and module not in ("builtins", "__main__") else name
+
+
 def is_async_callable(fn: Callable[..., Any]) -> bool:
     """True for `async def` functions and objects whose `__call__` is `async def`."""
     call = type(fn).__call__ if not inspect.isfunction(fn) else None

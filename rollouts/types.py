@@ -133,12 +133,18 @@ def sample_from_dict(data: Mapping[str, Any]) -> Sample:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutBatch:
-    """A batch of groups of samples produced by one rollout round, plus its statistics."""
+    """A batch of groups of samples produced by one rollout round, plus its statistics.
+
+    `failed` holds FAILED samples of the groups the batch dropped (the first few, for the
+    console and rollouts.jsonl; `metadata["failures"]` counts them all by reason)."""
 
     groups: tuple[tuple[Sample, ...], ...]
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    failed: tuple[Sample, ...] = ()
 
     def __post_init__(self) -> None:
+        for s in self.failed:
+            assert s.status is Status.FAILED, f"sample {s.index} in `failed` is {s.status}"
         for group in self.groups:
             assert group, "a group must hold at least one sample"
             assert len({s.group_index for s in group}) == 1, "a group mixes group_index values"

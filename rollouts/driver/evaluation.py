@@ -5,7 +5,11 @@ its environment) against the engines, with temperature 0, so it measures exactly
 engines serve after a weight sync, not a copy of the weights held by the trainer. Rewards are
 scored exactly as in training (`rollouts.rewards.scoring.score_sample`): a reward function that
 raises, times out or returns a non-reward (None, a string, NaN, an infinity) marks that sample
-FAILED with an error that names the function; it is counted in `eval/failed`, never correct.
+FAILED with an error that names the function. `eval/accuracy` and the other means are over the
+samples that were scored; the FAILED ones are counted apart (`eval/failed`, and by reason:
+`eval/reward_failed/non_finite`, ...), never scored 0 (with a quarter of the rewards NaN, counting
+them as 0 read 0.165 where the scored samples' accuracy was 0.228). An evaluation where every
+sample failed is an error, not an accuracy of 0.
 With the default single-turn generate function and an engine that takes batches (SGLang's API,
 the built-in server), prompts go out EVAL_BATCH at a time as one request each (each prompt with
 its own request id, so an abort still reaches only what it names); greedy answers are the same.
@@ -14,11 +18,12 @@ its own request id, so an abort still reaches only what it names); greedy answer
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import trio
 
+from rollouts.failures import count_failures, failure_lines, failure_metrics, full_error
 from rollouts.inference.http import EngineError
 from rollouts.inference.protocol import InferenceEngine, SamplingParams, batches_requests
 from rollouts.plugins import call_maybe_async
@@ -35,21 +40,44 @@ from rollouts.types import PromptItem, Sample, Status
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class EvalResult:
-    """Accuracy (share of samples whose reward reaches `correct_at`) and the scored samples."""
+    """An evaluation over its scored samples: accuracy (share whose reward reaches
+    `correct_at`), mean reward and length; the FAILED ones (no reward) counted apart."""
 
-    accuracy: float
+    accuracy: float  # over the `scored` samples
     reward_mean: float
     response_length_mean: float
+    scored: int
     failed: int
+    failures: Mapping[str, int]  # FAILED samples by reason (`rollouts.failures`)
     samples: tuple[Sample, ...]
 
+    def __post_init__(self) -> None:
+        assert self.scored > 0, f"an evaluation with {self.scored=} has no accuracy"
+        total = self.scored + self.failed
+        assert total == len(self.samples), f"{self.scored=} + {self.failed=} != {total}"
+        assert sum(self.failures.values()) == self.failed, f"{self.failures=} != {self.failed=}"
+
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
+        """`eval/accuracy` (and the means) over the scored samples, `eval/scored`,
+        `eval/failed` and the failures by reason (`eval/reward_failed/non_finite`, ...)."""
         return {
             f"{prefix}/accuracy": self.accuracy,
             f"{prefix}/reward_mean": self.reward_mean,
             f"{prefix}/response_length_mean": self.response_length_mean,
+            f"{prefix}/scored": float(self.scored),
             f"{prefix}/failed": float(self.failed),
-        }
+        } | failure_metrics(self.failures, prefix)
+
+    def report(self) -> tuple[str, ...]:
+        """Nothing when no sample failed; else 'held-out eval: 2 sample(s) failed (reward
+        raised 2); accuracy over the 6 scored' and the first error of each reason in full."""
+        failed = [s for s in self.samples if s.status is Status.FAILED]
+        head = "held-out eval"
+        lines = failure_lines(head, self.failures, failed, {}, max_full=1).lines
+        if not lines:
+            return ()
+        first, *rest = lines
+        return (f"{first}; accuracy {self.accuracy:.3f} over the {self.scored} scored", *rest)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,6 +105,11 @@ def _pending(item: PromptItem) -> Sample:
 
 MAX_EVAL_ATTEMPTS = 3  # an aborted eval rollout is resumed (greedy: same result) this often
 EVAL_BATCH = 16  # prompts per batch request (engines that take batches, single-turn)
+ABORTED_ERROR = f"eval rollout aborted {MAX_EVAL_ATTEMPTS} times in a row"
+
+
+class EvalFailedError(RuntimeError):
+    """Every sample of an evaluation FAILED: there is no accuracy to report."""
 
 
 async def _rollout(engine: InferenceEngine, tokenizer: Any, item: PromptItem, spec: EvalSpec):
@@ -87,7 +120,7 @@ async def _rollout(engine: InferenceEngine, tokenizer: Any, item: PromptItem, sp
         sample = await _attempt(engine, tokenizer, sample, spec, attempt)
         if sample.status is not Status.ABORTED:
             return sample
-    return fail_sample(sample, f"eval rollout aborted {MAX_EVAL_ATTEMPTS} times in a row")
+    return fail_sample(sample, ABORTED_ERROR, "generate/aborted")
 
 
 async def _rollout_batch(
@@ -106,9 +139,7 @@ async def _rollout_batch(
         for i, sample in zip(todo, done, strict=True):
             samples[i] = sample
     return [
-        fail_sample(s, f"eval rollout aborted {MAX_EVAL_ATTEMPTS} times in a row")
-        if s.status is Status.ABORTED
-        else s
+        fail_sample(s, ABORTED_ERROR, "generate/aborted") if s.status is Status.ABORTED else s
         for s in samples
     ]
 
@@ -156,7 +187,8 @@ async def evaluate(
     """Greedy-roll out every item, score it, and return accuracy and mean reward.
 
     A rollout that FAILED (engine error) or a sample whose reward FAILED is counted in `failed`
-    and scores 0; when every sample failed the evaluation is an error naming the first cause.
+    (by reason) and left out of the accuracy and the means, never scored 0; when every sample
+    failed the evaluation is an error (EvalFailedError) naming the reasons and the first errors.
     """
     assert items, "evaluation needs at least one item"
     results: list[Sample | None] = [None] * len(items)
@@ -172,7 +204,8 @@ async def evaluate(
                 else:
                     samples = [await _rollout(engine, tokenizer, part[0], spec)]
             except EngineError as e:  # counted in `failed`; all failing is an error below
-                samples = [fail_sample(_pending(it), f"{type(e).__name__}: {e}") for it in part]
+                error = f"{type(e).__name__}: {e}"
+                samples = [fail_sample(_pending(it), error, "generate/engine_error") for it in part]
         scored = await score_group(samples, reward_fn, spec.reward_timeout_s)
         results[start : start + len(scored)] = scored
 
@@ -182,16 +215,33 @@ async def evaluate(
                 nursery.start_soon(chunk, start)
     samples = tuple(s for s in results if s is not None)
     assert len(samples) == len(items), f"{len(samples)=} != {len(items)=}"
+    return eval_result(samples, correct_at)
+
+
+def eval_result(samples: Sequence[Sample], correct_at: float = 1.0) -> EvalResult:
+    """Accuracy and means over the scored samples; the FAILED ones counted by reason. Every
+    sample FAILED is an error (EvalFailedError) naming the reasons and the first errors: an
+    accuracy of no sample is no accuracy, and never a 0."""
+    assert samples, "an evaluation needs at least one sample"
     failed = [s for s in samples if s.status is Status.FAILED]
-    if len(failed) == len(samples):
-        raise RuntimeError(f"every eval rollout failed; first: {failed[0].metadata.get('error')}")
-    rewards = [0.0 if s.status is Status.FAILED else _scalar(s.reward) for s in samples]
+    scored = [s for s in samples if s.status is not Status.FAILED]
+    failures = count_failures(failed)
+    if not scored:
+        report = failure_lines("every eval rollout failed", failures, failed, {}, max_full=1)
+        first = full_error(failed[0])
+        raise EvalFailedError(
+            f"{report.lines[0]}; first: {first}; held-out accuracy would mean nothing: fix the "
+            "reward function (or the engines) and run again\n" + "\n".join(report.lines[1:])
+        )
+    rewards = [_scalar(s.reward) for s in scored]
     return EvalResult(
         accuracy=sum(r >= correct_at for r in rewards) / len(rewards),
         reward_mean=sum(rewards) / len(rewards),
-        response_length_mean=sum(s.response_length for s in samples) / len(samples),
+        response_length_mean=sum(s.response_length for s in scored) / len(scored),
+        scored=len(scored),
         failed=len(failed),
-        samples=samples,
+        failures=failures,
+        samples=tuple(samples),
     )
 
 

@@ -18,9 +18,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from rollouts.failures import failure_reason
 from rollouts.rewards.shaping import scored_reward
 from rollouts.trainer.disk_errors import write_error
-from rollouts.types import Sample, sample_to_dict
+from rollouts.types import Sample, Status, sample_to_dict
 
 
 class MetricsSink(Protocol):
@@ -243,7 +244,8 @@ class MetricsLogger:
             sink.log(step, metrics)
 
     def log_samples(self, step: int, samples: Sequence[Sample], decode: Any) -> None:
-        """Append (prompt, response text, scored reward, status) of `samples` to rollouts.jsonl."""
+        """Append (prompt, response text, scored reward, status) of `samples` to rollouts.jsonl;
+        a FAILED sample's row also has its `error` (in full) and `failure` (its reason)."""
         if self.rollouts_path is None or not samples:
             return
         lines = []
@@ -260,6 +262,9 @@ class MetricsLogger:
                 "status": row["status"],
                 "weight_versions": row["weight_versions"],
             }
+            if s.status is Status.FAILED:
+                out["error"] = str(s.metadata.get("error", ""))
+                out["failure"] = failure_reason(s)
             lines.append(json.dumps(out) + "\n")
         with self.rollouts_path.open("ab", buffering=0) as f:  # the step's lines whole, or none
             append_line(f, self.rollouts_path, "".join(lines), "sampled rollouts")

@@ -22,6 +22,7 @@ from rollouts.config.rollout import resolved_concurrency
 from rollouts.data.buffer import DataBuffer
 from rollouts.driver.engines import cpu_share, open_engines
 from rollouts.driver.evaluation import EvalSpec, evaluate
+from rollouts.driver.failures import BatchReporter
 from rollouts.driver.metrics import MetricsLogger, last_step
 from rollouts.driver.placement import CpuPlan, cpu_plan, decide_trainer_process, pinned
 from rollouts.driver.reference_setup import open_reference
@@ -32,6 +33,7 @@ from rollouts.driver.setup import (
     make_logger,
     with_response_text,
 )
+from rollouts.driver.summary import eval_failures_note
 from rollouts.driver.trainer_io import BackendFactory, checkpoint_root, save
 from rollouts.gcpolicy import freeze_startup_objects
 from rollouts.inference.pool import EnginePool
@@ -50,7 +52,7 @@ from rollouts.trainer.process import TrainerProcess
 from rollouts.trainer.protocol import TrainingBackend
 from rollouts.trainer.pytorch import MODEL_DIR
 from rollouts.trainer.reference import ReferencePolicy
-from rollouts.types import PromptItem, RolloutBatch
+from rollouts.types import PromptItem
 from rollouts.weights.disk import clean_sync_root, publish_weights, run_sync_root
 from rollouts.weights.publisher import open_publisher
 
@@ -262,7 +264,11 @@ async def _rl_with_engines(run: RLRun) -> dict[str, float]:
         checkpoint=functools.partial(_checkpoint, run),
         evaluate=evaluate_fn,
         should_stop=run.stop,
-        log_samples=functools.partial(_log_samples, run, logger),
+        report_batch=BatchReporter(
+            logger=logger,
+            decode=functools.partial(run.tokenizer.decode, skip_special_tokens=True),
+            rows_per_step=config.logging.rollouts_per_step,
+        ),
     )
     async with open_publisher(config, run.backend, run.pool, run.tokenizer, run.sync_root) as w:
         await w.check_start(str(r.version))  # the engines serve the starting weights
@@ -270,8 +276,8 @@ async def _rl_with_engines(run: RLRun) -> dict[str, float]:
         if r.step == 0 and evaluate_fn is not None:
             before = await evaluate_fn()
             logger.log(0, before)
-            accuracy = before["eval/accuracy"]
-            print(f"[train] held-out accuracy before RL: {accuracy:.3f}", flush=True)
+            accuracy, note = before["eval/accuracy"], eval_failures_note(before)
+            print(f"[train] held-out accuracy before RL: {accuracy:.3f}{note}", flush=True)
         try:
             result = await run_rl_training(
                 run.backend,
@@ -290,9 +296,10 @@ async def _rl_with_engines(run: RLRun) -> dict[str, float]:
             )
         finally:
             logger.close()
-    acc = result.last_metrics.get("eval/accuracy")
+    acc, note = result.last_metrics.get("eval/accuracy"), eval_failures_note(result.last_metrics)
     if acc is not None:
-        print(f"[train] held-out accuracy after RL: {acc:.3f} (step {result.steps})", flush=True)
+        after = f"{acc:.3f} (step {result.steps}){note}"
+        print(f"[train] held-out accuracy after RL: {after}", flush=True)
     return result.last_metrics
 
 
@@ -326,6 +333,8 @@ def _eval_hook(run: RLRun, manager: AsyncRolloutManager) -> Any:
 
     async def run_eval() -> dict[str, float]:
         result = await evaluate(run.pool, run.tokenizer, items, run.reward_fn, spec)
+        for line in result.report():  # FAILED samples: counts by reason, first errors
+            print(f"[train] {line}", flush=True)
         return result.metrics("eval")
 
     return run_eval
@@ -352,9 +361,3 @@ async def _checkpoint(
     reference = run.ref.params_to_checkpoint() if run.ref is not None else None
     root = checkpoint_root(run.config, run.run_dir, "rl")
     await save(run.backend, root, step, version, extra, c.keep_last, metrics, best, reference)
-
-
-def _log_samples(run: RLRun, logger: MetricsLogger, step: int, batch: RolloutBatch) -> None:
-    n = run.config.logging.rollouts_per_step
-    decode = functools.partial(run.tokenizer.decode, skip_special_tokens=True)
-    logger.log_samples(step, batch.samples[:n], decode)

@@ -1,6 +1,8 @@
 """The end of a run, as a newcomer reads it: plots written, and a short summary of what happened.
 
     [train] RL: 40 steps in 52m10s; held-out accuracy 0.210 -> 0.460 (best 0.480 at step 35)
+    [train] failed:     12 rollout sample(s) in 3 step(s) (reward non_finite 8, ...): never ...
+    [train] failed:     held-out at step 40 (over the 6 scored samples; 2 failed: reward raised 2)
     [train] run dir:    runs/x  (config.json, metrics.jsonl, rollouts.jsonl)
     [train] checkpoint: runs/x/checkpoints/rl/step_000040/model  (an HF model directory)
     [train] plots:      runs/x/plots  (accuracy.png, reward.png, ...)
@@ -12,12 +14,15 @@ project's own progress line.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rollouts.failures import counts_from_metrics, describe_counts
 from rollouts.trainer.checkpoint import read_best
 
 MODEL_DIR = "model"
@@ -103,6 +108,42 @@ def phase_line(p: PhaseSummary, metric: str, wall_s: float | None) -> str:
     return line
 
 
+def eval_failures_note(row: Mapping[str, Any]) -> str:
+    """' (over the 6 scored samples; 2 failed: reward non_finite 2)' for an evaluation's
+    metrics with FAILED samples; '' without."""
+    failed = row.get("eval/failed")
+    if not isinstance(failed, int | float) or not failed:
+        return ""
+    scored = int(row.get("eval/scored", 0))
+    why = describe_counts(counts_from_metrics(row, "eval"))
+    return f" (over the {scored} scored samples; {int(failed)} failed: {why})"
+
+
+def failure_summary(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What failed in an RL run, from its metrics lines: the training rollouts' FAILED samples
+    by reason (never trained on), and the last evaluation's (its accuracy is over the rest)."""
+    counts: collections.Counter[str] = collections.Counter()
+    steps = 0
+    for row in rows:
+        if int(row.get("step", 0)) > 0:
+            found = counts_from_metrics(row, "rollout")
+            counts.update(found)
+            steps += bool(found)
+    lines = []
+    if counts:
+        total = sum(counts.values())
+        lines.append(
+            f"failed:     {total} rollout sample(s) in {steps} step(s) ({describe_counts(counts)})"
+            ": never trained on; their errors are in rollouts.jsonl"
+        )
+    evals = [r for r in rows if isinstance(r.get("eval/failed"), int | float)]
+    if evals and evals[-1]["eval/failed"]:
+        last = evals[-1]
+        step = int(last.get("step", 0))
+        lines.append(f"failed:     held-out at step {step}{eval_failures_note(last)}")
+    return lines
+
+
 def summary_lines(
     run_dir: Path,
     phases: list[tuple[PhaseSummary, str]],
@@ -111,10 +152,13 @@ def summary_lines(
     plots: list[Path],
     plot_error: str = "",
     best: dict[str, Any] | None = None,
+    failures: Sequence[str] = (),
 ) -> list[str]:
     """The summary as lines (everything comes in as arguments; it only looks which run files
-    exist). `best` is the checkpoints' best.json record, shown when it is not the last one."""
+    exist). `best` is the checkpoints' best.json record, shown when it is not the last one;
+    `failures` are `failure_summary`'s lines."""
     lines = [phase_line(p, metric, None) for p, metric in phases]
+    lines += failures
     lines.append(f"wall time:  {format_duration(wall_s)}")
     files = ("config.json", "metrics.jsonl", "rollouts.jsonl", "sft_metrics.jsonl")
     present = [n for n in files if (run_dir / n).is_file()]
@@ -159,11 +203,13 @@ def finish_run(run_dir: Path, wall_s: float, checkpoint: Path | None) -> list[st
     sft = summarize_phase("SFT", sft_rows, "sft/eval_loss", higher_is_better=False)
     if sft is not None:
         phases.append((sft, "held-out loss"))
-    rl = summarize_phase("RL", _rows(run_dir / "metrics.jsonl"), "eval/accuracy")
+    rl_rows = _rows(run_dir / "metrics.jsonl")
+    rl = summarize_phase("RL", rl_rows, "eval/accuracy")
     if rl is not None:
         phases.append((rl, "held-out accuracy"))
     best = read_best(checkpoint.parent) if checkpoint is not None else None
-    lines = summary_lines(run_dir, phases, wall_s, checkpoint, plots, why, best)
+    failures = failure_summary(rl_rows)
+    lines = summary_lines(run_dir, phases, wall_s, checkpoint, plots, why, best, failures)
     print("[train] ---- summary ----", flush=True)
     for line in lines:
         print(f"[train] {line}", flush=True)

@@ -17,6 +17,7 @@ from rollouts.algorithms.advantages import outcome_token_rewards
 from rollouts.algorithms.batch import build_train_batch, nest
 from rollouts.algorithms.tensors import float_tensor, long_tensor
 from rollouts.config import AlgorithmConfig
+from rollouts.failures import failure_metrics
 from rollouts.rewards.shaping import scored_reward
 from rollouts.rollout.planning import split_stale_groups
 from rollouts.types import Sample, Status, TrainBatch
@@ -160,7 +161,8 @@ def scalar(reward: Any) -> float:
 def rollout_metrics(groups: Sequence[Group], meta: Mapping[str, Any]) -> dict[str, float]:
     """Reward, accuracy, length and kept/dropped/aborted counts of one rollout batch.
 
-    The `reward/*` figures are of the rewards as scored (`scored_reward`), before shaping.
+    The `reward/*` figures are of the rewards as scored (`scored_reward`), before shaping; a
+    FAILED sample has none (it is counted by reason in `rollout/reward_failed/*`, never a 0).
     """
     samples = [s for g in groups for s in g]
     rewards = [scalar(r) for s in samples if (r := scored_reward(s)) is not None]
@@ -183,7 +185,8 @@ def rollout_metrics(groups: Sequence[Group], meta: Mapping[str, Any]) -> dict[st
         elif isinstance(value, Mapping) and key in ("drop_reasons", "statuses"):
             for name, count in value.items():
                 out[f"rollout/{key}/{name}"] = float(count)
-    return out
+    # rollout/reward_failed, rollout/generate_failed and their reasons (failed samples)
+    return out | failure_metrics(meta.get("failures", {}), "rollout")
 
 
 def prefixed(metrics: Mapping[str, float], prefix: str) -> dict[str, float]:

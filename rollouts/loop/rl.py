@@ -36,6 +36,7 @@ from rollouts.algorithms.kl import AdaptiveKL
 from rollouts.algorithms.schedule import load_schedule
 from rollouts.config import Config
 from rollouts.data.buffer import DataBuffer
+from rollouts.failures import failure_metrics, merge_counts
 from rollouts.inference.http import EngineError
 from rollouts.inference.pool import EnginePool
 from rollouts.loop.batch import (
@@ -199,6 +200,8 @@ def _count_empty(st: LoopState, number: int, rollout: RolloutBatch, prep: Prepar
     st.empty_batches += 1
     st.empty_in_a_row += 1
     st.empty_since_step += 1
+    failed = rollout.metadata.get("failures", {})
+    st.failures_since_step = merge_counts(st.failures_since_step, failed)
     reason = empty_batch_reason(rollout, prep.stale_groups) or "no trainable sample"
     if st.empty_in_a_row >= MAX_EMPTY_BATCHES:
         raise no_update_error(st.empty_in_a_row, st.step, reason)
@@ -213,6 +216,8 @@ async def _one_batch(ctx: _Ctx, st: LoopState) -> dict[str, float] | None:
     rollout, gen_s = await ctx.batches.next(number)
     prep = prepare_groups(rollout.groups, str(st.version), ctx.bound)
     metrics, times = _batch_metrics(rollout, prep, gen_s, time.monotonic() - started, ctx.is_async)
+    if ctx.hooks.report_batch is not None:  # failures said and written, trained or not
+        ctx.hooks.report_batch(st.step + 1, number, rollout)
     if not prep.groups:
         _count_empty(st, number, rollout, prep)
         st.batches = number
@@ -237,13 +242,14 @@ async def _one_batch(ctx: _Ctx, st: LoopState) -> dict[str, float] | None:
     st.in_backend = False
     ctx.batches.forget_before(number + 1)
     metrics["rollout/empty_batches"] = float(st.empty_since_step)
+    failed = merge_counts(rollout.metadata.get("failures", {}), st.failures_since_step)
+    metrics |= failure_metrics(failed, "rollout")  # with the batches that trained nothing
+    st.failures_since_step = {}
     # known now, so the line a resumed run writes from a rescue checkpoint (the step trained,
     # then its weight sync failed) has it too
     metrics["policy/version"] = float(st.version)
     st.empty_in_a_row = st.empty_since_step = 0
     st.step_metrics = metrics  # what a rescue checkpoint stores if the step fails from here
-    if ctx.hooks.log_samples is not None:
-        ctx.hooks.log_samples(step, rollout)
     times |= await _after_training(ctx, st, metrics)
     return metrics | _timing(times, time.monotonic() - started, rollout, st.version)
 

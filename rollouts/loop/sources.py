@@ -31,6 +31,7 @@ def batch_to_dict(batch: RolloutBatch, gen_s: float) -> dict[str, Any]:
     return {
         "groups": [[sample_to_dict(s) for s in group] for group in batch.groups],
         "metadata": dict(batch.metadata),
+        "failed": [sample_to_dict(s) for s in batch.failed],
         "gen_s": gen_s,
     }
 
@@ -38,7 +39,9 @@ def batch_to_dict(batch: RolloutBatch, gen_s: float) -> dict[str, Any]:
 def batch_from_dict(data: dict[str, Any]) -> Made:
     """Inverse of `batch_to_dict`."""
     groups = tuple(tuple(sample_from_dict(s) for s in group) for group in data["groups"])
-    return RolloutBatch(groups=groups, metadata=dict(data["metadata"])), float(data["gen_s"])
+    failed = tuple(sample_from_dict(s) for s in data.get("failed", ()))
+    batch = RolloutBatch(groups=groups, metadata=dict(data["metadata"]), failed=failed)
+    return batch, float(data["gen_s"])
 
 
 class BatchSource:

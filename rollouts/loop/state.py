@@ -38,7 +38,10 @@ class RLHooks:
     checkpoint: Callable[..., Awaitable[None]]
     evaluate: Callable[[], Awaitable[dict[str, float]]] | None = None
     should_stop: Callable[[], bool] = lambda: False
-    log_samples: Callable[[int, RolloutBatch], None] | None = None
+    # (step, number, batch): every batch the loop takes, trained or not, with the step it
+    # trains as and its number (failed samples, a short batch and sampled rows reported:
+    # `driver/failures.py`)
+    report_batch: Callable[[int, int, RolloutBatch], None] | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,6 +67,9 @@ class LoopState:
     empty_batches: int = 0  # batches that trained nothing, in all
     empty_in_a_row: int = 0
     empty_since_step: int = 0  # reported (and reset) on the next step's line
+    # FAILED samples by reason of the batches that trained nothing since the last step (they go
+    # on the next step's line with its own: rollout/reward_failed/<reason>)
+    failures_since_step: dict[str, int] = dataclasses.field(default_factory=dict)
     in_backend: bool = False  # training, or writing a checkpoint: no rescue from there
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the last step's line
     step_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # for a rescue

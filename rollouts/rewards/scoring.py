@@ -2,14 +2,14 @@
 
 A reward function that raises, times out, or returns something that is not a reward (None, a
 string, NaN, an infinity) marks that sample FAILED with the error in `metadata["error"]`, which
-names the function: it is counted and never trained on, never a silent 0 (verl PR #5635).
-Training (the rollout manager) and evaluation score through `score_sample`, so a bad reward is
-treated the same in both. Sync functions run in a worker thread under
-`trio.fail_after` (abandoned on timeout: a hung verifier cannot hang the loop); async ones are
-awaited under the same bound. Sync reward functions get their own pool of worker threads (per
-trio run, `REWARD_THREADS` at most), so abandoned hung verifiers can never use up trio's default
-threads, which checkpoints and the backend need. Records are never mutated:
-`dataclasses.replace` only.
+names the function, and its reason in `metadata["failure"]` (`rollouts.failures`): it is
+counted and never trained on, never a silent 0 (verl PR #5635). Training (the rollout manager)
+and evaluation score through `score_sample`, so a bad reward is treated the same in both. Sync
+functions run in a worker thread under `trio.fail_after` (abandoned on timeout: a hung verifier
+cannot hang the loop); async ones are awaited under the same bound. Sync reward functions get
+their own pool of worker threads (per trio run, `REWARD_THREADS` at most), so abandoned hung
+verifiers can never use up trio's default threads, which checkpoints and the backend need.
+Records are never mutated: `dataclasses.replace` only.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import trio
 
-from rollouts.plugins import is_async_callable
+from rollouts.failures import mark_failed
+from rollouts.plugins import dotted_name, is_async_callable
 from rollouts.types import Reward, Sample, Status
 
 SCORABLE = (Status.COMPLETED, Status.TRUNCATED)
@@ -102,23 +103,6 @@ def as_reward(value: Any) -> Reward:
     return out
 
 
-def failed(sample: Sample, error: str) -> Sample:
-    """The sample marked FAILED, its reward cleared and the error kept in metadata."""
-    return dataclasses.replace(
-        sample, status=Status.FAILED, reward=None, metadata={**sample.metadata, "error": error}
-    )
-
-
-def reward_name(reward_fn: Callable[..., Any]) -> str:
-    """The name errors give a reward function: module and qualified name (or its type's)."""
-    inner: Any = reward_fn
-    for _ in range(8):  # through wrappers (`__wrapped__`) and functools.partial (`func`)
-        inner = getattr(inner, "__wrapped__", None) or getattr(inner, "func", None) or inner
-    name = getattr(inner, "__qualname__", None) or type(inner).__qualname__
-    module = getattr(inner, "__module__", None)
-    return f"{module}.{name}" if module and module not in ("builtins", "__main__") else name
-
-
 async def _call(reward_fn: Callable[[Sample], Any], sample: Sample) -> Any:
     if is_async_callable(reward_fn):
         return await reward_fn(sample)
@@ -137,18 +121,20 @@ async def score_sample(
     assert timeout_s > 0, f"{timeout_s=} must be > 0"
     if sample.status not in SCORABLE:
         return sample
-    name = f"reward_fn {reward_name(reward_fn)}"
+    name = f"reward_fn {dotted_name(reward_fn)}"
     try:
         with trio.fail_after(timeout_s):
             value = await _call(reward_fn, sample)
     except trio.TooSlowError:
-        return failed(sample, f"{name} timed out after {timeout_s} s")
+        return mark_failed(sample, f"{name} timed out after {timeout_s} s", "reward/timed_out")
     except Exception as e:  # a user function: any error is that sample's error
-        return failed(sample, f"{name} raised {type(e).__name__}: {e}")
+        return mark_failed(sample, f"{name} raised {type(e).__name__}: {e}", "reward/raised")
     try:
         return dataclasses.replace(sample, reward=as_reward(value))
-    except (TypeError, ValueError) as e:
-        return failed(sample, f"{name} {e}")
+    except TypeError as e:
+        return mark_failed(sample, f"{name} {e}", "reward/not_a_reward")
+    except ValueError as e:  # NaN or an infinity (`as_reward`)
+        return mark_failed(sample, f"{name} {e}", "reward/non_finite")
 
 
 async def score_group(

@@ -23,7 +23,7 @@ from rollouts.rollout.filters import (
     resolve_filters,
 )
 from rollouts.rollout.generate import generate_single_turn, sampling_params_from_config
-from rollouts.rollout.manager import AsyncRolloutManager, ShortBatchWarning
+from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.rollout.planning import is_fresh_enough, sample_staleness, split_stale_groups
 from rollouts.rollout.protocol import FilterResult, GenerateContext, GenerateFn, GroupFilter
 from rollouts.rollout.trajectory import trajectory_to_sample
@@ -35,7 +35,6 @@ __all__ = [
     "GenerateFn",
     "GroupFilter",
     "ShortBatchError",
-    "ShortBatchWarning",
     "build_batch_metadata",
     "check_min_reward",
     "check_quality_and_diversity",

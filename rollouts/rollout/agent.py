@@ -148,6 +148,7 @@ async def generate_multi_turn(sample: Sample, ctx: GenerateContext) -> Sample:
             sample,
             f"prompt of {prompt_len} tokens leaves no room "
             f"under max_total_tokens={ctx.max_total_tokens}",
+            "generate/no_room",
         )
     if restarts:
         sample = dataclasses.replace(sample, metadata={**sample.metadata, "restarts": restarts})

@@ -86,15 +86,20 @@ def build_batch_metadata(
 
 
 def convert_to_batch(
-    groups: Sequence[Sequence[Sample]], metadata: Mapping[str, Any]
+    groups: Sequence[Sequence[Sample]],
+    metadata: Mapping[str, Any],
+    failed: Sequence[Sample] = (),
 ) -> RolloutBatch:
-    """A RolloutBatch of kept groups; every sample must be finished and scored."""
+    """A RolloutBatch of kept groups (every sample finished and scored), with `failed`: FAILED
+    samples of the groups it dropped, for the reports."""
     for group in groups:
         for s in group:
             assert s.status in (Status.COMPLETED, Status.TRUNCATED), (
                 f"sample {s.index}/{s.group_index} has status {s.status} in a batch"
             )
-    return RolloutBatch(groups=tuple(tuple(g) for g in groups), metadata=dict(metadata))
+    return RolloutBatch(
+        groups=tuple(tuple(g) for g in groups), metadata=dict(metadata), failed=tuple(failed)
+    )
 
 
 def short_batch_message(kept: int, target: int, rounds: int, dropped: Mapping[str, int]) -> str:

@@ -17,6 +17,7 @@ import trio
 
 from rollouts.config import RolloutConfig
 from rollouts.data.sft import tokenize_prompt
+from rollouts.failures import FailureReason, mark_failed
 from rollouts.inference.http import EngineRequestError
 from rollouts.inference.protocol import Completion, GenerateRequest, SamplingParams
 from rollouts.rollout.protocol import GenerateContext
@@ -97,6 +98,7 @@ def apply_completion(
         metadata["resumed_at"] = [*metadata.get("resumed_at", []), prev_response]
     if status is Status.FAILED:
         metadata["error"] = f"engine finished with reason error: {completion.text[:200]!r}"
+        metadata["failure"] = "generate/engine_error"
     return dataclasses.replace(
         sample,
         tokens=input_ids + out,
@@ -109,11 +111,10 @@ def apply_completion(
     )
 
 
-def fail_sample(sample: Sample, error: str) -> Sample:
-    """The sample marked FAILED with its error kept in metadata (never scored, never trained)."""
-    return dataclasses.replace(
-        sample, status=Status.FAILED, reward=None, metadata={**sample.metadata, "error": error}
-    )
+def fail_sample(sample: Sample, error: str, reason: FailureReason = "generate/raised") -> Sample:
+    """The sample marked FAILED with its error and reason kept in metadata (never scored, never
+    trained; `rollouts.failures`)."""
+    return mark_failed(sample, error, reason)
 
 
 def _nothing_left(sample: Sample, input_ids: tuple[int, ...], ctx: GenerateContext) -> Sample:
@@ -123,6 +124,7 @@ def _nothing_left(sample: Sample, input_ids: tuple[int, ...], ctx: GenerateConte
             sample,
             f"prompt of {len(input_ids)} tokens leaves no room "
             f"under max_total_tokens={ctx.max_total_tokens}",
+            "generate/no_room",
         )
     return dataclasses.replace(sample, status=Status.TRUNCATED)
 

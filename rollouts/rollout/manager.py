@@ -14,7 +14,12 @@ spent on them (`stale_partial_groups`). What a batch throws away (filtered, surp
 restarted, or too stale: generated in this batch or an earlier one) is counted in tokens
 (`discarded_tokens`, and `discarded_fraction` of the tokens generated in the batch; the trainer
 adds what it drops as stale). How many groups to submit, and when the batch is done or
-short, is decided by `planning` (pure).
+short, is decided by `planning` (pure). A short batch trains as it is (`on_short_batch =
+"warn"`): its metadata says so (`short_batch`, and why in `short_batch_message`), and the
+driver prints it; no Python warning is raised. FAILED samples (a reward or generate function
+that raised, timed out or returned no reward) are counted by reason (`metadata["failures"]`,
+`rollouts.failures`), and the first `MAX_FAILED_KEPT` leave with the batch
+(`RolloutBatch.failed`), for the console and rollouts.jsonl.
 
 A group's samples run in `sample_runs.py` (`SampleRunner`). Generate functions run through a
 `ThreadRunner`: an async one is awaited, a sync one runs in a worker thread, both under
@@ -50,6 +55,7 @@ from rollouts.data.buffer import DataBuffer
 from rollouts.envs import resolve_env_factory
 from rollouts.envs.protocol import EnvFactory
 from rollouts.envs.threads import ThreadRunner
+from rollouts.failures import failed_in_group, failure_reason
 from rollouts.inference.protocol import InferenceEngine, batches_requests
 from rollouts.plugins import load_function
 from rollouts.rewards.protocol import RewardFn
@@ -89,10 +95,7 @@ from rollouts.types import RolloutBatch, Sample, Status
 Group = tuple[Sample, ...]
 ABORT_INTERVAL_S = 0.05  # how often surplus requests are aborted again while draining
 ABORT_TIMEOUT_S = 5.0
-
-
-class ShortBatchWarning(RuntimeWarning):
-    """A batch came out smaller than `rollout.batch_size` (on_short_batch = "warn")."""
+MAX_FAILED_KEPT = 32  # FAILED samples a batch carries out (`RolloutBatch.failed`); all counted
 
 
 class AsyncRolloutManager:
@@ -274,6 +277,8 @@ class AsyncRolloutManager:
         failed = [s for s in group if s.status is Status.FAILED]
         if not is_unfinished(group) or not self.config.partial_rollouts:
             run.counts["failed_samples"] += len(failed)  # every group, kept or not; once each
+            run.failures.update(failure_reason(s) for s in failed)
+            run.failed += failed_in_group(group)[: MAX_FAILED_KEPT - len(run.failed)]
         run.errors += [str(s.metadata.get("error", "")) for s in failed][: 10 - len(run.errors)]
         if is_unfinished(group):
             run.counts["aborted_samples"] += sum(s.status is Status.ABORTED for s in group)
@@ -307,8 +312,6 @@ class AsyncRolloutManager:
         )
         if short and self.config.on_short_batch == "error":
             raise ShortBatchError(message + f"; errors: {run.errors[:3]}")
-        if short:
-            warnings.warn(message, ShortBatchWarning, stacklevel=2)
         total = run.gen_time_s["total"]
         kept = sorted(run.kept, key=lambda g: g[0].group_index)  # not the order they finished
         meta = build_batch_metadata(
@@ -318,6 +321,8 @@ class AsyncRolloutManager:
             generated_tokens=run.counts["generated_tokens"],
             rounds=run.state.rounds,
             short_batch=short,
+            short_batch_message=message if short else "",
+            failures=dict(sorted(run.failures.items())),
             partial_groups_saved=len(run.partial),
             errors=run.errors,
             abandoned_threads=self.threads.abandoned_alive,
@@ -328,4 +333,5 @@ class AsyncRolloutManager:
             ),
             **{k: v for k, v in run.counts.items() if k != "generated_tokens"},
         )
-        return convert_to_batch(final_rewards(kept, self.reward_shaping), meta)
+        failed = tuple(run.failed)
+        return convert_to_batch(final_rewards(kept, self.reward_shaping), meta, failed)

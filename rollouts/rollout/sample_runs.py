@@ -21,6 +21,7 @@ from rollouts.envs.protocol import EnvFactory
 from rollouts.envs.threads import CallTimeout, ThreadRunner
 from rollouts.inference.http import EngineUnavailable
 from rollouts.inference.protocol import InferenceEngine, SamplingParams
+from rollouts.plugins import dotted_name
 from rollouts.rollout.generate import DONE_STATUSES, fail_sample, generate_group_single_turn
 from rollouts.rollout.planning import RoundState
 from rollouts.rollout.protocol import GenerateContext
@@ -55,6 +56,8 @@ class BatchRun:
     partial: list[Group] = dataclasses.field(default_factory=list)
     dropped: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     errors: list[str] = dataclasses.field(default_factory=list)
+    failures: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    failed: list[Sample] = dataclasses.field(default_factory=list)  # the first MAX_FAILED_KEPT
     lost: EngineUnavailable | None = None  # no engine could generate: the batch is lost
     scope: trio.CancelScope | None = None  # the batch's nursery (a lost batch cancels it)
     counts: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
@@ -93,6 +96,11 @@ class SampleRunner:
     seed: int | None  # the run's seed; None: requests carry no sampling seed
     batch_groups: bool  # a group as one engine request
     threads: ThreadRunner
+
+    @property
+    def _name(self) -> str:
+        """How errors name the generate function: 'generate_fn pkg.mod.fn'."""
+        return f"generate_fn {dotted_name(self.generate_fn)}"
 
     async def run(self, run: BatchRun, samples: list[Sample], times: list[float]) -> None:
         """Generate the group's unfinished samples in place (`samples[i]`, `times[i]`)."""
@@ -150,12 +158,12 @@ class SampleRunner:
                         f"{getattr(out, 'status', None)}); expected a finished Sample"
                     )
             except CallTimeout as e:  # says what timed out, and after how long
-                out = fail_sample(sample, str(e))
+                out = fail_sample(sample, str(e), "generate/timed_out")
             except EngineUnavailable as e:  # no engine is left: not this sample's fault
                 self._lose(run, e)
                 return
             except Exception as e:
-                out = fail_sample(sample, f"generate_fn raised {type(e).__name__}: {e}")
+                out = fail_sample(sample, f"{self._name} raised {type(e).__name__}: {e}")
             times[i] = time.perf_counter() - t0
             samples[i] = out
             self._count_resume(run, sample, out)
@@ -186,12 +194,12 @@ class SampleRunner:
                         seeds,
                     )
                 except CallTimeout as e:
-                    after = [fail_sample(s, str(e)) for s in before]
+                    after = [fail_sample(s, str(e), "generate/timed_out") for s in before]
                 except EngineUnavailable as e:  # no engine is left: the batch is lost
                     self._lose(run, e)
                     return
                 except Exception as e:
-                    error = f"generate_fn raised {type(e).__name__}: {e}"
+                    error = f"{self._name} raised {type(e).__name__}: {e}"
                     after = [fail_sample(s, error) for s in before]
                 elapsed = time.perf_counter() - t0
                 for i, old, new in zip(chunk, before, after, strict=True):

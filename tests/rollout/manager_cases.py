@@ -19,7 +19,7 @@ from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.data.buffer import DataBuffer
 from rollouts.rollout.batch import ShortBatchError
 from rollouts.rollout.generate import generate_single_turn
-from rollouts.rollout.manager import AsyncRolloutManager, ShortBatchWarning
+from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.types import PromptItem, Sample, Status
 
 
@@ -114,10 +114,10 @@ async def over_sampling_bound_stops(engine: Any, tok: Any) -> None:
         filters=["check_reward_nonzero_std"],
     )
     manager = AsyncRolloutManager(make_buffer(), config, engine, tokenizer=tok)
-    with pytest.warns(ShortBatchWarning, match="0/2 groups kept after 2"):
-        batch = await manager.generate_batch(lambda s: 1.0)
+    batch = await manager.generate_batch(lambda s: 1.0)  # no Python warning: the driver says it
     assert batch.groups == ()
     assert batch.metadata["short_batch"] is True
+    assert "0/2 groups kept after 2" in batch.metadata["short_batch_message"]
     # the bound is 2 waves of ceil(2 * 1.5) = 3 groups, however they were topped up
     assert batch.metadata["drop_reasons"] == {"zero_reward_std": 6}
     strict = make_config(

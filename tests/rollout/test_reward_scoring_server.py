@@ -15,7 +15,7 @@ import pytest
 from rollouts.driver.evaluation import EvalSpec, evaluate
 from rollouts.inference.launch import EngineProcess
 from rollouts.inference.sglang import SGLangEngine
-from rollouts.rollout.manager import AsyncRolloutManager, ShortBatchWarning
+from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.types import PromptItem, Sample, Status
 from tests.rollout import manager_cases as cases
 
@@ -46,11 +46,11 @@ async def test_reward_timeout_is_enforced(engine, tok) -> None:
     )
     manager = AsyncRolloutManager(cases.make_buffer(), config, engine, tokenizer=tok)
     try:
-        with pytest.warns(ShortBatchWarning):
-            batch = await manager.generate_batch(sleeps)
+        batch = await manager.generate_batch(sleeps)
     finally:
         release.set()
     assert batch.metadata["failed_samples"] == 2, batch.metadata
+    assert batch.metadata["failures"] == {"reward/timed_out": 2}
     assert any("sleeps timed out after 1.0 s" in e for e in batch.metadata["errors"])
 
 
@@ -78,9 +78,14 @@ async def test_failed_samples_are_counted_when_every_sample_failed(engine, tok) 
         batch_size=2, n_samples_per_prompt=2, over_sampling_factor=1.0, max_over_sampling_rounds=1
     )
     manager = AsyncRolloutManager(cases.make_buffer(), config, engine, tokenizer=tok)
-    with pytest.warns(ShortBatchWarning):
-        batch = await manager.generate_batch(raises)
+    batch = await manager.generate_batch(raises)
     assert batch.metadata["failed_samples"] == 4, batch.metadata
+    assert batch.metadata["short_batch"] is True
+    # every sample FAILED, never a reward of 0: counted by reason, carried out to be reported
+    assert batch.metadata["failures"] == {"reward/raised": 4}
+    assert [s.status for s in batch.failed] == [Status.FAILED] * 4
+    assert all(s.reward is None for s in batch.failed)
+    assert "raised ValueError: verifier crashed" in batch.failed[0].metadata["error"]
 
 
 BAD = {
@@ -105,7 +110,13 @@ async def test_evaluation_scores_bad_rewards_like_training(engine, tok) -> None:
     spec = EvalSpec(max_new_tokens=4, reward_timeout_s=5.0)
     result = await evaluate(engine, tok, items, picky_reward, spec)
     assert result.failed == 5
-    assert result.accuracy == pytest.approx(2 / 7)  # items 5 and 6; the "1.0" is not accepted
+    assert result.scored == 2  # the "1.0" is not accepted
+    assert result.accuracy == 1.0  # over the scored samples (items 5 and 6), not 2 / 7
+    assert result.failures == {
+        "reward/non_finite": 2,
+        "reward/not_a_reward": 2,
+        "reward/raised": 1,
+    }
     by_index = {s.index: s for s in result.samples}
     for index, (_, expected) in BAD.items():
         s = by_index[index]

@@ -7,6 +7,7 @@ train.py's `main` in this process, with the real built-in engine in its own proc
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -74,9 +75,20 @@ def test_a_run_where_every_reward_times_out_says_why_and_fails(
         },
         logging={"progress_bar": False},
     )
-    with pytest.warns(Warning, match="only 0/2 groups kept"):
-        code = main(["--mode", "rl", "--config", str(config)])
+    code = main(["--mode", "rl", "--config", str(config)])
     captured = capsys.readouterr()
+    # every reward failed: no reward of 0; the step's one line says why, with no Python warning
+    line = "[train] step 1 rollouts: 4 sample(s) failed (reward timed_out 4); short batch: only 0/2"
+    assert line in captured.out, captured.out
+    full = re.escape(f"reward_fn {__name__}.too_slow timed out after 0.2 s")
+    for place in (0, 1):  # the first errors in full, each with its group, place and index
+        where = rf"\[train\]   reward failed at group \d+ sample {place}, index \d+: "
+        assert re.search(where + full, captured.out), captured.out
+    assert "[train] batch 3 rollouts (step 1): 4 sample(s) failed" in captured.out
+    assert "Warning" not in captured.out + captured.err
+    rows = [json.loads(r) for r in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 * 4 and {r["status"] for r in rows} == {"failed"}, rows
+    assert {r["failure"] for r in rows} == {"reward/timed_out"} and rows[0]["reward"] is None
     assert code == 1, captured.out[-2000:] + captured.err[-2000:]  # was: 0, and no word
     said = "[train] batch 1 trained nothing (not a step, 1/3 in a row): no trainable sample (4 "
     assert said + "sample(s) failed" in captured.out, captured.out

@@ -70,7 +70,6 @@ def always_raises(sample: Sample) -> float:
     raise ValueError("verifier crashed")
 
 
-@pytest.mark.filterwarnings("ignore::rollouts.rollout.manager.ShortBatchWarning")
 def test_a_reward_fn_that_always_raises_stops_the_run(tiny_model_dir: Path, tmp_path: Path):
     """Every sample FAILED (never a reward of 0): after 3 batches that trained nothing (not
     steps: nothing is logged as one) the run stops, loudly."""

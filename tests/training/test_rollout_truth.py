@@ -77,7 +77,6 @@ def test_sync_mode_with_a_staleness_bound_of_one_trains_the_saved_work_a_step_la
     assert all(r["rollout/stale_groups_dropped"] == 0.0 for r in rows), rows
 
 
-@pytest.mark.filterwarnings("ignore::rollouts.rollout.manager.ShortBatchWarning")
 def test_a_run_whose_filter_drops_everything_names_the_filter(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
