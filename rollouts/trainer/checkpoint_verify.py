@@ -15,6 +15,7 @@ are verified by size, and say so (`Verdict.checksummed`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -25,6 +26,7 @@ from typing import Any
 MANIFEST = "manifest.json"
 HASH = "crc32"
 CHUNK_BYTES = 8 << 20  # read in 8 MiB pieces: memory stays flat for multi-GB files
+MAX_HASH_THREADS = 8  # files hashed at once (FSDP: one optimizer shard per rank)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,15 +85,24 @@ def file_crc32(path: Path) -> tuple[int, str]:
     return size, f"{crc:08x}"
 
 
+def _crc32_all(files: list[Path]) -> list[tuple[int, str]]:
+    """`file_crc32` of each of `files`, several at once (zlib lets go of the GIL while it
+    hashes: a model file and an optimizer file take the time of the larger)."""
+    workers = max(1, min(len(files), os.cpu_count() or 1, MAX_HASH_THREADS))
+    if workers == 1:
+        return [file_crc32(f) for f in files]
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="crc32") as pool:
+        return list(pool.map(file_crc32, files))
+
+
 def record_files(directory: Path) -> dict[str, dict[str, Any]]:
     """Every file under `directory` but the manifest, as manifest entries
     (`{"model/model.safetensors": {"size": ..., "crc32": ...}}`), sorted by path."""
-    out: dict[str, dict[str, Any]] = {}
-    for f in sorted(directory.rglob("*")):
-        if f.is_file() and f.name != MANIFEST:
-            size, crc = file_crc32(f)
-            out[str(f.relative_to(directory))] = {"size": size, HASH: crc}
-    return out
+    files = [f for f in sorted(directory.rglob("*")) if f.is_file() and f.name != MANIFEST]
+    return {
+        str(f.relative_to(directory)): {"size": size, HASH: crc}
+        for f, (size, crc) in zip(files, _crc32_all(files), strict=True)
+    }
 
 
 def parse_records(files: Any) -> dict[str, FileRecord]:
@@ -143,15 +154,16 @@ def verify_checkpoint(path: Path) -> Verdict:
     except (OSError, ValueError, KeyError, TypeError) as e:
         problem = Problem(file=MANIFEST, what=f"unreadable ({type(e).__name__}: {e})")
         return Verdict(path=path, step=-1, problems=(problem,))
-    problems = []
-    for rel, recorded in records.items():
-        file = path / rel
-        size = file.stat().st_size if file.is_file() else None
-        crc = None
-        if size == recorded.size and recorded.crc32 is not None:
-            crc = file_crc32(file)[1]
-        if (problem := compare(rel, recorded, size, crc)) is not None:
-            problems.append(problem)
+    present = {rel: (path / rel).stat().st_size for rel in records if (path / rel).is_file()}
+    to_hash = [  # only files of the recorded size, with a recorded checksum: each read once
+        rel for rel, r in records.items() if present.get(rel) == r.size and r.crc32 is not None
+    ]
+    hashed = dict(zip(to_hash, _crc32_all([path / rel for rel in to_hash]), strict=True))
+    problems = [
+        problem
+        for rel, recorded in records.items()
+        if (problem := compare(rel, recorded, present.get(rel), hashed.get(rel, (0, None))[1]))
+    ]
     checksummed = all(r.crc32 is not None for r in records.values())
     return Verdict(path=path, step=step, problems=tuple(problems), checksummed=checksummed)
 
