@@ -91,7 +91,7 @@ async def solve(
         model = (await client.models.list()).data[0].id
         for _ in range(MAX_TURNS):
             response = await client.chat.completions.create(
-                model=model, messages=messages, tools=[CALCULATOR], max_tokens=64
+                model=model, messages=messages, tools=[CALCULATOR]
             )
             message = response.choices[0].message
             messages.append(message.model_dump(exclude_none=True))
