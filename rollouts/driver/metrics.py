@@ -117,6 +117,8 @@ class JsonlSink:
         self._file.close()
 
 
+# what rollouts.jsonl keeps of an episode's metadata (multi-turn loop, gateway)
+EPISODE_KEYS = ("messages", "calls", "tool_calls", "turns", "stop_reason", "response_text")
 CONSOLE_KEYS = (
     ("reward/mean", "reward", "{:.3f}"),
     ("eval/accuracy", "acc", "{:.3f}"),
@@ -243,7 +245,8 @@ class MetricsLogger:
             sink.log(step, metrics)
 
     def log_samples(self, step: int, samples: Sequence[Sample], decode: Any) -> None:
-        """Append (prompt, response text, scored reward, status) of `samples` to rollouts.jsonl."""
+        """Append (prompt, response text, scored reward, status; an episode's messages and
+        counts) of `samples` to rollouts.jsonl."""
         if self.rollouts_path is None or not samples:
             return
         lines = []
@@ -260,7 +263,9 @@ class MetricsLogger:
                 "status": row["status"],
                 "weight_versions": row["weight_versions"],
             }
-            lines.append(json.dumps(out) + "\n")
+            # an episode's conversation and counts (the multi-turn loop's, the gateway's)
+            out |= {k: s.metadata[k] for k in EPISODE_KEYS if k in s.metadata}
+            lines.append(json.dumps(out, default=str) + "\n")
         with self.rollouts_path.open("ab", buffering=0) as f:  # the step's lines whole, or none
             append_line(f, self.rollouts_path, "".join(lines), "sampled rollouts")
 
