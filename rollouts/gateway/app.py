@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from rollouts.gateway.calls import Session, chat
+from rollouts.gateway.session import Ending
 from rollouts.gateway.wire import GatewayError
 from rollouts.rollout.protocol import GenerateContext
 
@@ -94,9 +95,18 @@ async def chat_completions(request: Request) -> Response:
     gateway: Gateway = request.app.state.gateway
     try:
         session = gateway.session_of(request)
-        return JSONResponse(await chat(session, await _body(request)))
+        body = await _body(request)
     except GatewayError as e:
         return _error(e)
+    try:
+        return JSONResponse(await chat(session, body))
+    except GatewayError as e:
+        return _error(e)
+    except Exception as e:  # a template or tokenizer failure: the sample fails, saying why
+        log.exception("gateway call failed")
+        reason = f"the gateway failed the call: {type(e).__name__}: {e}"
+        session.episode.end(Ending.FAILED, reason)
+        return _error(GatewayError(500, reason))
 
 
 async def models(request: Request) -> Response:

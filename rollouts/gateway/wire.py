@@ -21,33 +21,14 @@ from rollouts.inference.protocol import FinishReason, SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # fields read from a request; anything else is refused by name
-KNOWN_FIELDS = frozenset(
-    {
-        "model",
-        "messages",
-        "tools",
-        "tool_choice",
-        "max_tokens",
-        "max_completion_tokens",
-        "logprobs",
-        "top_logprobs",
-        "stop",
-        "temperature",
-        "top_p",
-        "n",
-        "stream",
-        "stream_options",
-        "parallel_tool_calls",
-        "seed",
-        "user",
-        "metadata",
-        "store",
-        "frequency_penalty",
-        "presence_penalty",
-        "logit_bias",
-        "response_format",
-    }
-)
+# fmt: off
+KNOWN_FIELDS = frozenset((
+    "model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens",
+    "logprobs", "top_logprobs", "stop", "temperature", "top_p", "n", "stream", "stream_options",
+    "parallel_tool_calls", "seed", "user", "metadata", "store", "frequency_penalty",
+    "presence_penalty", "logit_bias", "response_format",
+))
+# fmt: on
 
 
 class GatewayError(Exception):
@@ -163,6 +144,8 @@ def _check_sampling(body: Mapping[str, Any], run: SamplingParams) -> None:
     fixed = {"temperature": run.temperature, "top_p": run.top_p}
     for field, value in fixed.items():
         got = body.get(field)
+        if got is not None and not isinstance(got, (int, float)):
+            raise _refuse(field, f"{got!r}: must be a number")
         if got is not None and float(got) != value:
             raise _refuse(
                 field,
