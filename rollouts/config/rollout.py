@@ -6,6 +6,7 @@ import dataclasses
 from typing import ClassVar, Literal
 
 from rollouts.config.base import _check, _Section
+from rollouts.config.gateway import GatewayConfig, gateway_problems
 from rollouts.config.model import ModelDtype
 
 RolloutMode = Literal["sync", "async"]
@@ -85,9 +86,11 @@ class RolloutConfig(_Section):
     # only resumed partial work is dropped (before it is resumed)
     max_staleness: int = -1
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    # the OpenAI-compatible gateway (generate_fn = "rollouts.gateway.agent_generate")
+    gateway: GatewayConfig = dataclasses.field(default_factory=GatewayConfig)
 
     def problems(self) -> list[str]:
-        p: list[str] = []
+        p: list[str] = gateway_problems(self.generate_fn, self.gateway)
         _check(p, self.batch_size >= 1, f"rollout.batch_size = {self.batch_size}: must be >= 1")
         _check(
             p,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,11 +77,13 @@ def write_demo_datasets(
     n_eval: int = 200,
     seed: int = 0,
     tool: bool = False,
+    conversation: Callable[[Problem], dict[str, Any]] | None = None,
 ) -> dict[str, Path]:
     """Write sft.jsonl (worked conversations), train.jsonl (RL prompts) and eval.jsonl.
 
     The eval problems are disjoint from both training sets, so accuracy is held-out. With
-    `tool`, the SFT conversations call the calculator tool instead of working the sum out.
+    `tool`, the SFT conversations call the calculator tool instead of working the sum out;
+    `conversation` writes each SFT conversation instead (another tool format).
     """
     out = Path(out_dir)
     evals = make_problems(n_eval, digits, seed + 1)
@@ -88,7 +91,7 @@ def write_demo_datasets(
     sft = make_problems(n_sft, digits, seed + 2, exclude=held)
     rl = make_problems(n_rl, digits, seed + 3, exclude=held)
     paths = {name: out / f"{name}.jsonl" for name in ("sft", "train", "eval")}
-    conversation = _tool_conversation if tool else _conversation
+    conversation = conversation or (_tool_conversation if tool else _conversation)
     write_jsonl(paths["sft"], [conversation(p) for p in sft])
     write_jsonl(paths["train"], [_prompt_row(p) for p in rl])
     write_jsonl(paths["eval"], [_prompt_row(p) for p in evals])
@@ -129,6 +132,16 @@ def _check_paths(data: DataConfig) -> Path:
             f"DIR/sft.jsonl, DIR/train.jsonl, DIR/eval.jsonl; got {paths}"
         )
     return Path(dirs.pop())
+
+
+def prepare_demo_data(
+    data: DataConfig, conversation: Callable[[Problem], dict[str, Any]], digits: int = 2
+) -> None:
+    """A `data.prepare` hook's body: the demo datasets with SFT conversations written by
+    `conversation`, where `data`'s paths point (DIR/sft, train, eval.jsonl), unless there."""
+    out = _check_paths(data)
+    if not all((out / f"{k}.jsonl").is_file() for k in ("sft", "train", "eval")):
+        write_demo_datasets(out, digits=digits, conversation=conversation)
 
 
 def prepare_addition_tool_data(data: DataConfig) -> None:

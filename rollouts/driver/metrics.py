@@ -118,6 +118,8 @@ class JsonlSink:
         self._file.close()
 
 
+# what rollouts.jsonl keeps of an episode's metadata (multi-turn loop, gateway)
+EPISODE_KEYS = ("messages", "calls", "tool_calls", "turns", "stop_reason", "response_text")
 CONSOLE_KEYS = (
     ("reward/mean", "reward", "{:.3f}"),
     ("eval/accuracy", "acc", "{:.3f}"),
@@ -244,8 +246,9 @@ class MetricsLogger:
             sink.log(step, metrics)
 
     def log_samples(self, step: int, samples: Sequence[Sample], decode: Any) -> None:
-        """Append (prompt, response text, scored reward, status) of `samples` to rollouts.jsonl;
-        a FAILED sample's row also has its `error` (in full) and `failure` (its reason)."""
+        """Append (prompt, response text, scored reward, status; an episode's messages and
+        counts) of `samples` to rollouts.jsonl; a FAILED sample's row also has its `error` (in
+        full) and `failure` (its reason)."""
         if self.rollouts_path is None or not samples:
             return
         lines = []
@@ -265,7 +268,9 @@ class MetricsLogger:
             if s.status is Status.FAILED:
                 out["error"] = str(s.metadata.get("error", ""))
                 out["failure"] = failure_reason(s)
-            lines.append(json.dumps(out) + "\n")
+            # an episode's conversation and counts (the multi-turn loop's, the gateway's)
+            out |= {k: s.metadata[k] for k in EPISODE_KEYS if k in s.metadata}
+            lines.append(json.dumps(out, default=str) + "\n")
         with self.rollouts_path.open("ab", buffering=0) as f:  # the step's lines whole, or none
             append_line(f, self.rollouts_path, "".join(lines), "sampled rollouts")
 

@@ -34,6 +34,7 @@ from rollouts.driver.setup import (
     with_response_text,
 )
 from rollouts.driver.trainer_io import BackendFactory, checkpoint_root, save
+from rollouts.gateway import open_agent_generate
 from rollouts.gcpolicy import freeze_startup_objects
 from rollouts.inference.pool import EnginePool
 from rollouts.loop.rl import RLHooks, run_rl_training
@@ -252,21 +253,31 @@ async def _engines_start_weights(
 
 
 async def _rl_with_engines(run: RLRun) -> dict[str, float]:
-    """RL with the engines up: the manager, the hooks and the publisher, then the loop."""
-    config, r = run.config, run.resumed
+    """RL with the engines up: the manager (behind the gateway when asked), then the rest."""
+    config = run.config
     logger = _rl_logger(run)
     rollout = dataclasses.replace(
         config.rollout, max_concurrency=resolved_concurrency(config.rollout, config.engines)
     )
-    manager = AsyncRolloutManager(
-        run.buffer,
-        rollout,
-        run.pool,
-        tokenizer=run.tokenizer,
-        reward_fn=run.reward_fn,
-        seed=config.run.seed,  # sampling seeds of every request (reproducible runs)
-        reward_shaping=config.reward,  # a batch's rewards are final when it leaves the manager
-    )
+    async with open_agent_generate(rollout) as agent_fn:  # None unless the gateway is asked for
+        manager = AsyncRolloutManager(
+            run.buffer,
+            rollout,
+            run.pool,
+            tokenizer=run.tokenizer,
+            generate_fn=agent_fn,
+            reward_fn=run.reward_fn,
+            seed=config.run.seed,  # sampling seeds of every request (reproducible runs)
+            reward_shaping=config.reward,  # a batch's rewards are final when it leaves it
+        )
+        return await _rl_with_manager(run, manager, logger)
+
+
+async def _rl_with_manager(
+    run: RLRun, manager: AsyncRolloutManager, logger: MetricsLogger
+) -> dict[str, float]:
+    """The hooks and the publisher around the manager, then the loop."""
+    config, r = run.config, run.resumed
     evaluate_fn = _eval_hook(run, manager)
     hooks = RLHooks(
         checkpoint=functools.partial(_checkpoint, run),
