@@ -22,6 +22,7 @@ from rollouts.config.rollout import resolved_concurrency
 from rollouts.data.buffer import DataBuffer
 from rollouts.driver.engines import cpu_share, open_engines
 from rollouts.driver.evaluation import EvalSpec, evaluate
+from rollouts.driver.failures import BatchReporter
 from rollouts.driver.metrics import MetricsLogger, last_step
 from rollouts.driver.placement import CpuPlan, cpu_plan, decide_trainer_process, pinned
 from rollouts.driver.reference_setup import open_reference
@@ -33,6 +34,7 @@ from rollouts.driver.setup import (
     make_logger,
     with_response_text,
 )
+from rollouts.driver.summary import eval_failures_note
 from rollouts.driver.trainer_io import BackendFactory, checkpoint_root, save
 from rollouts.gateway import open_agent_generate
 from rollouts.gcpolicy import freeze_startup_objects
@@ -51,7 +53,7 @@ from rollouts.trainer.process import TrainerProcess
 from rollouts.trainer.protocol import TrainingBackend
 from rollouts.trainer.pytorch import MODEL_DIR
 from rollouts.trainer.reference import ReferencePolicy
-from rollouts.types import PromptItem, RolloutBatch
+from rollouts.types import PromptItem
 from rollouts.weights.copies import clean_sync_root, run_sync_root
 from rollouts.weights.disk import publish_weights
 from rollouts.weights.publisher import open_publisher
@@ -283,7 +285,11 @@ async def _rl_with_manager(
         checkpoint=functools.partial(_checkpoint, run),
         evaluate=evaluate_fn,
         should_stop=run.stop,
-        log_samples=functools.partial(_log_samples, run, logger),
+        report_batch=BatchReporter(
+            logger=logger,
+            decode=functools.partial(run.tokenizer.decode, skip_special_tokens=True),
+            rows_per_step=config.logging.rollouts_per_step,
+        ),
     )
     async with open_publisher(config, run.backend, run.pool, run.tokenizer, run.sync_root) as w:
         await w.check_start(str(r.version))  # the engines serve the starting weights
@@ -291,8 +297,8 @@ async def _rl_with_manager(
         if r.step == 0 and evaluate_fn is not None:
             before = await evaluate_fn()
             logger.log(0, before)
-            accuracy = before["eval/accuracy"]
-            print(f"[train] held-out accuracy before RL: {accuracy:.3f}", flush=True)
+            accuracy, note = before["eval/accuracy"], eval_failures_note(before)
+            print(f"[train] held-out accuracy before RL: {accuracy:.3f}{note}", flush=True)
         try:
             result = await run_rl_training(
                 run.backend,
@@ -311,9 +317,10 @@ async def _rl_with_manager(
             )
         finally:
             logger.close()
-    acc = result.last_metrics.get("eval/accuracy")
+    acc, note = result.last_metrics.get("eval/accuracy"), eval_failures_note(result.last_metrics)
     if acc is not None:
-        print(f"[train] held-out accuracy after RL: {acc:.3f} (step {result.steps})", flush=True)
+        after = f"{acc:.3f} (step {result.steps}){note}"
+        print(f"[train] held-out accuracy after RL: {after}", flush=True)
     return result.last_metrics
 
 
@@ -347,6 +354,8 @@ def _eval_hook(run: RLRun, manager: AsyncRolloutManager) -> Any:
 
     async def run_eval() -> dict[str, float]:
         result = await evaluate(run.pool, run.tokenizer, items, run.reward_fn, spec)
+        for line in result.report():  # FAILED samples: counts by reason, first errors
+            print(f"[train] {line}", flush=True)
         return result.metrics("eval")
 
     return run_eval
@@ -373,9 +382,3 @@ async def _checkpoint(
     reference = run.ref.params_to_checkpoint() if run.ref is not None else None
     root = checkpoint_root(run.config, run.run_dir, "rl")
     await save(run.backend, root, step, version, extra, c.keep_last, metrics, best, reference)
-
-
-def _log_samples(run: RLRun, logger: MetricsLogger, step: int, batch: RolloutBatch) -> None:
-    n = run.config.logging.rollouts_per_step
-    decode = functools.partial(run.tokenizer.decode, skip_special_tokens=True)
-    logger.log_samples(step, batch.samples[:n], decode)
