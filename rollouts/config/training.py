@@ -18,6 +18,7 @@ TrainerProcessMode = Literal["auto", "on", "off"]
 Autocast = Literal["auto", "bfloat16", "off"]
 SftAutocast = Literal["", "auto", "bfloat16", "off"]  # "" = training.autocast
 BestMode = Literal["max", "min"]
+OnCorrupt = Literal["stop", "fall_back"]  # a resume whose checkpoint fails verification
 WandbMode = Literal["offline", "online", "disabled"]
 
 
@@ -159,6 +160,9 @@ class CheckpointConfig(_Section):
     keep_last: int = 2
     best_metric: str = "eval/accuracy"  # the step metric that picks the best checkpoint; "" = off
     best_mode: BestMode = "max"  # which direction of best_metric is better
+    # --resume and the newest checkpoint fails verification (a file missing, of another size or
+    # checksum): "stop" (name it, list the intact ones) or "fall_back" to the newest intact one
+    on_corrupt: OnCorrupt = "stop"
 
     def problems(self) -> list[str]:
         p: list[str] = []

@@ -1,7 +1,7 @@
 """`rollouts train` / `integration_training/train.py`: the front door.
 
     python integration_training/train.py --mode sft|rl|sft+rl --config configs/X.toml \
-        [--set key=value ...] [--resume] [--nproc N] [--debug]
+        [--set key=value ...] [--resume | --resume-step N] [--nproc N] [--debug]
         [--nnodes K --rdzv-endpoint HOST:PORT [--node-rank R]]
 
 An operating error (bad data, a plugin that cannot load, a reward that always fails, a full
@@ -39,7 +39,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override a config key, e.g. --set rollout.batch_size=4 (repeatable)",
     )
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue each phase from its newest checkpoint (verified first: a corrupt one stops "
+        "the run, see checkpoint.on_corrupt)",
+    )
+    parser.add_argument(
+        "--resume-step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="resume (implies --resume) from exactly step N of the phase being resumed",
+    )
     parser.add_argument(
         "--nproc", type=int, default=0, help="processes per node (FSDP); 0 = config"
     )
@@ -85,7 +97,13 @@ def run(args: argparse.Namespace) -> int:
     from rollouts.driver.run import run_training
 
     try:
-        return run_training(args.mode, config, resume=args.resume, config_path=args.config)
+        return run_training(
+            args.mode,
+            config,
+            resume=args.resume or args.resume_step is not None,
+            config_path=args.config,
+            resume_step=args.resume_step,
+        )
     except Exception as e:  # an operating error: its message alone (see driver/errors.py)
         run_dir = Path(config.run.output_dir) if config.run.output_dir else None
         if isinstance(e, RunInUse):  # the directory is the other run's: its error.log too

@@ -57,6 +57,8 @@ def torchrun_command(args: argparse.Namespace, config: Config) -> list[str]:
     cmd += ["--set", "training.backend=fsdp"]
     if args.resume:
         cmd.append("--resume")
+    if args.resume_step is not None:
+        cmd += ["--resume-step", str(args.resume_step)]
     if args.debug:
         cmd.append("--debug")
     return cmd

@@ -25,6 +25,7 @@ from rollouts.driver.evaluation import EvalSpec, evaluate
 from rollouts.driver.metrics import MetricsLogger, last_step
 from rollouts.driver.placement import CpuPlan, cpu_plan, decide_trainer_process, pinned
 from rollouts.driver.reference_setup import open_reference
+from rollouts.driver.resume import choose_checkpoint
 from rollouts.driver.setup import (
     RL_METRICS,
     StopFlag,
@@ -42,7 +43,6 @@ from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.trainer.checkpoint import (
     BestSpec,
     clean_leftovers,
-    find_latest_checkpoint,
     load_checkpoint,
 )
 from rollouts.trainer.factories import create_backend, load_tokenizer, resolve_device
@@ -94,8 +94,10 @@ async def rl_phase(
     stop: StopFlag,
     reward_fn: Any = None,
     make_backend: BackendFactory | None = None,
+    resume_step: int | None = None,
 ) -> dict[str, float]:
-    """RL from `model_dir` (or from the latest RL checkpoint); returns the last step's metrics.
+    """RL from `model_dir` (or from the latest RL checkpoint, verified: `resume.py`; step
+    `resume_step` when given); returns the last step's metrics.
 
     `make_backend`: None builds the trainer as `training.backend` says, in this process or in
     a trainer process (`placement.decide_trainer_process`); a factory (the torchrun hub, a
@@ -103,7 +105,14 @@ async def rl_phase(
     """
     root = checkpoint_root(config, run_dir, "rl")
     clean_leftovers(root)
-    latest = find_latest_checkpoint(root) if resume else None
+    latest = None
+    if resume:
+        on_corrupt = config.checkpoint.on_corrupt
+        latest = await trio.to_thread.run_sync(
+            functools.partial(
+                choose_checkpoint, root, phase="rl", on_corrupt=on_corrupt, step=resume_step
+            )
+        )
     tokenizer = load_tokenizer(model_dir)
     buffer, eval_items, reward = _rl_inputs(config, tokenizer, model_dir, reward_fn)
     plan = cpu_plan(config)

@@ -5,8 +5,10 @@
       -> RL (`rl_phase.py`): trainer, reference, engines, weight publisher -> the RL loop
       -> summary, plots; engines stopped (also on Ctrl-C or an error)
 
-Resume (`--resume`): each phase continues from its latest complete checkpoint, with the
+Resume (`--resume`): each phase continues from its latest checkpoint, verified first
+(`resume.py`: a corrupt one stops the run, or falls back with checkpoint.on_corrupt), with the
 DataBuffer (order, epoch, partial groups), RNG, optimizer, schedule, step and weight version.
+`--resume-step N` picks step N of the phase being resumed (RL once it has checkpoints).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from rollouts.driver.engines import cpu_share
 from rollouts.driver.launch import shares_node_with_driver
 from rollouts.driver.lock import hold_run_locks
 from rollouts.driver.placement import placement_of
+from rollouts.driver.resume import resume_steps, verify_start_model
 from rollouts.driver.rl_phase import rl_phase
 from rollouts.driver.setup import (
     StopFlag,
@@ -50,13 +53,19 @@ async def _main(
     resume: bool,
     config_path: str,
     hub: BackendHub | None = None,
+    resume_step: int | None = None,
 ) -> int:
     with hold_run_locks(config):  # one run per directory, for the run's life
-        return await _run(mode, config, resume, config_path, hub)
+        return await _run(mode, config, resume, config_path, hub, resume_step)
 
 
 async def _run(
-    mode: str, config: Config, resume: bool, config_path: str, hub: BackendHub | None
+    mode: str,
+    config: Config,
+    resume: bool,
+    config_path: str,
+    hub: BackendHub | None,
+    resume_step: int | None,
 ) -> int:
     started = time.monotonic()
     # SFT: a share of the cores, or every core when colocated (the RL phase sets its own threads:
@@ -79,16 +88,28 @@ async def _run(
         print(reach, flush=True)
     prepare_data(config)
     model_dir = prepare_base_model(config)
+    rl_root = checkpoint_root(config, run_dir, "rl")
+    sft_step, rl_step = resume_steps(mode, rl_root, resume_step)
+    if mode == "rl":  # model.path may name an SFT checkpoint's model/: verified before use
+        await trio.to_thread.run_sync(verify_start_model, model_dir)
     stop = StopFlag()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(watch_signals, stop, nursery.cancel_scope)
         if mode in ("sft", "sft+rl"):
             model_dir = await sft_phase(
-                config, run_dir, model_dir, resume, stop, make_backend or create_backend
+                config, run_dir, model_dir, resume, stop, make_backend or create_backend, sft_step
             )
             print(f"[train] SFT model: {model_dir}", flush=True)
         if mode in ("rl", "sft+rl") and not stop():
-            await rl_phase(config, run_dir, model_dir, resume, stop, make_backend=make_backend)
+            await rl_phase(
+                config,
+                run_dir,
+                model_dir,
+                resume,
+                stop,
+                make_backend=make_backend,
+                resume_step=rl_step,
+            )
         nursery.cancel_scope.cancel()
     if stop():
         print(f"[train] stopped by signal; resume with --resume (run dir {run_dir})", flush=True)
@@ -99,15 +120,23 @@ async def _run(
     return 0
 
 
-def run_training(mode: str, config: Config, *, resume: bool = False, config_path: str = "") -> int:
+def run_training(
+    mode: str,
+    config: Config,
+    *,
+    resume: bool = False,
+    config_path: str = "",
+    resume_step: int | None = None,
+) -> int:
     """Run `mode` ("sft", "rl" or "sft+rl") for `config`; the process exit code.
+    `resume_step`: --resume-step N (with `resume`), step N of the phase being resumed.
 
     Under torchrun with several ranks (the FSDP backend), rank 0 runs the driver and the other
     ranks mirror its backend calls (`backends/mirror.py`).
     """
     quiet_progress_bars()
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return trio.run(_main, mode, config, resume, config_path)
+        return trio.run(_main, mode, config, resume, config_path, None, resume_step)
     from rollouts.trainer.mirror import BackendHub
 
     if config.training.backend != "fsdp":
@@ -118,7 +147,7 @@ def run_training(mode: str, config: Config, *, resume: bool = False, config_path
         hub.follow()
         return 0
     try:
-        return trio.run(_main, mode, config, resume, config_path, hub)
+        return trio.run(_main, mode, config, resume, config_path, hub, resume_step)
     finally:
         hub.shutdown()
 

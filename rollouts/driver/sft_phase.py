@@ -7,6 +7,7 @@ base with that adapter merged in, and RL trains a new adapter on it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
 from pathlib import Path
 
@@ -15,10 +16,12 @@ import trio
 from rollouts.config import Config
 from rollouts.data.limits import sft_limit
 from rollouts.data.loaders import load_conversations
+from rollouts.driver.resume import choose_checkpoint, verify_start_model
 from rollouts.driver.setup import SFT_METRICS, StopFlag, make_logger
 from rollouts.driver.trainer_io import BackendFactory, checkpoint_root, save
 from rollouts.loop.sft import run_sft_training, split_eval, tokenize_all, total_sft_steps
 from rollouts.trainer.checkpoint import clean_leftovers, find_latest_checkpoint, load_checkpoint
+from rollouts.trainer.checkpoint_verify import add_to_manifest
 from rollouts.trainer.factories import create_backend, load_tokenizer
 from rollouts.trainer.protocol import TrainingBackend
 from rollouts.trainer.pytorch import MODEL_DIR
@@ -31,8 +34,11 @@ async def sft_phase(
     resume: bool,
     stop: StopFlag,
     make_backend: BackendFactory = create_backend,
+    resume_step: int | None = None,
 ) -> Path:
-    """Run (or resume, or skip when already finished) SFT; return the final model directory."""
+    """Run (or resume from a verified checkpoint, step `resume_step` when given, or skip when
+    already finished) SFT; return the final model directory, the one RL starts from (verified:
+    a corrupt one raises `CorruptCheckpoint`)."""
     root = checkpoint_root(config, run_dir, "sft")
     clean_leftovers(root)
     tokenizer = load_tokenizer(base)
@@ -40,7 +46,14 @@ async def sft_phase(
     examples = tokenize_all(tokenizer, conversations, sft_limit(base, config.data.max_length))
     train, held = split_eval(examples, config.data.sft_eval_fraction, config.run.seed)
     total = total_sft_steps(config, len(train))
-    latest = find_latest_checkpoint(root) if resume else None
+    latest = None
+    if resume:
+        on_corrupt = config.checkpoint.on_corrupt
+        latest = await trio.to_thread.run_sync(
+            functools.partial(
+                choose_checkpoint, root, phase="sft", on_corrupt=on_corrupt, step=resume_step
+            )
+        )
     backend = make_backend(
         dataclasses.replace(config, training=config.training.for_sft()),
         model_path=base,
@@ -78,6 +91,9 @@ async def sft_phase(
         assert final is not None, f"SFT wrote no checkpoint under {root}"
         if config.model.lora.enabled and not (final / MODEL_DIR).is_dir():
             await trio.to_thread.run_sync(_write_merged, backend, final / MODEL_DIR)
+            await trio.to_thread.run_sync(add_to_manifest, final, MODEL_DIR)
+        if final != latest:  # written by this run (a resumed one was verified already)
+            await trio.to_thread.run_sync(verify_start_model, final / MODEL_DIR)
     finally:
         backend.close()
     return final / MODEL_DIR

@@ -8,9 +8,11 @@ Layout of one checkpoint (the backend writes the model part):
       extra_state.json  the caller's JSON-safe state (DataBuffer.state_dict(), partial samples)
       reference.safetensors  the reference model's parameters, once an update (copy, ema,
                         periodic, user) has moved them off the base model; a resume loads them
-      manifest.json     written last: step, weight version, every file with its size
+      manifest.json     written last: step, weight version, every file with its size and
+                        CRC-32 (`checkpoint_verify.py`; hashed right after the files are written)
 Everything is written into `.tmp-step_NNNNNN/` and renamed, so a crash never leaves a directory
-named `step_*` that is incomplete; `find_latest_checkpoint` also checks the manifest's files.
+named `step_*` that is incomplete; `find_latest_checkpoint` also checks the manifest's sizes.
+A resume verifies the checksums too (`driver/resume.py`: a corrupt checkpoint stops the run).
 A checkpoint is deleted (rotation, replacement) by renaming it to `.old-step_NNNNNN-<ns>` first,
 so a kill mid-delete never leaves a half-deleted `step_*`; `clean_leftovers` removes `.tmp-*` and
 `.old-*` directories at the next save and at the start of a run. A write that fails (a full
@@ -41,13 +43,14 @@ import numpy as np
 import torch
 
 from rollouts.config.training import BestMode
+from rollouts.trainer.checkpoint_verify import MANIFEST, parse_records, read_manifest, record_files
 from rollouts.trainer.disk_errors import write_error
 from rollouts.trainer.protocol import TrainingBackend
 
-MANIFEST = "manifest.json"
 REFERENCE_FILE = "reference.safetensors"
 EXTRA_STATE = "extra_state.json"
-FORMAT = 1
+FORMAT = 2  # 2: each file's size and crc32; 1 (older checkpoints, still loaded): sizes only
+FORMATS = (1, 2)
 BEST_FILE = "best.json"
 BEST_MODES = typing.get_args(BestMode)
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -150,14 +153,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _file_sizes(path: Path) -> dict[str, int]:
-    return {
-        str(f.relative_to(path)): f.stat().st_size
-        for f in sorted(path.rglob("*"))
-        if f.is_file() and f.name != MANIFEST
-    }
-
-
 def _write_json(path: Path, data: Any) -> None:
     with open(path, "w") as fh:
         json.dump(data, fh)
@@ -166,11 +161,11 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def is_complete(path: Path) -> bool:
-    """A manifest that parses and names files that are all there with their sizes."""
+    """A manifest that parses and names files that are all there with their sizes (cheap: no
+    checksum; `checkpoint_verify.verify_checkpoint` reads the files)."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        files = manifest["files"]
-        return all((path / rel).stat().st_size == size for rel, size in files.items())
+        records = parse_records(read_manifest(path)["files"])
+        return all((path / rel).stat().st_size == r.size for rel, r in records.items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
@@ -323,7 +318,7 @@ def _finish(
         "weight_version": weight_version,
         "world_size": world_size,
         "created_unix": time.time(),
-        "files": _file_sizes(tmp),
+        "files": record_files(tmp),  # just written: read back from the page cache
     }
     _write_json(tmp / MANIFEST, manifest)
 
@@ -334,7 +329,7 @@ def load_checkpoint(backend: TrainingBackend, path: str | Path) -> CheckpointSta
     if not is_complete(path):
         raise FileNotFoundError(f"{path}: not a complete checkpoint (no valid {MANIFEST})")
     manifest = json.loads((path / MANIFEST).read_text())
-    assert manifest["format"] == FORMAT, f"{path}: checkpoint format {manifest['format']}"
+    assert manifest["format"] in FORMATS, f"{path}: checkpoint format {manifest['format']}"
     backend.load_checkpoint(path).result()
     rng_file = path / f"rng_rank{backend.rank}.pt"
     if not rng_file.is_file():  # resumed with more ranks than were saved

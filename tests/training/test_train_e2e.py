@@ -15,6 +15,7 @@ import pytest
 from rollouts.data.buffer import DataBuffer
 from rollouts.data.loaders import load_prompts
 from tests.toml_config import write_config
+from tests.training.conftest import FinishedRun
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "integration_training" / "train.py"
@@ -75,11 +76,8 @@ def _steps(path: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
-def test_sft_then_rl_end_to_end(tmp_path: Path) -> None:
-    config = _config(tmp_path)
-    done = _train("--mode", "sft+rl", "--config", str(config))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run = tmp_path / "run"
+def test_sft_then_rl_end_to_end(finished_run: FinishedRun) -> None:
+    done, run = finished_run.done, finished_run.run
     assert _steps(run / "sft_metrics.jsonl") == [0, 1, 2, 3, 4, 5, 6]  # 0 = held-out eval
     assert _steps(run / "metrics.jsonl") == [0, 1, 2, 3]  # 0 = held-out eval before RL
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
