@@ -85,7 +85,7 @@ class Chaos:
         self.injected: list[dict[str, Any]] = []
         self.findings: list[str] = []
         self.fallback: list[str] = []
-        from rollouts.weights.disk import run_sync_root
+        from rollouts.weights.copies import run_sync_root
 
         self.sync_root = run_sync_root("", self.tag, self.run_dir)
 

@@ -17,11 +17,13 @@ command on every node) under a multi-node torchrun that meets at `--rdzv-endpoin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
-from rollouts.config import ConfigError, load_config
+from rollouts.config import Config, ConfigError, load_config
 from rollouts.driver.launch import needs_torchrun, srun_ranks, torchrun_command
 
 MODES = ("sft", "rl", "sft+rl")
@@ -73,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the config, re-launch under torchrun if asked, then run the training."""
+    """Load the config, re-launch under torchrun if asked, take the run's locks, then import
+    the training (torch, transformers) and run it."""
     overrides = list(args.overrides)
     for key, value in (("nproc", args.nproc), ("nnodes", args.nnodes)):
         if value:
@@ -88,27 +91,52 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if needs_torchrun(config, os.environ):
-        cmd = torchrun_command(args, config)
-        print(f"[train] re-launching under torchrun: {' '.join(cmd)}", flush=True)
-        os.execv(cmd[0], cmd)
     from rollouts.driver.errors import report_error
     from rollouts.driver.lock import RunInUse
-    from rollouts.driver.run import run_training
 
     try:
-        return run_training(
-            args.mode,
-            config,
-            resume=args.resume or args.resume_step is not None,
-            config_path=args.config,
-            resume_step=args.resume_step,
-        )
+        if needs_torchrun(config, os.environ):
+            _relaunch(args, config)
+        with _driver_locks(config):  # before torch: a second run is refused at once
+            from rollouts.driver.run import run_training
+
+            return run_training(
+                args.mode,
+                config,
+                resume=args.resume or args.resume_step is not None,
+                config_path=args.config,
+                resume_step=args.resume_step,
+            )
     except Exception as e:  # an operating error: its message alone (see driver/errors.py)
         run_dir = Path(config.run.output_dir) if config.run.output_dir else None
         if isinstance(e, RunInUse):  # the directory is the other run's: its error.log too
             run_dir = None
         return report_error(e, run_dir, debug=args.debug)
+
+
+def _driver_locks(config: Config) -> contextlib.AbstractContextManager[object]:
+    """The run's locks (`lock.hold_run_locks`) in the process that runs the driver: global rank
+    0, or the only process; the other ranks take none."""
+    from rollouts.driver.lock import hold_run_locks
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        return contextlib.nullcontext()
+    return hold_run_locks(config)
+
+
+def _relaunch(args: argparse.Namespace, config: Config) -> NoReturn:
+    """Re-run the command under torchrun. On one node, first check that no live run holds the
+    directory (the locks are taken and given back; rank 0 takes them for the run), so a second
+    run is refused before torchrun and its ranks import torch; across nodes only rank 0, on
+    whichever node, may take them."""
+    from rollouts.driver.lock import hold_run_locks
+
+    if config.training.nnodes == 1:
+        with hold_run_locks(config, bases=[]):
+            pass
+    cmd = torchrun_command(args, config)
+    print(f"[train] re-launching under torchrun: {' '.join(cmd)}", flush=True)
+    os.execv(cmd[0], cmd)
 
 
 def main(argv: list[str] | None = None) -> int:

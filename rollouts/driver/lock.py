@@ -1,15 +1,17 @@
 """One run per directory: locks on the run directory and its weight-copy directory, held for the
-run's life, and the removal of weight copies whose run died.
+run's life; the weight copies exist only while their lock is held.
 
 Two runs on one `run.output_dir` (overwrite or not, --resume or not) delete or interleave each
-other's files; the second one now fails at once, naming the first one's pid. The lock is an
+other's files; the second one fails at once, naming the first one's pid, before train.py imports
+torch (`driver/cli.py` takes the locks right after reading the config). The lock is an
 exclusive `flock` on a small file that holds the owner's pid: the kernel drops it when its
 process dies, so a lock left by a dead run is simply taken over (and said so), never guessed
 from a pid that may have been reused. The run directory's lock is `<run dir>/run.lock`; the
-weight copies' lock sits beside their directory (`/dev/shm/rollouts-<run>.lock`, which the
-run's own clean-up of that directory leaves alone) or inside a configured
-`weight_sync.dir`. A new run removes every default weight-copy directory (/dev/shm,
-the temp dir) whose lock is free: its run is dead (killed runs left them until resumed).
+weight copies' lock sits beside their directory (`/dev/shm/rollouts-<run>-<hash>.lock`, which
+the run's own clean-up of that directory leaves alone) or inside a configured
+`weight_sync.dir`. It is taken before the copies are made, and on the way out the copies are
+removed before it is dropped, whatever ended the run; a killed run's are removed by the next
+run (`driver/orphans.py`).
 """
 
 from __future__ import annotations
@@ -20,22 +22,19 @@ import datetime
 import fcntl
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from rollouts.config import Config
 from rollouts.trainer.disk_errors import write_error
+from rollouts.weights.copies import clean_sync_root, run_sync_root, weight_copy_bases
 
 LOCK_NAME = "run.lock"  # in the run directory
 SYNC_LOCK_NAME = "owner.lock"  # in a configured weight_sync.dir
 LOCK_SUFFIX = ".lock"  # beside a default weight-copy directory: /dev/shm/rollouts-<run>.lock
-WEIGHT_COPY_PREFIX = "rollouts-"
 BUSY_RETRY_S = 0.2  # a lock briefly held by another run's orphan scan is retried this long
-FRESH_S = 60.0  # an empty lock file younger than this may be a run starting: left alone
 
 
 class RunInUse(RuntimeError):
@@ -162,51 +161,15 @@ def sync_lock_path(root: Path, configured: bool) -> Path:
     return root / SYNC_LOCK_NAME if configured else root.with_name(root.name + LOCK_SUFFIX)
 
 
-def weight_copy_bases() -> list[Path]:
-    """The directories default weight copies go to (`weight_sync.default_sync_root`)."""
-    bases = [Path("/dev/shm"), Path(tempfile.gettempdir())]
-    return [b for b in dict.fromkeys(bases) if b.is_dir()]
-
-
-def _remove_if_orphaned(lock_path: Path) -> Path | None:
-    """The weight-copy directory of `lock_path`, removed, when no live process holds its lock."""
-    lock = try_lock(lock_path, wait=False)
-    if lock is None:
-        return None  # its run is alive
-    try:
-        young = time.time() - os.fstat(lock.fd).st_mtime < FRESH_S
-        if lock.previous is None and young:
-            return None  # maybe a run between creating its lock file and writing its pid
-        copies = lock_path.with_name(lock_path.name[: -len(LOCK_SUFFIX)])
-        shutil.rmtree(copies, ignore_errors=True)
-        return copies
-    finally:
-        release(lock)
-
-
-def remove_orphaned_weight_copies(bases: Sequence[Path]) -> list[Path]:
-    """Remove the default weight-copy directories under `bases` whose run is dead; return them.
-
-    Only directories with a lock file are considered (older runs wrote none: left alone).
-    """
-    removed = []
-    for base in bases:
-        for lock_path in sorted(base.glob(f"{WEIGHT_COPY_PREFIX}*{LOCK_SUFFIX}")):
-            try:
-                copies = _remove_if_orphaned(lock_path)
-            except OSError:  # another user's file, a race with its owner: not ours to clean
-                continue
-            if copies is not None:
-                removed.append(copies)
-    return removed
-
-
 @contextlib.contextmanager
 def hold_run_locks(config: Config, bases: Sequence[Path] | None = None) -> Iterator[Path]:
     """Hold the locks of `config`'s run directory and weight-copy directory while the body runs
     (yields the run directory); first remove the weight copies of dead runs under `bases`
-    (default: /dev/shm and the temp dir)."""
-    from rollouts.weights.disk import run_sync_root  # torch: not for a bare lock holder
+    (default: `copies.weight_copy_bases`). On the way out, whatever ended the body (a finished
+    run, an engine that never came up, any error), the run's own weight copies are removed
+    before their lock is dropped, so no copy directory outlives its owner's lock. Light: no
+    torch, so train.py takes it before the heavy imports."""
+    from rollouts.driver.orphans import remove_orphaned_weight_copies
 
     run_dir = Path(config.run.output_dir)
     configured = bool(config.weight_sync.dir)
@@ -224,5 +187,7 @@ def hold_run_locks(config: Config, bases: Sequence[Path] | None = None) -> Itera
             print(f"[train] removed the weight copies of a run that died: {copies}", flush=True)
         yield run_dir
     finally:
+        if len(locks) == 2:  # ours: removed while we still own them
+            clean_sync_root(sync_root, configured)
         for lock in reversed(locks):
             release(lock)

@@ -22,6 +22,7 @@ import trio
 
 from rollouts.config import config_from_dict
 from rollouts.data.loaders import write_jsonl
+from rollouts.driver.lock import hold_run_locks
 from rollouts.driver.rl_phase import rl_phase
 from rollouts.driver.setup import StopFlag, prepare_run_dir
 from rollouts.driver.trainer_io import checkpoint_root
@@ -107,9 +108,11 @@ def quick_start_training(
         overrides or {},
     )
     config = config_from_dict(table, "quick_start_training")
-    run_dir = prepare_run_dir(config, "quick_start_training", resume=False)
-    write_jsonl(data_path, rows)  # after the run directory is (re)created, never before
-    metrics = trio.run(rl_phase, config, run_dir, Path(model_path), False, StopFlag(), reward_fn)
+    with hold_run_locks(config):  # one run per directory; its weight copies gone at the end
+        run_dir = prepare_run_dir(config, "quick_start_training", resume=False)
+        write_jsonl(data_path, rows)  # after the run directory is (re)created, never before
+        model = Path(model_path)
+        metrics = trio.run(rl_phase, config, run_dir, model, False, StopFlag(), reward_fn)
     final = find_latest_checkpoint(checkpoint_root(config, run_dir, "rl"))
     result = QuickStartResult(metrics=metrics, run_dir=run_dir, checkpoint=final)
     trained = result.model_dir or result.adapter_dir

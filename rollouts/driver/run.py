@@ -1,6 +1,6 @@
 """The driver behind train.py: prepares the run and runs SFT, RL, or SFT then RL.
 
-    prepare run dir, data, base model (one run per directory: `lock.py`)
+    prepare run dir, data, base model (one run per directory: `lock.py`, taken by `cli.py`)
       -> SFT (`sft_phase.py`)  -> checkpoints/sft/step_N/model
       -> RL (`rl_phase.py`): trainer, reference, engines, weight publisher -> the RL loop
       -> summary, plots; engines stopped (also on Ctrl-C or an error)
@@ -24,7 +24,6 @@ import trio
 from rollouts.config import Config
 from rollouts.driver.engines import cpu_share
 from rollouts.driver.launch import shares_node_with_driver
-from rollouts.driver.lock import hold_run_locks
 from rollouts.driver.placement import placement_of
 from rollouts.driver.resume import resume_steps, verify_start_model
 from rollouts.driver.rl_phase import rl_phase
@@ -40,7 +39,7 @@ from rollouts.driver.summary import finish_run, quiet_progress_bars
 from rollouts.driver.trainer_io import BackendFactory, checkpoint_root
 from rollouts.trainer.checkpoint import find_latest_checkpoint
 from rollouts.trainer.factories import create_backend, resolve_device
-from rollouts.weights.disk import run_sync_root
+from rollouts.weights.copies import run_sync_root
 from rollouts.weights.reach import resolve_reach
 
 if TYPE_CHECKING:
@@ -54,18 +53,6 @@ async def _main(
     config_path: str,
     hub: BackendHub | None = None,
     resume_step: int | None = None,
-) -> int:
-    with hold_run_locks(config):  # one run per directory, for the run's life
-        return await _run(mode, config, resume, config_path, hub, resume_step)
-
-
-async def _run(
-    mode: str,
-    config: Config,
-    resume: bool,
-    config_path: str,
-    hub: BackendHub | None,
-    resume_step: int | None,
 ) -> int:
     started = time.monotonic()
     # SFT: a share of the cores, or every core when colocated (the RL phase sets its own threads:
@@ -129,7 +116,8 @@ def run_training(
     resume_step: int | None = None,
 ) -> int:
     """Run `mode` ("sft", "rl" or "sft+rl") for `config`; the process exit code.
-    `resume_step`: --resume-step N (with `resume`), step N of the phase being resumed.
+    The caller holds the run's locks (`lock.hold_run_locks`; train.py takes them before importing
+    this). `resume_step`: --resume-step N (with `resume`), step N of the phase being resumed.
 
     Under torchrun with several ranks (the FSDP backend), rank 0 runs the driver and the other
     ranks mirror its backend calls (`backends/mirror.py`).

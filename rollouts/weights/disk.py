@@ -14,10 +14,8 @@ local directory (/dev/shm by default), written to a temporary name and renamed, 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -288,32 +286,6 @@ async def sync_pool(
     if len(report.failed) == len(report.results):
         raise WeightSyncError(report)
     return dataclasses.replace(report, engines_down=len(pool.engines) - len(live))
-
-
-def default_sync_root(configured: str, run_name: str) -> Path:
-    """`weight_sync.dir`, else /dev/shm/rollouts-<run> when /dev/shm is there."""
-    if configured:
-        return Path(configured)
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and shutil.disk_usage(shm).free > 0 else Path(tempfile.gettempdir())
-    return base / f"rollouts-{run_name}"
-
-
-def run_sync_root(configured: str, run_name: str, run_dir: str | Path) -> Path:
-    """The weight-sync root of a run: named by the run (its name and a hash of its directory),
-    not by the process, so a resumed run finds (and cleans) what a crashed one left behind."""
-    digest = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:10]
-    return default_sync_root(configured, f"{run_name}-{digest}")
-
-
-def clean_sync_root(root: Path, configured: bool) -> None:
-    """Remove the weight copies under `root` (at start and on exit): the whole directory when
-    it is ours (/dev/shm or the temp dir), only our `v_*` copies in a configured one."""
-    if not configured:
-        shutil.rmtree(root, ignore_errors=True)
-        return
-    for old in [*root.glob("v_*"), *root.glob(".tmp-v_*")]:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def publish_weights(

@@ -40,8 +40,8 @@ from rollouts.weights.check import (
     content_probe,
     probe_metrics,
 )
+from rollouts.weights.copies import clean_sync_root
 from rollouts.weights.disk import (
-    clean_sync_root,
     publish_adapter,
     publish_weights,
     sync_pool,

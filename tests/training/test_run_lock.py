@@ -29,9 +29,9 @@ from rollouts.driver.lock import (
     acquire,
     hold_run_locks,
     read_owner,
-    remove_orphaned_weight_copies,
 )
 from rollouts.driver.metrics import JsonlSink
+from rollouts.driver.orphans import remove_orphaned_weight_copies
 from rollouts.driver.setup import prepare_run_dir
 from rollouts.trainer.disk_errors import DiskWriteError
 from tests.training.test_files_reliability import fill, small_disk  # noqa: F401
@@ -215,3 +215,40 @@ def test_resuming_on_a_full_disk_names_the_path(
     assert f"{small_disk}/run/" in err and "the disk is full" in err, err  # was: [Errno 28]
     with pytest.raises(DiskWriteError, match=rf"{small_disk}/run/sft_metrics.tmp: the disk is"):
         JsonlSink(metrics, resume_step=1)
+
+
+REFUSED_BARE = textwrap.dedent(
+    """
+    import json, runpy, sys
+    sys.argv = [sys.argv[1], *sys.argv[2:]]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        heavy = [m for m in ("torch", "transformers", "rollouts.driver.run") if m in sys.modules]
+        print(json.dumps({"rc": e.code, "heavy": heavy}))
+    """
+)
+
+
+def test_a_second_run_is_refused_before_torch_is_imported(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train.py reads the config, takes the locks, and only then imports the training: a run
+    on a live run's directory is refused without importing torch (was: ~7 s of imports first),
+    also when it would re-launch itself under torchrun (--nproc 2)."""
+    monkeypatch.setenv("ROLLOUTS_WEIGHT_COPIES", str(tmp_path))  # no /dev/shm lock of ours
+    config = _sft_config(tmp_path, tiny_model_dir, "f.toml")
+    with hold_run_locks(load_config(str(config)), bases=[]):  # the live run: this process
+        for extra in ([], ["--nproc", "2"]):
+            args = ["--mode", "sft", "--config", str(config), *extra]
+            refused = subprocess.run(
+                [sys.executable, "-c", REFUSED_BARE, str(TRAIN), *args],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                cwd=ROOT,
+            )
+            report = json.loads(refused.stdout.splitlines()[-1])
+            assert report == {"rc": 1, "heavy": []}, (extra, report, refused.stderr)
+            assert f"is in use by another run (pid {os.getpid()}, " in refused.stderr
+            assert "re-launching under torchrun" not in refused.stdout, refused.stdout

@@ -16,7 +16,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from rollouts.weights.disk import run_sync_root
+from rollouts.weights.copies import run_sync_root
 from tests.training.test_engine_failover import server_pids, wait_gone
 from tests.training.test_train_e2e import ROOT, _config, _steps, _train
 
