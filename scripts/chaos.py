@@ -58,6 +58,7 @@ from chaos_faults import (
     plan_faults,
     send,
     sync_watcher,
+    tagged_processes,
     unmount,
     wait_for,
     wait_processes_gone,
@@ -128,12 +129,13 @@ class Chaos:
             self.findings.append(f"run {len(self.runs) - 1} (exit {code}): left {left}")
             for pid in left:
                 send(pid, signal.SIGKILL)
-        if "--resume-step" in text or "on_corrupt" in text:  # the resume contract's fallbacks
-            step = re.search(r"--resume-step (\d+)", text)
-            alternate = len(self.runs) % 2 == 0 or step is None
-            use_step = ["--resume-step", step.group(1)] if step else []
+        step = re.search(r"--resume-step (\d+)", errors[-1] if errors else "")  # the fallbacks
+        if step is not None:
+            by_step = len(self.runs) % 2 == 1
             self.fallback = (
-                ["--set", 'checkpoint.on_corrupt="fall_back"'] if alternate else use_step
+                ["--resume-step", step.group(1)]
+                if by_step
+                else ["--set", 'checkpoint.on_corrupt="fall_back"']
             )
         return code
 
@@ -142,9 +144,14 @@ class Chaos:
         """Wait for the fault's moment in the live run; what it was ("" when the run ended)."""
         alive = self.alive
         if "mid_checkpoint" in fault.kind or fault.kind in BETWEEN_RUNS:
-            if fault.kind in BETWEEN_RUNS:  # the run is stopped right after a new checkpoint
-                seen = newest_checkpoint(self.ckpt_root)
-                fresh = lambda: newest_checkpoint(self.ckpt_root) not in (None, seen)  # noqa: E731
+            if fault.kind in BETWEEN_RUNS:  # stopped right after a new checkpoint, one intact
+                seen = newest_checkpoint(self.ckpt_root)  # one left (a user's way back)
+
+                def fresh() -> bool:
+                    newest = newest_checkpoint(self.ckpt_root)
+                    older = len(list(self.ckpt_root.glob("step_*/manifest.json"))) >= 2
+                    return newest not in (None, seen) and older
+
                 return "after a checkpoint" if wait_for(fresh, alive, 0.01) else ""
             found = wait_for(lambda: checkpoint_in_progress(self.ckpt_root), alive, 0.0005)
             return "a checkpoint being written" if found else ""
@@ -177,6 +184,7 @@ class Chaos:
         if pid is None:
             return False
         record = {"kind": fault.kind, "run": len(self.runs) - 1, "moment": moment, "pid": pid}
+        self.runs[-1]["faulted"] = True
         if fault.kind == "full_disk":
             filler = fill_disk(self.disk)
             record["detail"] = self.after_full_disk(filler)
@@ -225,37 +233,35 @@ class Chaos:
         self.injected.append({"kind": fault.kind, "skipped": why, "run": len(self.runs) - 1})
 
     # -- the whole run -------------------------------------------------------------------------
-    def run(self, faults: list[Fault], deadline: float) -> int | None:
+    def run(self, faults: list[Fault], deadline: float) -> None:
         """Start, break and resume the run until every fault is injected and it completes."""
         pending = collections.deque((fault, 0) for fault in faults)
-        failed_in_a_row = 0
+        failed_in_a_row = 0  # runs that failed with no fault injected in them
         while time.monotonic() < deadline:
             if not self.alive():
                 if self.proc is not None and "code" not in self.runs[-1]:
                     self.finish(5.0)  # it ended by itself (after an engine fault)
-                code = self.proc.returncode if self.proc is not None else None
-                if code == 0 and self.last_step() >= self.args.steps:
+                last = self.runs[-1] if self.runs else {}
+                if last.get("code") == 0 and self.last_step() >= self.args.steps:
                     for fault, _ in pending:
                         self.skip(fault, "the run completed first")
-                    return 0
+                    return
+                failed = self.runs and last.get("code") != 0 and not last.get("faulted")
+                failed_in_a_row = failed_in_a_row + 1 if failed else 0
+                if failed_in_a_row >= MAX_FAILED_STARTS:
+                    self.findings.append(
+                        f"{failed_in_a_row} resumes in a row failed: {last['error']}"
+                    )
+                    return
                 self.start()
             if pending:
                 fault, tries = pending.popleft()
-                if self.inject(fault):
-                    failed_in_a_row = 0
-                elif tries < 2:
+                if not self.inject(fault) and tries < 2:
                     pending.appendleft((fault, tries + 1))
-                else:
+                elif tries >= 2:
                     self.skip(fault, "three runs ended before its moment")
                 continue
-            code = self.finish(max(1.0, deadline - time.monotonic()))
-            if code not in (0, None):
-                failed_in_a_row += 1
-                if failed_in_a_row >= MAX_FAILED_STARTS:
-                    self.findings.append(
-                        f"{failed_in_a_row} resumes in a row failed: {self.runs[-1]['error']}"
-                    )
-                    return code
+            self.finish(max(1.0, deadline - time.monotonic()))
         if self.alive():
             send(self.proc.pid, signal.SIGKILL)
             self.finish(60.0)
@@ -278,6 +284,7 @@ def main() -> int:
     parser.add_argument("--timeout-min", type=float, default=60.0)
     parser.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("chaos.py: SIGTERM"))  # clean up first
     args.out = (args.out or Path(f"/tmp/rollouts-chaos-{args.seed}")).resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + 60 * args.timeout_min
@@ -320,6 +327,9 @@ def main() -> int:
     finally:
         if chaos.alive():
             send(chaos.proc.pid, signal.SIGKILL)
+            chaos.proc.wait()
+        for pid in tagged_processes(chaos.tag):  # only after an interrupted chaos run
+            send(pid, signal.SIGKILL)
         if not why:
             unmount(disk)
     report(args, chaos, faults, checks, full_disk)

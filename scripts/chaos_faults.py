@@ -223,8 +223,11 @@ def mount_tmpfs(where: Path, size_mb: int) -> str:
 
 
 def unmount(where: Path) -> None:
-    """Unmount `where` (a tmpfs this run mounted)."""
-    subprocess.run(["umount", str(where)], capture_output=True, check=False)
+    """Unmount `where` (a tmpfs this run mounted), retried while a dying process holds it."""
+    for _ in range(50):
+        if subprocess.run(["umount", str(where)], capture_output=True).returncode == 0:
+            return
+        time.sleep(0.2)
 
 
 def send(pid: int, sig: signal.Signals) -> bool:
