@@ -63,7 +63,16 @@ from chaos_faults import (
     wait_for,
     wait_processes_gone,
 )
-from chaos_runs import ROOT, base_model, clean_run, common_sets, leftovers, report, train_command
+from chaos_runs import (
+    ROOT,
+    base_model,
+    clean_run,
+    common_sets,
+    leftovers,
+    report,
+    train_command,
+    wait_for_clean,
+)
 
 STOP_ON_DISK_FULL_S = 180.0  # a run on a full disk must stop (with its error) within this
 GONE_S = 20.0  # a dead driver's children (engines, trainer) must be gone within this
@@ -278,6 +287,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None, help="default: /tmp/rollouts-chaos-SEED")
     parser.add_argument("--sft-steps", type=int, default=300, help="0: RL from the config's model")
     parser.add_argument("--base-model", default="", help="an HF model dir: no SFT (--sft-steps)")
+    parser.add_argument(
+        "--clean-run",
+        default="",
+        help="the unbroken run's directory, made (or being made) elsewhere with the same settings",
+    )
     parser.add_argument("--kinds", default="", help="comma-separated fault kinds (default: all)")
     parser.add_argument("--checkpoint-every", type=int, default=4)
     parser.add_argument("--tmpfs-mb", type=int, default=256)
@@ -289,7 +303,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + 60 * args.timeout_min
     sets = common_sets(args, base_model(args))
-    clean = clean_run(args, sets)
+    clean = Path(args.clean_run).resolve() if args.clean_run else clean_run(args, sets)
     disk = args.out / f"chaos-seed{args.seed}"
     why = mount_tmpfs(disk, args.tmpfs_mb)
     full_disk = (
@@ -305,6 +319,7 @@ def main() -> int:
     chaos = Chaos(args, sets, disk)
     try:
         chaos.run(faults, deadline)
+        wait_for_clean(clean, args.steps, deadline)
         final = chaos.ckpt_root / f"step_{args.steps:06d}"
         checks = [
             Check(

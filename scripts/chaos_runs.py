@@ -9,6 +9,7 @@ import collections
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,14 @@ def clean_run(args: argparse.Namespace, sets: list[str]) -> Path:
     )
     done.write_text(json.dumps({"sets": key}))
     return run
+
+
+def wait_for_clean(run: Path, steps: int, deadline: float) -> None:
+    """Wait (until `deadline`) for an unbroken run made elsewhere (`--clean-run`) to end: its
+    last checkpoint written and its lock released."""
+    final = run / "checkpoints" / "rl" / f"step_{steps:06d}" / "manifest.json"
+    while time.monotonic() < deadline and not (final.is_file() and not (run / "run.lock").exists()):
+        time.sleep(1.0)
 
 
 def leftovers(chaos: Any, shm_before: set[str]) -> list[Check]:
