@@ -105,6 +105,8 @@ def leftovers(chaos: Any, shm_before: set[str]) -> list[Check]:
     """Nothing of the run left in /dev/shm (weight copies, locks) or the process table."""
     shm = {p.name for p in Path("/dev/shm").iterdir()} - shm_before
     ours = sorted(n for n in shm if chaos.tag in n)
+    root = chaos.sync_root  # where the weight copies went ($ROLLOUTS_WEIGHT_COPIES or /dev/shm)
+    ours += [str(p) for p in (root, root.with_name(root.name + ".lock")) if p.exists()]
     others = sorted(shm - set(ours))
     detail = (
         f"left: {ours}"
