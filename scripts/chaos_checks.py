@@ -7,7 +7,10 @@ held, and what differed). Keys left out of the metrics comparison, by name:
 - `train/logprob_mismatch` is compared to 1e-6: the engine's floats depend on the batch a row
   ran in (~1e-9), which restarts and retries change;
 - `sync/attempts`, `sync/failed_engines`, `sync/engines_down`: what a sync met (an engine killed
-  or stopped), reported when they differ but not a failure.
+  or stopped), reported when they differ but not a failure;
+- every `sync/*` key absent from the broken run's line of a step whose weight sync failed: the
+  run stopped there after its rescue checkpoint, whose line (written again on resume) holds the
+  step's metrics up to the sync; reported, not a failure.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ def check_metrics_equal(clean: Path, chaos: Path) -> tuple[Check, Check]:
     by_step = {int(r["step"]): r for r in b}
     differ: dict[str, tuple[int, Any, Any]] = {}
     fault: dict[str, int] = collections.Counter()
+    unsynced: set[int] = set()  # steps whose sync failed in the broken run
     for row in a:
         other = by_step.get(int(row["step"]), {})
         for key in sorted(row.keys() | other.keys()):
@@ -85,6 +89,8 @@ def check_metrics_equal(clean: Path, chaos: Path) -> tuple[Check, Check]:
                 continue
             if key in FAULT_KEYS:
                 fault[key] += 1
+            elif key.startswith("sync/") and key not in other and _sync_failed(row, other):
+                unsynced.add(int(row["step"]))
             elif key in BATCH_FLOATS and _close(va, vb, BATCH_FLOATS[key]):
                 continue
             else:
@@ -97,6 +103,10 @@ def check_metrics_equal(clean: Path, chaos: Path) -> tuple[Check, Check]:
             f"{k} first differs at step {s}: {va!r} != {vb!r}" for k, (s, va, vb) in differ.items()
         )
     )
+    if unsynced:
+        fault[f"every sync/* key absent (the sync failed: steps {sorted(unsynced)})"] = len(
+            unsynced
+        )
     faults = ", ".join(f"{k} on {n} steps" for k, n in sorted(fault.items())) or "none differ"
     return (
         Check(
@@ -163,6 +173,11 @@ def check_weights(clean_ckpt: Path, chaos_ckpt: Path) -> Check:
         else f"differ: {differ[:8]}"
     )
     return Check(name=f"final weights bit-equal ({chaos_ckpt.name})", ok=not differ, detail=detail)
+
+
+def _sync_failed(clean: dict[str, Any], chaos: dict[str, Any]) -> bool:
+    """The broken run's line of this step has no sync record at all (its sync failed)."""
+    return "sync/bytes" in clean and not any(k.startswith("sync/") for k in chaos)
 
 
 def _close(a: Any, b: Any, tol: float) -> bool:
