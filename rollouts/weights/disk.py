@@ -255,7 +255,9 @@ async def sync_pool(
 
     The pool records (path, version) so that engines coming back load these weights first.
     Raises EngineUnavailable when no engine is up within `pool.wait_for_up_s`, and
-    WeightSyncError when none of the engines that were up took the new weights.
+    WeightSyncError when none of the engines that were up took the new weights and none comes
+    back on them within `pool.wait_for_up_s` (an engine killed mid-sync and restarted: the
+    health check makes it load and prove them, as it does for a generation's wait).
     """
     if not await pool.wait_for_up():  # outside the lock: health checks bring engines back
         raise EngineUnavailable(
@@ -283,7 +285,7 @@ async def sync_pool(
                 pool.mark_down(i)
                 print(f"[engines] {result.url} marked down: {result.error}", flush=True)
         pool.set_weights(str(checkpoint_path), version, adapter=adapter)
-    if len(report.failed) == len(report.results):
+    if len(report.failed) == len(report.results) and not await pool.wait_for_up():
         raise WeightSyncError(report)
     return dataclasses.replace(report, engines_down=len(pool.engines) - len(live))
 
