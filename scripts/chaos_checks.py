@@ -4,8 +4,10 @@ Each check is a pure function of the two runs' files and returns a `Check` (its 
 held, and what differed). Keys left out of the metrics comparison, by name:
 - timings and rates (`time/*`, `perf/*`, `memory/*`, any key with an `_s` unit, `engines/load`),
   as in `scripts/same_seed.py`;
-- `train/logprob_mismatch` is compared to 1e-6: the engine's floats depend on the batch a row
-  ran in (~1e-9), which restarts and retries change;
+- `train/logprob_mismatch` is compared to 1e-4, and its largest gap reported: the engine's
+  floats depend on the batch a row ran in and on the engine's history (its cache's size, a
+  restart), which faults change; with the demo's bf16 engine the gap reached 2.5e-5 (1.4%) on
+  one step of 60, ~1e-6 on most (it only measures the engine; training takes its own logprobs);
 - `sync/attempts`, `sync/failed_engines`, `sync/engines_down`: what a sync met (an engine killed
   or stopped), reported when they differ but not a failure;
 - every `sync/*` key absent from the broken run's line of a step whose weight sync failed: the
@@ -22,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-BATCH_FLOATS = {"train/logprob_mismatch": 1e-6}
+BATCH_FLOATS = {"train/logprob_mismatch": 1e-4}
 FAULT_KEYS = frozenset({"sync/attempts", "sync/failed_engines", "sync/engines_down"})
 
 
@@ -81,6 +83,7 @@ def check_metrics_equal(clean: Path, chaos: Path) -> tuple[Check, Check]:
     differ: dict[str, tuple[int, Any, Any]] = {}
     fault: dict[str, int] = collections.Counter()
     unsynced: set[int] = set()  # steps whose sync failed in the broken run
+    gaps: dict[str, float] = {}  # the engine's floats: the largest gap within tolerance
     for row in a:
         other = by_step.get(int(row["step"]), {})
         for key in sorted(row.keys() | other.keys()):
@@ -92,7 +95,7 @@ def check_metrics_equal(clean: Path, chaos: Path) -> tuple[Check, Check]:
             elif key.startswith("sync/") and key not in other and _sync_failed(row, other):
                 unsynced.add(int(row["step"]))
             elif key in BATCH_FLOATS and _close(va, vb, BATCH_FLOATS[key]):
-                continue
+                gaps[key] = max(gaps.get(key, 0.0), abs(va - vb))
             else:
                 differ.setdefault(key, (int(row["step"]), va, vb))
     compared = sum(1 for r in a for k in r if not is_timing(k))
@@ -108,6 +111,9 @@ def check_metrics_equal(clean: Path, chaos: Path) -> tuple[Check, Check]:
             unsynced
         )
     faults = ", ".join(f"{k} on {n} steps" for k, n in sorted(fault.items())) or "none differ"
+    faults += "".join(
+        f"; {k} within {BATCH_FLOATS[k]:g} (largest gap {g:.2g})" for k, g in gaps.items()
+    )
     return (
         Check(
             name="metrics equal, step by step", ok=not differ and len(a) == len(b), detail=detail
@@ -177,7 +183,8 @@ def check_weights(clean_ckpt: Path, chaos_ckpt: Path) -> Check:
 
 def _sync_failed(clean: dict[str, Any], chaos: dict[str, Any]) -> bool:
     """The broken run's line of this step has no sync record at all (its sync failed)."""
-    return "sync/bytes" in clean and not any(k.startswith("sync/") for k in chaos)
+    logged = bool(chaos)  # a step missing altogether is a failure, not a failed sync
+    return logged and "sync/bytes" in clean and not any(k.startswith("sync/") for k in chaos)
 
 
 def _close(a: Any, b: Any, tol: float) -> bool:
