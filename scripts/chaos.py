@@ -265,9 +265,11 @@ class Chaos:
                 self.start()
             if pending:
                 fault, tries = pending.popleft()
-                if not self.inject(fault) and tries < 2:
-                    pending.appendleft((fault, tries + 1))
-                elif tries >= 2:
+                if self.inject(fault):
+                    continue
+                if tries < 2:
+                    pending.appendleft((fault, tries + 1))  # tried again in the next run
+                else:
                     self.skip(fault, "three runs ended before its moment")
                 continue
             self.finish(max(1.0, deadline - time.monotonic()))
