@@ -12,7 +12,10 @@ held, and what differed). Keys left out of the metrics comparison, by name:
   or stopped), reported when they differ but not a failure;
 - every `sync/*` key absent from the broken run's line of a step whose weight sync failed: the
   run stopped there after its rescue checkpoint, whose line (written again on resume) holds the
-  step's metrics up to the sync; reported, not a failure.
+  step's metrics up to the sync; reported, not a failure;
+- any `sync/*` key of a step whose sync met a dead engine (`sync/failed_engines` > 0): the sync
+  measured only the engines it reached (`sync/content_gap_max` reads 0.0 when it reached none;
+  the engine that came back proved the weights through the health check); reported.
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ def check_metrics_equal(clean: Path, chaos: Path) -> tuple[Check, Check]:
                 fault[key] += 1
             elif key.startswith("sync/") and key not in other and _sync_failed(row, other):
                 unsynced.add(int(row["step"]))
+            elif key.startswith("sync/") and other.get("sync/failed_engines", 0) > 0:
+                fault[f"{key} (the sync met a dead engine)"] += 1
             elif key in BATCH_FLOATS and _close(va, vb, BATCH_FLOATS[key]):
                 gaps[key] = max(gaps.get(key, 0.0), abs(va - vb))
             else:
