@@ -5,8 +5,9 @@
 retried a bounded number of times and reported with its error; the time of each phase is kept.
 `sync_pool` is what a run uses: it syncs the pool's engines that are up, marks the ones that fail
 down, and records the new weights in the pool, so an engine that comes back later loads them
-before it gets a request; it fails only when no engine took the new weights (after waiting,
-bounded, for one to be up).
+before it gets a request; it fails only when no engine took the new weights, none being up or
+coming back on them within `engines.wait_for_up_s` (an engine restarted mid-sync loads and
+proves them through the pool's health check).
 `publish_weights` is the fast path to the disk: weights-only HF files (no optimizer) in a fast
 local directory (/dev/shm by default), written to a temporary name and renamed, last K kept.
 """
