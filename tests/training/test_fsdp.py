@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from rollouts.trainer.checkpoint import load_checkpoint
+from rollouts.trainer.checkpoint_verify import verify_checkpoint
 from rollouts.trainer.factories import create_pytorch_backend
 from tests.training.backend_helpers import (
     LENGTHS,
@@ -81,6 +83,19 @@ def test_fsdp_exports_hf_weights_and_resumes_from_its_checkpoint(fsdp_result: di
         torch.testing.assert_close(fsdp_result["exported"][key], value, rtol=0, atol=0)
     for key, value in fsdp_result["step4"].items():
         torch.testing.assert_close(fsdp_result["step4_resumed"][key], value, rtol=0, atol=0)
+
+
+def test_an_fsdp_checkpoint_records_every_rank_s_shards_with_checksums(fsdp_result: dict) -> None:
+    """The manifest names each rank's DCP shard of the optimizer (and every other file) with
+    its size and CRC-32, and the checkpoint verifies."""
+    path = Path(fsdp_result["checkpoint"])
+    files = json.loads((path / "manifest.json").read_text())["files"]
+    on_disk = {str(f.relative_to(path)) for f in path.rglob("*") if f.is_file()}
+    assert set(files) == on_disk - {"manifest.json"}, (files, on_disk)
+    shards = [rel for rel in files if rel.startswith("optimizer/") and rel.endswith(".distcp")]
+    assert len(shards) == 2, files
+    assert all(set(entry) == {"size", "crc32"} for entry in files.values()), files
+    assert verify_checkpoint(path).ok
 
 
 def test_an_fsdp_checkpoint_resumes_on_the_one_process_backend(

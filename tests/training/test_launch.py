@@ -137,3 +137,8 @@ def test_a_checkpoint_dir_some_rank_cannot_see_is_refused_with_the_fix() -> None
     assert "/local/runs/x is not shared" in problem
     assert "rank 1 on node002, rank 2 on node002" in problem and "rank 0 on node001" in problem
     assert "set run.output_dir (or checkpoint.dir)" in problem
+
+
+def test_resume_step_goes_through_the_relaunch() -> None:
+    cmd = torchrun_command(_args("--resume-step", "12"), _training(nproc=2))
+    assert cmd[-2:] == ["--resume-step", "12"], cmd

@@ -18,10 +18,16 @@ import torch
 
 from rollouts.driver.cli import main
 from rollouts.driver.resume import choose_checkpoint, plan_resume
+from rollouts.driver.sft_phase import _write_merged
 from rollouts.trainer.checkpoint import save_checkpoint
-from rollouts.trainer.checkpoint_verify import Problem, Verdict, verify_checkpoint
+from rollouts.trainer.checkpoint_verify import (
+    Problem,
+    Verdict,
+    add_to_manifest,
+    verify_checkpoint,
+)
 from rollouts.trainer.factories import create_pytorch_backend
-from tests.training.backend_helpers import tiny_config
+from tests.training.backend_helpers import lora_config, tiny_config
 from tests.training.conftest import FinishedRun
 from tests.training.test_train_e2e import _steps, _train
 
@@ -82,6 +88,26 @@ def test_the_manifest_records_every_file_with_its_size_and_crc32(
         data = (path / rel).read_bytes()
         assert entry == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}, rel
     assert verify_checkpoint(path).ok
+
+
+def test_a_lora_sft_checkpoint_s_merged_model_joins_its_manifest(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The merged model/ that sft_phase writes into the last LoRA SFT checkpoint after it was
+    finished (RL starts from it) is recorded too: every file of the directory is verified."""
+    backend = create_pytorch_backend(lora_config(tiny_model_dir))
+    path = save_checkpoint(backend, tmp_path, step=1, weight_version="1")
+    assert not (path / "model").exists()
+    _write_merged(backend, path / "model")
+    backend.close()
+    add_to_manifest(path, "model")
+    files = json.loads((path / "manifest.json").read_text())["files"]
+    on_disk = {str(f.relative_to(path)) for f in path.rglob("*") if f.is_file()}
+    assert set(files) == on_disk - {"manifest.json"} and MODEL in files, files
+    assert any(rel.startswith("adapter/") for rel in files), files
+    assert verify_checkpoint(path).ok
+    _overwrite_middle(path / MODEL)
+    assert [p.file for p in verify_checkpoint(path).problems] == [MODEL]
 
 
 def test_verify_names_the_file_and_what_differed(tiny_model_dir: Path, tmp_path: Path) -> None:
