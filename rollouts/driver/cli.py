@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import NoReturn
 
 from rollouts.config import Config, ConfigError, load_config
+from rollouts.driver.errors import report_error
 from rollouts.driver.launch import needs_torchrun, srun_ranks, torchrun_command
+from rollouts.driver.lock import RunInUse, hold_run_locks  # light: no torch before the lock
 
 MODES = ("sft", "rl", "sft+rl")
 
@@ -91,9 +93,6 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from rollouts.driver.errors import report_error
-    from rollouts.driver.lock import RunInUse
-
     try:
         if needs_torchrun(config, os.environ):
             _relaunch(args, config)
@@ -117,8 +116,6 @@ def run(args: argparse.Namespace) -> int:
 def _driver_locks(config: Config) -> contextlib.AbstractContextManager[object]:
     """The run's locks (`lock.hold_run_locks`) in the process that runs the driver: global rank
     0, or the only process; the other ranks take none."""
-    from rollouts.driver.lock import hold_run_locks
-
     if int(os.environ.get("RANK", "0")) != 0:
         return contextlib.nullcontext()
     return hold_run_locks(config)
@@ -129,8 +126,6 @@ def _relaunch(args: argparse.Namespace, config: Config) -> NoReturn:
     directory (the locks are taken and given back; rank 0 takes them for the run), so a second
     run is refused before torchrun and its ranks import torch; across nodes only rank 0, on
     whichever node, may take them."""
-    from rollouts.driver.lock import hold_run_locks
-
     if config.training.nnodes == 1:
         with hold_run_locks(config, bases=[]):
             pass

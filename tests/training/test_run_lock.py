@@ -1,7 +1,8 @@
 """One run per directory (issue 27 items 8 and 12), with real processes and real pids.
 
 A real train.py run A holds its run directory; a second run on it fails at once naming A's pid
-(run.overwrite = true, false, and --resume) and leaves A's files alone. Once A is SIGKILLed its
+(run.overwrite = true, false, and --resume) and leaves A's files alone, without importing torch
+(issue 45: the locks come before the heavy imports). Once A is SIGKILLed its
 lock is taken over. Weight copies (/dev/shm) whose run is dead are removed by a new run; a live
 run's and unknown ones are kept. Resuming on a full disk names the path.
 """

@@ -12,19 +12,18 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from rollouts.config import load_config
+from rollouts.driver.cli import main
 from rollouts.driver.lock import hold_run_locks
 from rollouts.driver.orphans import UNLOCKED_FRESH_S
 from rollouts.weights.copies import BASE_ENV, run_sync_root
 from tests.training.test_run_lock import _holder, _sft_config
-from tests.training.test_train_e2e import ROOT, TRAIN, _config
+from tests.training.test_train_e2e import _config
 
 STALE = "rollouts-old-run-0123456789"  # a name run_sync_root gives: <run name>-<10 hex>
 
@@ -44,7 +43,7 @@ def _age(path: Path, seconds: float) -> None:
 
 
 def test_a_run_whose_engine_never_answers_leaves_no_weight_copy(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Was: `rollouts-<run>-<hash>/v_0` stayed with no lock beside it (GBs for a real model)."""
     shm = tmp_path / "shm"
@@ -56,19 +55,12 @@ def test_a_run_whose_engine_never_answers_leaves_no_weight_copy(
         run={"name": "unreachable"},
         engines={"kind": "sglang", "urls": [url], "startup_timeout_s": 1.0},
     )
-    done = subprocess.run(
-        [sys.executable, str(TRAIN), "--mode", "rl", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    assert url in done.stderr, done.stderr[-3000:]  # it did fail at the engines' start
+    assert main(["--mode", "rl", "--config", str(config)]) == 1  # train.py's main, in-process
+    out, err = capsys.readouterr()
+    assert url in err, err[-3000:]  # it did fail at the engines' start
     root = run_sync_root("", "unreachable", tmp_path / "run")
     assert root.parent == shm, root
-    assert f"weights go through {root}" in done.stdout, done.stdout[-3000:]  # v_0 was written
+    assert f"weights go through {root}" in out, out[-3000:]
     assert sorted(p.name for p in shm.iterdir()) == []  # no copy, no lock file
 
 
