@@ -5,8 +5,9 @@
 retried a bounded number of times and reported with its error; the time of each phase is kept.
 `sync_pool` is what a run uses: it syncs the pool's engines that are up, marks the ones that fail
 down, and records the new weights in the pool, so an engine that comes back later loads them
-before it gets a request; it fails only when no engine took the new weights (after waiting,
-bounded, for one to be up).
+before it gets a request; it fails only when no engine took the new weights, none being up or
+coming back on them within `engines.wait_for_up_s` (an engine restarted mid-sync loads and
+proves them through the pool's health check).
 `publish_weights` is the fast path to the disk: weights-only HF files (no optimizer) in a fast
 local directory (/dev/shm by default), written to a temporary name and renamed, last K kept.
 """
@@ -255,7 +256,9 @@ async def sync_pool(
 
     The pool records (path, version) so that engines coming back load these weights first.
     Raises EngineUnavailable when no engine is up within `pool.wait_for_up_s`, and
-    WeightSyncError when none of the engines that were up took the new weights.
+    WeightSyncError when none of the engines that were up took the new weights and none comes
+    back on them within `pool.wait_for_up_s` (an engine killed mid-sync and restarted: the
+    health check makes it load and prove them, as it does for a generation's wait).
     """
     if not await pool.wait_for_up():  # outside the lock: health checks bring engines back
         raise EngineUnavailable(
@@ -283,7 +286,7 @@ async def sync_pool(
                 pool.mark_down(i)
                 print(f"[engines] {result.url} marked down: {result.error}", flush=True)
         pool.set_weights(str(checkpoint_path), version, adapter=adapter)
-    if len(report.failed) == len(report.results):
+    if len(report.failed) == len(report.results) and not await pool.wait_for_up():
         raise WeightSyncError(report)
     return dataclasses.replace(report, engines_down=len(pool.engines) - len(live))
 

@@ -97,6 +97,23 @@ async def test_a_dead_engine_is_skipped_then_restarted_on_the_current_weights(
         assert completion.weight_version == "2"
 
 
+async def test_a_sync_waits_for_its_only_engine_to_come_back(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The only engine dies just before a sync, with a restart left: the sync waits (bounded by
+    engines.wait_for_up_s) for it to come back on the new weights, as a generation waits, rather
+    than stop the run (found by `scripts/chaos.py --seed 0`: a run stopped at the sync)."""
+    v1 = tmp_path / "v1"
+    shutil.copytree(tiny_model_dir, v1)
+    config = _config(tiny_model_dir, {"num_engines": 1, "max_restarts": 1}, max_retries=0)
+    async with open_engines(config, tiny_model_dir, "0") as pool:
+        (victim,) = server_pids(f"--port {pool.engines[0].url.rsplit(':', 1)[1]}")
+        os.kill(victim, signal.SIGKILL)
+        await sync_pool(pool, str(v1), "1", attempts=1, retry_delay_s=0.0)
+        assert pool.up == [True], pool.up  # back, and proved the new weights
+        assert await pool.engines[0].weight_version() == "1"
+
+
 async def test_the_sync_stops_the_run_only_when_no_engine_is_left(tiny_model_dir: Path) -> None:
     config = _config(
         tiny_model_dir, {"num_engines": 1, "max_restarts": 0}, max_retries=0, wait_for_up_s=1.0
