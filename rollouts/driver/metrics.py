@@ -243,7 +243,8 @@ class MetricsLogger:
             sink.log(step, metrics)
 
     def log_samples(self, step: int, samples: Sequence[Sample], decode: Any) -> None:
-        """Append (prompt, response text, scored reward, status) of `samples` to rollouts.jsonl."""
+        """Append (prompt, response text, scored reward, status) of `samples` to rollouts.jsonl;
+        a multi-turn episode also with its whole conversation (`messages`) and how it ended."""
         if self.rollouts_path is None or not samples:
             return
         lines = []
@@ -260,6 +261,9 @@ class MetricsLogger:
                 "status": row["status"],
                 "weight_versions": row["weight_versions"],
             }
+            if "messages" in s.metadata:  # a multi-turn episode, whole: each message its role
+                out["messages"] = s.metadata["messages"]
+                out["episode_end"] = s.metadata.get("episode_end")
             lines.append(json.dumps(out) + "\n")
         with self.rollouts_path.open("ab", buffering=0) as f:  # the step's lines whole, or none
             append_line(f, self.rollouts_path, "".join(lines), "sampled rollouts")
