@@ -88,6 +88,17 @@ def turn_text(tokenizer: Any, completion: Completion) -> tuple[str, str]:
     return text, content
 
 
+def _turn_end(status: Status | None, cut_by_context: bool) -> str:
+    """How a model turn ends the episode ("": it does not): a turn cut short ends it by
+    "context" (what was left of max_total_tokens) or "turn_length" (max_new_tokens); an
+    aborted or failed one by its status."""
+    if status is None:
+        return ""
+    if status is Status.TRUNCATED:
+        return "context" if cut_by_context else "turn_length"
+    return status.value
+
+
 def _status_of(reason: FinishReason) -> Status | None:
     return None if reason is FinishReason.STOP else reason.to_status()
 
@@ -107,8 +118,7 @@ async def _model_turn(
     traj.add_generated(completion, text)
     traj.messages.append({"role": "assistant", "content": content})
     status = _status_of(completion.finish_reason)
-    cut = "context" if max_new < ctx.sampling.max_new_tokens else "turn_length"
-    traj.end = cut if status is Status.TRUNCATED else "" if status is None else status.value
+    traj.end = _turn_end(status, cut_by_context=max_new < ctx.sampling.max_new_tokens)
     if status is None:  # a finished turn: the template's text after it (e.g. "\n"), untrained
         tail = traj.renderer.extend(traj.messages, False, f"turn {turn} (assistant)")
         status = None if traj.add_fixed(tail) else Status.TRUNCATED
