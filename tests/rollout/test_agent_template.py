@@ -11,6 +11,7 @@ the episode that triggers it, with a message that says where, and only that epis
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -49,10 +50,16 @@ QWEN3_LIKE = (
 
 
 @pytest.fixture(scope="module")
-def smol_tiny_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama with SmolLM2's own tokenizer and chat template."""
+def smol_tok(smollm2_dir: Path) -> Any:
+    """SmolLM2-135M-Instruct's own tokenizer and chat template, loaded once (seconds a load)."""
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def smol_tiny_dir(smol_tok: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer."""
     out = tmp_path_factory.mktemp("smol-tiny")
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    tokenizer = smol_tok
     spec = TinyModelSpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
     build_tiny_model(spec, tokenizer).save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
@@ -137,9 +144,9 @@ def check_trained_exactly_sampled(tok: Any, s: Sample, positions: set[int]) -> N
 
 
 async def test_trained_tokens_are_the_sampled_ones_under_smollm2s_template(
-    engine: RecordingEngine, smol_tiny_dir: Path
+    engine: RecordingEngine, smol_tok: Any
 ) -> None:
-    tok = AutoTokenizer.from_pretrained(smol_tiny_dir)
+    tok = smol_tok
     sampling = SamplingParams(max_new_tokens=8, stop_token_ids=_stops(tok), seed=1)
     done: list[Sample] = []
     for i in range(3):
@@ -172,10 +179,10 @@ async def test_trained_tokens_are_the_sampled_ones_under_smollm2s_template(
 
 
 async def test_a_template_that_rewrites_earlier_turns_fails_only_its_episode(
-    engine: RecordingEngine, smol_tiny_dir: Path
+    engine: RecordingEngine, smol_tok: Any
 ) -> None:
     """Qwen3-like: tool results keep it append-only; a user message after a turn rewrites it."""
-    tok = AutoTokenizer.from_pretrained(smol_tiny_dir)
+    tok = copy.deepcopy(smol_tok)
     tok.chat_template = QWEN3_LIKE
 
     def env(sample: Sample) -> ToolResults:  # group 0: user observations, group 1: tool results
