@@ -119,7 +119,15 @@ class JsonlSink:
 
 
 # what rollouts.jsonl keeps of an episode's metadata (multi-turn loop, gateway)
-EPISODE_KEYS = ("messages", "calls", "tool_calls", "turns", "stop_reason", "response_text")
+EPISODE_KEYS = (
+    "messages",
+    "calls",
+    "tool_calls",
+    "turns",
+    "stop_reason",
+    "episode_end",
+    "response_text",
+)
 CONSOLE_KEYS = (
     ("reward/mean", "reward", "{:.3f}"),
     ("eval/accuracy", "acc", "{:.3f}"),

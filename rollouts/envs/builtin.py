@@ -15,9 +15,10 @@ from __future__ import annotations
 import ast
 import operator
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from rollouts.envs.tool_format import ToolSpec
 from rollouts.envs.tools import Tool, parse_tool_calls, run_tool_call
 from rollouts.types import Sample
 
@@ -45,7 +46,12 @@ class SingleTurnEnvironment:
 
 
 class ToolEnvironment:
-    """Tool calls with per-call costs against a budget; a turn with no call is the answer."""
+    """Tool calls with per-call costs against a budget; a turn with no call is the answer.
+
+    `tool_specs` describe the tools to the model: the agent loop puts them before it through
+    the chat template (`envs/tool_format.with_tools`); `()` leaves the prompt as it is.
+    `answer_of` reads the answer out of the final message (compared with `expected`).
+    """
 
     def __init__(
         self,
@@ -53,10 +59,16 @@ class ToolEnvironment:
         budget: float,
         first_observation: str = "",
         expected: str | None = None,
+        tool_specs: Sequence[ToolSpec] = (),
+        answer_of: Callable[[str], str] = extract_answer,
     ):
         assert budget >= 0.0, f"{budget=} must be >= 0"
         assert tools, "a tool environment needs at least one tool"
+        unknown = {t.name for t in tool_specs} - set(tools)
+        assert not unknown, f"tool_specs name tools the environment lacks: {sorted(unknown)}"
         self.tools = dict(tools)
+        self.tool_specs = tuple(tool_specs)
+        self.answer_of = answer_of
         self.budget = budget
         self.first_observation = first_observation
         self.expected = expected
@@ -84,7 +96,7 @@ class ToolEnvironment:
     def step(self, action: str) -> tuple[str, bool, Mapping[str, Any]]:
         calls = parse_tool_calls(action, self.tools)
         if not calls:
-            answer = extract_answer(action)
+            answer = self.answer_of(action)
             success = {} if self.expected is None else {"success": answer == self.expected}
             return "", True, self._info(role="user", final_answer=answer, **success)
         outputs, invalid_before = [], self.num_invalid_calls

@@ -7,10 +7,13 @@ the environment left in `Sample.metadata["env_info"]`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from rollouts.types import Sample
+
+if TYPE_CHECKING:
+    from rollouts.envs.tool_format import ToolSpec
 
 # info keys an environment may set that the agent loop understands
 ROLE_KEY = "role"  # role of the observation message ("user" by default, "tool" for tool output)
@@ -34,6 +37,15 @@ class Environment(Protocol):
     def reset(self) -> str: ...
 
     def step(self, action: str) -> tuple[str, bool, Mapping[str, Any]]: ...
+
+
+@runtime_checkable
+class DescribesTools(Protocol):
+    """An environment whose tools the model is told about: the agent loop puts `tool_specs`
+    before the model the way its chat template allows (`envs/tool_format.with_tools`)."""
+
+    @property
+    def tool_specs(self) -> Sequence[ToolSpec]: ...
 
 
 EnvFactory = Callable[[Sample], Environment]

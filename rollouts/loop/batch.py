@@ -18,6 +18,7 @@ from rollouts.algorithms.batch import build_train_batch, nest
 from rollouts.algorithms.tensors import float_tensor, long_tensor
 from rollouts.config import AlgorithmConfig
 from rollouts.failures import failure_metrics
+from rollouts.loop.episodes import episode_metrics
 from rollouts.rewards.shaping import scored_reward
 from rollouts.rollout.planning import split_stale_groups
 from rollouts.types import Sample, Status, TrainBatch
@@ -179,6 +180,7 @@ def rollout_metrics(groups: Sequence[Group], meta: Mapping[str, Any]) -> dict[st
         ),
         "rollout/groups_kept": float(len(groups)),
     }
+    out |= episode_metrics(samples)  # multi-turn episodes: tool calls, turns, ends
     for key, value in meta.items():
         if isinstance(value, (int, float)):  # bools too: rollout/short_batch is 0 or 1
             out[f"rollout/{key}"] = float(value)

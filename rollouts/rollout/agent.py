@@ -3,7 +3,12 @@
 Each turn: render the generation header (mask 0), let the engine sample (tokens kept exactly as
 sampled, mask 1, logprobs kept), append what the template adds after the turn (mask 0), step the
 environment with the turn's text, append its observation (mask 0). Stops on: the environment
-says done, `max_turns`, `max_total_tokens`, or an engine finish that is not STOP. A prompt that
+says done, `max_turns`, `max_total_tokens`, or an engine finish that is not STOP;
+`metadata["episode_end"]` names which for the metrics: "answer", "budget" (the environment's
+tool budget ran out), "max_turns", "context" (`max_total_tokens`), "turn_length" (a turn cut at
+`max_new_tokens`), "aborted" or "failed". An environment with `tool_specs` (`DescribesTools`)
+has its tools put before the model the way the chat template allows (`with_tools`: the
+template's `tools` argument, else the system message). A prompt that
 leaves no room under `max_total_tokens` fails the sample (as in single-turn). An ABORTED
 multi-turn sample restarts from its prompt (an environment's state cannot be saved with it):
 `metadata["restarts"]` counts that, and the manager reports it as restarted, not resumed.
@@ -21,8 +26,9 @@ from typing import Any
 
 from rollouts.data.sft import encode, end_of_turn
 from rollouts.envs.builtin import SingleTurnEnvironment
-from rollouts.envs.protocol import ROLE_KEY, Environment
+from rollouts.envs.protocol import ROLE_KEY, DescribesTools, Environment
 from rollouts.envs.threads import ThreadRunner
+from rollouts.envs.tool_format import with_tools
 from rollouts.inference.protocol import Completion, FinishReason
 from rollouts.rollout.generate import DONE_STATUSES, fail_sample
 from rollouts.rollout.protocol import GenerateContext
@@ -42,6 +48,7 @@ class _Trajectory:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[str] = dataclasses.field(default_factory=list)
     infos: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    end: str = ""  # why a model turn ended the episode (see `episode_end`)
 
     def add_fixed(self, text: str) -> bool:
         """Template or environment text: encoded, never trained. False if it does not fit."""
@@ -81,6 +88,17 @@ def turn_text(tokenizer: Any, completion: Completion) -> tuple[str, str]:
     return text, content
 
 
+def _turn_end(status: Status | None, cut_by_context: bool) -> str:
+    """How a model turn ends the episode ("": it does not): a turn cut short ends it by
+    "context" (what was left of max_total_tokens) or "turn_length" (max_new_tokens); an
+    aborted or failed one by its status."""
+    if status is None:
+        return ""
+    if status is Status.TRUNCATED:
+        return "context" if cut_by_context else "turn_length"
+    return status.value
+
+
 def _status_of(reason: FinishReason) -> Status | None:
     return None if reason is FinishReason.STOP else reason.to_status()
 
@@ -92,6 +110,7 @@ async def _model_turn(
     left = ctx.max_total_tokens - len(traj.tokens)
     max_new = min(ctx.sampling.max_new_tokens, left)
     if max_new <= 0:
+        traj.end = "context"
         return "", Status.TRUNCATED
     params = dataclasses.replace(ctx.sampling, max_new_tokens=max_new)
     completion = await ctx.engine.generate(tuple(traj.tokens), params, rid=f"{ctx.rid}-t{turn}")
@@ -99,9 +118,11 @@ async def _model_turn(
     traj.add_generated(completion, text)
     traj.messages.append({"role": "assistant", "content": content})
     status = _status_of(completion.finish_reason)
+    traj.end = _turn_end(status, cut_by_context=max_new < ctx.sampling.max_new_tokens)
     if status is None:  # a finished turn: the template's text after it (e.g. "\n"), untrained
         tail = traj.renderer.extend(traj.messages, False, f"turn {turn} (assistant)")
         status = None if traj.add_fixed(tail) else Status.TRUNCATED
+        traj.end = "" if status is None else "context"
     return content, status
 
 
@@ -133,9 +154,11 @@ async def generate_multi_turn(sample: Sample, ctx: GenerateContext) -> Sample:
     restarts = int(sample.metadata.get("restarts", 0)) + (sample.status is Status.ABORTED)
     factory = ctx.env_factory or SingleTurnEnvironment
     env: Environment = await runner.call("env factory", ctx.env_timeout_s, factory, sample)
+    specs = env.tool_specs if isinstance(env, DescribesTools) else ()
+    messages, template_args = with_tools(ctx.tokenizer, initial_messages(sample), specs)
     traj = _Trajectory(
-        renderer=ChatRenderer(ctx.tokenizer),
-        messages=initial_messages(sample),
+        renderer=ChatRenderer(ctx.tokenizer, template_args),
+        messages=messages,
         max_tokens=ctx.max_total_tokens,
     )
     first = await runner.call("env.reset", ctx.env_timeout_s, env.reset)
@@ -161,13 +184,14 @@ async def generate_multi_turn(sample: Sample, ctx: GenerateContext) -> Sample:
         observation, done, info = await step_env(env, content, runner, ctx.env_timeout_s)
         traj.infos.append(dict(info))
         if done:
-            stop = "env_done"
+            stop, traj.end = "env_done", "budget" if info.get("over_budget") else "answer"
             break
         if turn + 1 == ctx.max_turns:
             break
         if not _observe(traj, observation, info, turn):
-            status, stop = Status.TRUNCATED, "max_total_tokens"
+            status, stop, traj.end = Status.TRUNCATED, "max_total_tokens", "context"
             break
+    traj.end = traj.end or "max_turns"
     return _to_sample(sample, traj, prompt_len, status, stop)
 
 
@@ -181,6 +205,9 @@ def _to_sample(
         "messages": traj.messages,
         "turns": sum(m["role"] == "assistant" for m in traj.messages),
         "stop_reason": stop,
+        "episode_end": traj.end,
+        "episode_tokens": len(traj.tokens),
+        "sampled_tokens": sum(traj.mask),
         "env_info": traj.infos[-1] if traj.infos else {},
         "env_infos": traj.infos,
     }

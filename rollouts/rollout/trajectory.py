@@ -18,25 +18,38 @@ from rollouts.types import Message, Sample, Status
 class ChatRenderer:
     """The rendered text of a growing conversation; each step returns only the new text."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, template_args: Mapping[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.template_args = dict(template_args or {})  # e.g. `tools`, for every render
         self.text = ""
 
     def extend(self, messages: Sequence[Message], add_generation_prompt: bool, where: str) -> str:
         """Render `messages`; return the text added since the last render (append-only check)."""
-        full = render(self.tokenizer, messages, add_generation_prompt)
+        full = render(self.tokenizer, messages, add_generation_prompt, **self.template_args)
         if not full.startswith(self.text):
-            raise TemplateError(
-                f"chat template is not append-only at {where}: the new render does not start "
-                f"with the text already turned into tokens (ends {self.text[-40:]!r}); the "
-                "multi-turn loop needs an append-only template"
-            )
+            raise TemplateError(rewrite_message(self.text, full, where))
         added, self.text = full[len(self.text) :], full
         return added
 
     def generated(self, text: str) -> None:
         """Record text the model produced (its tokens are kept as sampled, not re-encoded)."""
         self.text += text
+
+
+def rewrite_message(before: str, after: str, where: str) -> str:
+    """What a TemplateError says: where the new render departs from the text already in tokens,
+    both sides of it, and what to do."""
+    at = next((i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), None)
+    at = min(len(before), len(after)) if at is None else at
+    return (
+        f"chat template is not append-only at {where}: rendering the conversation again "
+        f"rewrote text already turned into tokens, at character {at}: it was "
+        f"{before[max(0, at - 30) : at + 40]!r}, the template now writes "
+        f"{after[max(0, at - 30) : at + 40]!r}. The episode's tokens would not be what the "
+        "model saw, so it fails; the multi-turn loop needs a template that only appends "
+        "(e.g. Qwen3's drops earlier turns' <think> blocks once a user message follows: "
+        "answer with `tool` messages, or use a template that keeps them)"
+    )
 
 
 def trajectory_to_sample(

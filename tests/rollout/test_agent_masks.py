@@ -87,6 +87,7 @@ async def test_tool_budget_ends_the_episode(tok) -> None:
     assert info["over_budget"] is True
     assert info["tool_cost"] == 2.0  # two calls ran, the third was refused
     assert out.metadata["stop_reason"] == "env_done"
+    assert out.metadata["episode_end"] == "budget"  # the metrics' name for how it ended
     assert len(engine.requests) == 3
 
 
@@ -96,6 +97,7 @@ async def test_max_turns_and_max_total_tokens_bound_the_loop(tok) -> None:
     out = await generate_multi_turn(sample, ctx_for(tok, engine, TextGameEnvironment, max_turns=3))
     assert out.metadata["turns"] == 3
     assert out.metadata["stop_reason"] == "max_turns"
+    assert out.metadata["episode_end"] == "max_turns"
     assert out.metadata["messages"][-1]["role"] == "assistant"
 
     engine = ScriptedEngine([reply(tok, "look")] * 10, tok.eos_token_id)
@@ -103,6 +105,7 @@ async def test_max_turns_and_max_total_tokens_bound_the_loop(tok) -> None:
         sample, ctx_for(tok, engine, TextGameEnvironment, max_turns=10, max_total_tokens=200)
     )
     assert out.status is Status.TRUNCATED
+    assert out.metadata["episode_end"] == "context"
     assert len(out.tokens) <= 200
 
 
