@@ -195,7 +195,10 @@ async def test_a_template_that_rewrites_earlier_turns_fails_only_its_episode(
         max_turns=3,
         max_total_tokens=600,
     )
-    sampling = SamplingConfig(max_new_tokens=8, temperature=1.0, stop_token_ids=list(_stops(tok)))
+    # half the vocabulary stops a turn: this batch runs concurrently, so its floats (and tokens)
+    # depend on the rows beside it; a turn still running after 8 tokens is then ~0.4%, not ~10%
+    halves = [tok.eos_token_id, *range(0, len(tok), 2)]
+    sampling = SamplingConfig(max_new_tokens=8, temperature=1.0, stop_token_ids=halves)
     config = dataclasses.replace(config, sampling=sampling)
     manager = AsyncRolloutManager(
         cases.make_buffer(), config, engine, tokenizer=tok, env_factory=env
@@ -210,5 +213,7 @@ async def test_a_template_that_rewrites_earlier_turns_fails_only_its_episode(
         assert "<think>" in error, error
     # the run goes on: the batch is filled with groups whose episodes got tool results
     assert [g[0].group_index for g in batch.groups] == [1, 2], meta
-    for s in batch.samples:
-        assert s.status is Status.COMPLETED and s.metadata["episode_end"] == "answer", s.metadata
+    for s in batch.samples:  # not failed (a random model's turn may run out of its 8 tokens)
+        assert s.status in (Status.COMPLETED, Status.TRUNCATED), s.metadata
+        assert s.metadata["episode_end"] in ("answer", "turn_length"), s.metadata
+        assert "error" not in s.metadata, s.metadata
