@@ -228,10 +228,11 @@ def eval_result(samples: Sequence[Sample], correct_at: float = 1.0) -> EvalResul
     failures = count_failures(failed)
     if not scored:
         report = failure_lines("every eval rollout failed", failures, failed, {}, max_full=1)
-        first = full_error(failed[0])
+        first = full_error(failed[0])  # then the first error of each other reason: one line
+        others = "".join(f"; {line.strip()}" for line in report.lines[1:] if first not in line)
         raise EvalFailedError(
-            f"{report.lines[0]}; first: {first}; held-out accuracy would mean nothing: fix the "
-            "reward function (or the engines) and run again\n" + "\n".join(report.lines[1:])
+            f"{report.lines[0]}; first: {first}{others}; held-out accuracy would mean nothing: "
+            "fix the reward function (or the engines) and run again"
         )
     rewards = [_scalar(s.reward) for s in scored]
     return EvalResult(
