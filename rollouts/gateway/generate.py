@@ -50,8 +50,9 @@ class AgentFn(Protocol):
 
 
 def agent_generate(sample: Sample, ctx: GenerateContext) -> Sample:
-    """The name `rollout.generate_fn` gives the gateway; the driver serves it (a running gateway
-    is needed, so this placeholder only explains that when called elsewhere)."""
+    """The name `rollout.generate_fn` gives the gateway: the driver replaces it with the
+    gateway's generate function (`open_agent_generate`, which needs a running gateway); a call
+    of this name itself, outside train.py, says so."""
     raise RuntimeError(
         f"{GATEWAY_GENERATE_FN} runs behind the gateway that the driver starts for "
         "[rollout.gateway]; outside train.py, build it with rollouts.gateway.open_agent_generate"
