@@ -32,11 +32,14 @@ def greedy_through_batch(
     decode: str = "eager",
     step: Callable[..., Any] | None = None,
     admit_rng: random.Random | None = None,
+    share_prefix: bool = True,
+    batches: list[RunningBatch] | None = None,
 ) -> tuple[list[list[int]], list[list[float]], str]:
     """(outputs, logprobs, the batch's decode path) of every prompt, greedy, `lengths[i]` new
     tokens each (EOS ignored), through `max_batch` slots. `step` replaces the decode step;
     `admit_rng` admits a random number of the waiting prompts at a time (so the batch size
-    keeps changing) instead of filling every free slot."""
+    keeps changing) instead of filling every free slot. `share_prefix`: the batch's option;
+    `batches` gets the batch (for its counters)."""
     options = BatchOptions(
         max_batch=max_batch,
         max_prefill=max_batch,
@@ -44,10 +47,25 @@ def greedy_through_batch(
         eos_token_ids=(),
         logprobs_from="raw",
         decode=decode,
+        share_prefix=share_prefix,
     )
     batch = RunningBatch(model, tokenizer, options)
+    if batches is not None:
+        batches.append(batch)
     if step is not None:
         batch._decode_step = step
+    outputs, logprobs = serve_on(batch, prompts, lengths, admit_rng)
+    return outputs, logprobs, batch.decode_path
+
+
+def serve_on(
+    batch: RunningBatch,
+    prompts: list[list[int]],
+    lengths: list[int],
+    admit_rng: random.Random | None = None,
+) -> tuple[list[list[int]], list[list[float]]]:
+    """(outputs, logprobs) of every prompt, greedy, through `batch` (see `greedy_through_batch`)."""
+    max_batch = batch.options.max_batch
     spec = SamplingSpec(temperature=0.0, ignore_eos=True)
     waiting = [
         Sequence(rid=str(i), prompt_ids=p, spec=spec, max_new=n, notify=lambda s: None)
@@ -65,4 +83,4 @@ def greedy_through_batch(
                 done += batch.step()
     by_rid = {s.rid: s for s in done}
     seqs = [by_rid[str(i)] for i in range(len(prompts))]
-    return [s.output_ids for s in seqs], [s.logprobs for s in seqs], batch.decode_path
+    return [s.output_ids for s in seqs], [s.logprobs for s in seqs]

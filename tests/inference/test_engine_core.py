@@ -70,9 +70,9 @@ def test_greedy_exact_through_joins_moves_and_cache_growth(
     prefilled: list[int] = []
     real_prefill = kvops.prefill
 
-    def counting_prefill(model, prompts, pad_id):
+    def counting_prefill(model, prompts, pad_id, shared=None):
         prefilled.append(len(prompts))
-        return real_prefill(model, prompts, pad_id)
+        return real_prefill(model, prompts, pad_id, shared)
 
     monkeypatch.setattr(kvops, "prefill", counting_prefill)
     rng = random.Random(0)
@@ -97,7 +97,9 @@ def test_n_copies_of_one_prompt_are_prefilled_once(ref_model, tokenizer, monkeyp
     prefilled: list[int] = []
     real_prefill = kvops.prefill
     monkeypatch.setattr(
-        kvops, "prefill", lambda m, p, pad: prefilled.append(len(p)) or real_prefill(m, p, pad)
+        kvops,
+        "prefill",
+        lambda m, p, pad, shared=None: prefilled.append(len(p)) or real_prefill(m, p, pad, shared),
     )
     spec = SamplingSpec(temperature=1.0, ignore_eos=True)
     core = EngineCore(ref_model, tokenizer, CoreOptions(max_batch=8), "v1")

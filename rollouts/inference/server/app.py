@@ -54,6 +54,7 @@ class ServeOptions:
     autocast: str = "off"  # "bfloat16": the trainer's autocast numerics (precision.py)
     attn_implementation: str = "sdpa"  # the HF forward's (prefill, prompt logprobs, --decode hf)
     decode: str = "auto"  # "auto": fast_decode (CUDA graphs on a GPU); "eager": no graphs; "hf"
+    share_prefix: bool = True  # prefill the prefix new prompts share once (`kv.prefill`)
     weight_version: str = "default"
     served_model_name: str = ""
     request_timeout_s: float = 600.0
@@ -118,6 +119,7 @@ def build_core(options: ServeOptions, model: Any, tokenizer: Any) -> tuple[Engin
         eos_token_ids=eos_ids,
         pad_token_id=pad,
         decode=options.decode,
+        share_prefix=options.share_prefix,
     )
     info = ServerInfo(
         model_path=str(Path(options.model).resolve()),

@@ -1,7 +1,8 @@
 """The running batch: the sequences in the decode slots, their KV cache and per-slot state.
 
 Used by the worker thread only. `admit` prefills new sequences (each distinct prompt once, its KV
-copied to every slot that asked for it) and samples their first token; `step` decodes one token
+copied to every slot that asked for it; the prefix the prompts share once, `kv.SharedPrefix`)
+and samples their first token; `step` decodes one token
 for every slot (one forward, one batched sampling call, a few tensor ops to record it);
 finished sequences leave at once and the last slots move into the holes, so the active slots
 stay dense. Outputs become Python lists only for sequences that leave (`output_ids`,
@@ -74,6 +75,8 @@ class BatchOptions:
     # "auto": fast_decode where the model is supported, in CUDA graphs on a GPU; "eager": the
     # same without graphs; "hf": the HF forward always
     decode: str = "auto"
+    # prefill the prefix new prompts share once, and keep it for the next admission (`kv.prefill`)
+    share_prefix: bool = True
 
 
 class RunningBatch:
@@ -85,6 +88,8 @@ class RunningBatch:
         self._kv: kvops.SlotCache | None = None
         self._table: SlotTable | None = None
         self._stale = False  # the running rows' KV cache is from weights no longer loaded
+        # the prompts' shared prefix under the weights loaded now (cleared when they change)
+        self._shared = kvops.SharedPrefix() if options.share_prefix else None
         why = fast_decode.unsupported(model) if options.decode != "hf" else "--decode hf"
         # the decode step: the engine's own for Llama-family models, else the HF forward; on
         # CUDA its captured graphs ("auto"), or its kernels launched one by one ("eager")
@@ -112,7 +117,7 @@ class RunningBatch:
         distinct: dict[tuple[int, ...], int] = {}
         which = [distinct.setdefault(tuple(s.prompt_ids), len(distinct)) for s in ready]
         cache, mask_U_W, logits_U_V = kvops.prefill(
-            self.model, [list(p) for p in distinct], self.options.pad_token_id
+            self.model, [list(p) for p in distinct], self.options.pad_token_id, self._shared
         )
         which_N = torch.tensor(which, device=logits_U_V.device)
         if self._kv is None or self._table is None:
@@ -152,6 +157,13 @@ class RunningBatch:
         weights', so it is rebuilt before the next token (as SGLang re-prefills the requests a
         retract pause took out)."""
         self._stale = bool(self.seqs)
+        if self._shared is not None:
+            self._shared.clear()
+
+    @property
+    def shared_tokens(self) -> int:
+        """Prompt tokens not prefilled thanks to a shared prefix, since the start."""
+        return 0 if self._shared is None else self._shared.saved
 
     def _prefill_again(self) -> None:
         """Rebuild every running row's KV cache with the weights loaded now, from its prompt and
@@ -208,6 +220,8 @@ class RunningBatch:
             return 0
         freed = self.cache_bytes()
         self._kv = self._table = None
+        if self._shared is not None:
+            self._shared.clear()
         return freed
 
     def clear(self, stop: Stop) -> list[Sequence]:
@@ -218,6 +232,8 @@ class RunningBatch:
             if table is not None and slot < table.batch:
                 seq.output_ids, seq.logprobs = table.outputs(slot)
         self.seqs, self._kv, self._table = [], None, None
+        if self._shared is not None:
+            self._shared.clear()
         return gone
 
     def _record(self, first: int, logits_B_V: torch.Tensor) -> list[int]:

@@ -74,6 +74,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "forward for others), replayed as CUDA graphs on a GPU; 'eager' = the same step without "
         "graphs; 'hf' = always the HF forward",
     )
+    parser.add_argument(
+        "--share-prefix",
+        choices=("on", "off"),
+        default="on",
+        help="prefill the token prefix that new prompts share (an agent's system message, a "
+        "group's question) once, and keep it for the next ones while the weights stay: 'off' "
+        "prefills every prompt whole",
+    )
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--served-model-name", default="")
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
@@ -127,6 +135,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
         autocast=args.autocast,
         attn_implementation=args.attn_implementation,
         decode=args.decode,
+        share_prefix=args.share_prefix == "on",
         weight_version=args.weight_version,
         served_model_name=args.served_model_name,
         request_timeout_s=args.request_timeout_s,

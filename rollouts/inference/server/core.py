@@ -57,6 +57,7 @@ class CoreOptions:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
     decode: str = "auto"  # "auto": fast_decode (CUDA graphs on a GPU); "eager"; "hf": HF forward
+    share_prefix: bool = True  # prefill the prefix new prompts share once (`kv.prefill`)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,6 +101,7 @@ class EngineCore:
                 eos_token_ids=options.eos_token_ids,
                 logprobs_from=options.logprobs_from,
                 decode=options.decode,
+                share_prefix=options.share_prefix,
             ),
         )
         self._admitting: list[Sequence] = []  # taken from the queue, not yet in the batch
@@ -218,6 +220,7 @@ class EngineCore:
         start = time.perf_counter()
         for seq in self._admitting:
             seq.version_starts = [(self.weight_version, 0)]
+        shared = self._batch.shared_tokens
         try:  # a failure while admitting fails only the sequences being admitted
             distinct, finished = self._batch.admit(self._admitting)
         except Exception:
@@ -229,6 +232,7 @@ class EngineCore:
         stats = self._busy()
         stats.prefills, stats.prompts = stats.prefills + 1, stats.prompts + len(self._admitting)
         stats.distinct += distinct
+        stats.shared += self._batch.shared_tokens - shared
         self._admitting = []
         self._finish_all(finished)
         stats.prefill_s += time.perf_counter() - start

@@ -9,11 +9,19 @@ no mask is rebuilt per step; positions are a per-slot counter). A retired row's 
 refilled by moving the last active row into it. New rows are prefilled together in a plain
 `DynamicCache` (each distinct prompt once) and their keys/values copied into their slots.
 `SlotCache` is duck-typed as an HF cache: attention layers only call `update`.
+
+Prompts that start alike are prefilled once up to where they part (`prefill` with a
+`SharedPrefix`): an agent's prompts all begin with the same system message (its tools'
+description, most of a short prompt), and a GRPO group's with the same question. Their common
+prefix runs once, in one row; each prompt's rest runs on top of it, left-padded after the prefix,
+so a row's cache is `[prefix][padding][rest]` (the padding masked like the left padding before
+it). The prefix's keys and values are kept for the next admission while the weights stay the
+same (a multi-turn episode's next turn, sent alone, starts with the same system message).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -21,6 +29,9 @@ from transformers import DynamicCache
 from rollouts.inference.server import precision
 
 GROW_COLS = 64  # capacity is a multiple of this
+# a common prefix shorter than this is prefilled with the rest of each prompt (sharing it would
+# save less than the second forward costs)
+MIN_SHARED = 32
 # The attention reads columns from a multiple of this (<= lo; the extra ones are masked): CUDA's
 # memory-efficient attention checks the mask's strides but not where its data starts, and a mask
 # view starting at an odd column failed with "misaligned address" on the first H100 run.
@@ -104,7 +115,8 @@ class SlotCache:
             ~real_N_W, self.neg
         )
         self.pos_R[rows] = real_N_W.sum(dim=1)
-        self.start_R[rows] = self.t - real_N_W.sum(dim=1)
+        # the first real column: a shared prefix leaves padding between it and the rest
+        self.start_R[rows] = self.t - width + real_N_W.int().argmax(dim=1)
         self.batch += n
         self.lo = int(self.start_R[: self.batch].min())
 
@@ -138,28 +150,106 @@ def start_cap(width: int, max_new: int) -> int:
     return -(-need // GROW_COLS) * GROW_COLS
 
 
+class SharedPrefix:
+    """The keys and values of one token prefix under the weights loaded now (one row each
+    layer), kept between admissions. `clear` whenever the weights change."""
+
+    def __init__(self) -> None:
+        self.tokens: tuple[int, ...] = ()
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []  # [1, heads, len, dim] each
+        self.saved = 0  # prompt tokens not run thanks to sharing (the engine's stats)
+
+    def clear(self) -> None:
+        self.tokens, self.layers = (), []
+
+    def common(self, prompts: list[list[int]]) -> int:
+        """How many of its first tokens every prompt starts with."""
+        n = len(self.tokens)
+        for p in prompts:
+            n = _common_len(self.tokens[:n], p)
+            if not n:
+                break
+        return n
+
+    def keep(self, tokens: list[int], cache: DynamicCache) -> None:
+        self.tokens = tuple(tokens)
+        self.layers = [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _common_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def common_prefix_len(prompts: list[list[int]]) -> int:
+    """The length of the token prefix all `prompts` share."""
+    n = len(prompts[0])
+    for p in prompts[1:]:
+        n = _common_len(prompts[0][:n], p)
+    return n
+
+
 @torch.inference_mode()
 def prefill(
-    model: torch.nn.Module, prompts: list[list[int]], pad_id: int
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    pad_id: int,
+    shared: SharedPrefix | None = None,
 ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
-    """Run the prompts (left-padded) through the model: (cache, mask_U_W, last logits_U_V)."""
+    """Run the prompts (left-padded) through the model: (cache, mask_U_W, last logits_U_V).
+
+    With `shared`, the prefix all prompts start with (a single prompt: all of it but its last
+    token) runs once, from what `shared` holds of it on, and `shared` keeps it; each prompt's rest
+    runs on top of it. A common prefix under MIN_SHARED tokens is not split off."""
     assert prompts, "prefill needs at least one prompt"
     assert all(prompts), f"empty prompt in {[len(p) for p in prompts]}"
+    # every prompt keeps at least its last token after the prefix: its logits are the output
+    split = min(common_prefix_len(prompts), min(len(p) for p in prompts) - 1)
+    if shared is None or split < MIN_SHARED:
+        return _forward(model, prompts, pad_id, None, 0)
+    have = min(shared.common(prompts), split)
+    past = [(k[:, :, :have], v[:, :, :have]) for k, v in shared.layers] if have else None
+    shared.saved += split * len(prompts) - (split - have)
+    if split > have:  # the prefix beyond what is kept: one row
+        head, _, _ = _forward(model, [prompts[0][have:split]], pad_id, past, have)
+        shared.keep(prompts[0][:split], head)
+        past = [(layer.keys, layer.values) for layer in head.layers]
+    return _forward(model, [p[split:] for p in prompts], pad_id, past, split)
+
+
+def _forward(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    pad_id: int,
+    past: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    past_len: int,
+) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+    """The prompts left-padded, after `past` (one row of `past_len` columns per layer, shared
+    by every prompt): (cache, mask over past and prompt columns, last logits)."""
     device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    width, rows = max(len(p) for p in prompts), len(prompts)
+    ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    mask = torch.ones((rows, past_len + width), dtype=torch.long)
+    mask[:, past_len:] = 0
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p) :] = 1
+        mask[i, past_len + width - len(p) :] = 1
     ids, mask = ids.to(device), mask.to(device)
-    pos = (mask.cumsum(dim=1) - 1).clamp_min(0)
+    pos = (mask.cumsum(dim=1) - 1).clamp_min(0)[:, past_len:]
+    cache = DynamicCache()
+    if past is not None:
+        cache = DynamicCache(
+            [(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in past]
+        )
     with precision.context(model):
         out = model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=pos,
-            past_key_values=DynamicCache(),
+            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
         )

@@ -122,6 +122,7 @@ class BusyStats:
     prefills: int = 0
     prompts: int = 0  # sequences admitted
     distinct: int = 0  # distinct prompts prefilled for them
+    shared: int = 0  # their tokens taken from a shared prefix instead of prefilled
     prefill_s: float = 0.0
 
     def summary(self) -> str:
@@ -134,5 +135,5 @@ class BusyStats:
             f"{self.steps} decode steps, {per_step:.2f} ms/step, mean batch "
             f"{self.rows / max(self.steps, 1):.1f}; {self.prefills} prefills "
             f"({per_prefill:.2f} ms each) of {self.distinct} distinct prompts for "
-            f"{self.prompts} sequences"
+            f"{self.prompts} sequences ({self.shared} prompt tokens from a shared prefix)"
         )
