@@ -79,7 +79,7 @@ def _check_bounds(session: Session, prompt_ids: int) -> int:
             f"this episode made its {session.max_calls} calls (rollout.gateway.max_calls); "
             "return the answer"
         )
-        ep.end(Ending.TRUNCATED, reason)
+        ep.end(Ending.TRUNCATED, reason, bound="max_turns")
         raise GatewayError(400, reason, code="max_calls")
     room = ctx.max_total_tokens - len(ep.tokens) - prompt_ids
     if room <= 0:
@@ -87,7 +87,7 @@ def _check_bounds(session: Session, prompt_ids: int) -> int:
             f"the episode holds {len(ep.tokens) + prompt_ids} tokens with this call's messages, "
             f"rollout.max_total_tokens = {ctx.max_total_tokens}; no room for an answer"
         )
-        ep.end(Ending.TRUNCATED, reason)
+        ep.end(Ending.TRUNCATED, reason, bound="context")
         raise GatewayError(400, reason, param="messages", code="context_length_exceeded")
     return room
 

@@ -10,7 +10,10 @@ Sample from the session's record when the agent returns:
   lists each version that made tokens;
 - `metadata["response_text"]` is the agent's return value (what the reward reads),
   `metadata["messages"]` the whole conversation (tool calls included), and counts: `calls`,
-  `tool_calls`, `turns`, `trained_tokens`, `stop_reason`;
+  `tool_calls`, `turns`, `trained_tokens`, `stop_reason` (the bound's explanation, or
+  "agent_returned"), and the agent loop's fields, so `agent/*` metrics count these episodes
+  too (`loop/episodes.py`): `episode_end` ("answer" when the agent returned, "max_turns" or
+  "context" at a bound), `episode_tokens`, `sampled_tokens`, `env_info` (`tool_calls`);
 - status COMPLETED; TRUNCATED when a bound ended the episode (max calls, max total tokens; the
   agent's answer, or "" if it raised, is still scored); ABORTED, with no tokens, when the engine
   aborted a call (the manager restarts it from its prompt; `metadata["restarts"]` counts that);
@@ -147,6 +150,10 @@ def assemble(
         turns=episode.calls,
         trained_tokens=sum(episode.mask),
         stop_reason=episode.reason if truncated else "agent_returned",
+        episode_end=episode.bound if truncated else "answer",
+        episode_tokens=len(episode.tokens),
+        sampled_tokens=sum(episode.mask),
+        env_info={"tool_calls": episode.tool_calls},
     )
     return dataclasses.replace(
         sample,

@@ -46,11 +46,14 @@ class Episode:
     tool_calls: int = 0
     ending: Ending | None = None
     reason: str = ""  # why it ended, for the agent's later calls and the sample
+    # the agent loop's name for a bound that ended it (`loop/episodes.EPISODE_ENDS`): "max_turns"
+    # (rollout.gateway.max_calls) or "context" (rollout.max_total_tokens); "" otherwise
+    bound: str = ""
 
-    def end(self, ending: Ending, reason: str) -> None:
+    def end(self, ending: Ending, reason: str, bound: str = "") -> None:
         """No more calls: the first ending stays."""
         if self.ending is None:
-            self.ending, self.reason = ending, reason
+            self.ending, self.reason, self.bound = ending, reason, bound
 
 
 def new_messages(episode: Episode, request: ChatRequest) -> list[dict[str, Any]]:

@@ -81,6 +81,11 @@ async def test_the_example_agent_calls_its_tool_through_the_gateway(tok) -> None
     assert sample.status is Status.COMPLETED
     assert sample.metadata["response_text"] == "Answer: 46"
     assert sample.metadata["tool_calls"] == 1
+    # the agent loop's fields, so agent/* metrics count gateway episodes too
+    assert sample.metadata["episode_end"] == "answer"
+    assert sample.metadata["env_info"] == {"tool_calls": 1}
+    assert sample.metadata["episode_tokens"] == len(sample.tokens)
+    assert sample.metadata["sampled_tokens"] == sum(sample.loss_mask)
     messages = sample.metadata["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
     fn = messages[1]["tool_calls"][0]["function"]
@@ -143,6 +148,7 @@ async def test_max_calls_ends_the_episode_truncated(tok) -> None:
     sample = await run_episode(engine, tok, agent, "2+2", "m0")
     assert sample.status is Status.TRUNCATED
     assert sample.metadata["calls"] == 4
+    assert sample.metadata["episode_end"] == "max_turns"
     assert sample.metadata["response_text"] == "gave up"
     assert "rollout.gateway.max_calls" in refusals[0]
     assert_exact(sample, engine.calls)

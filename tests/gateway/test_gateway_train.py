@@ -69,6 +69,11 @@ def test_rl_through_the_gateway_trains_two_steps(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[-1]["rollout/failed_samples"] == 0.0, rows[-1]
+    # agent/* figures of the gateway's episodes, as of the agent loop's
+    for row in rows[1:]:
+        assert row["agent/episodes"] >= 4, row
+        assert row["agent/turns_mean"] >= 1.0, row
+        assert "agent/tool_calls_mean" in row and "agent/end/answer" in row, row
     samples = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
     assert len(samples) == 2 * 2 * 2
     assert {s["status"] for s in samples} <= {Status.COMPLETED.value, Status.TRUNCATED.value}
