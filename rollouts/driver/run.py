@@ -37,6 +37,7 @@ from rollouts.driver.setup import (
 from rollouts.driver.sft_phase import sft_phase
 from rollouts.driver.summary import finish_run, quiet_progress_bars
 from rollouts.driver.trainer_io import BackendFactory, checkpoint_root
+from rollouts.heap import release_garbage
 from rollouts.trainer.checkpoint import find_latest_checkpoint
 from rollouts.trainer.factories import create_backend, resolve_device
 from rollouts.weights.copies import run_sync_root
@@ -87,6 +88,8 @@ async def _main(
                 config, run_dir, model_dir, resume, stop, make_backend or create_backend, sft_step
             )
             print(f"[train] SFT model: {model_dir}", flush=True)
+            # the SFT backend is gone: its memory back to the OS before RL builds its own
+            release_garbage()
         if mode in ("rl", "sft+rl") and not stop():
             await rl_phase(
                 config,

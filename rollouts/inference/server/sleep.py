@@ -16,19 +16,13 @@ Used by the worker thread only (the routes go through `ServerState.command`).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 
 import torch
 
+from rollouts.heap import give_back_heap
+
 TAGS = ("weights", "kv_cache", "scheduling")
-
-
-def give_back_heap() -> None:
-    """Return freed heap pages to the OS (glibc keeps them otherwise: the RSS would not drop)."""
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: it keeps what it keeps
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class AsleepError(RuntimeError):
