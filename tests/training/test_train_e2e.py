@@ -17,6 +17,8 @@ from rollouts.data.loaders import load_prompts
 from tests.toml_config import write_config
 from tests.training.conftest import FinishedRun
 
+pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
+
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "integration_training" / "train.py"
 
