@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny real model and tokenizer, built once per session on local disk."""
+"""Shared fixtures: a tiny real model and tokenizer, built once per session on local disk; and
+the order the test files run in."""
 
 from __future__ import annotations
 
@@ -7,6 +8,15 @@ from pathlib import Path
 import pytest
 
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with a `slow` test run first, the others keep their order. With `--dist loadfile`
+    and `--no-loadscope-reorder` (scripts/test.sh) a worker takes the next file when it is
+    free, so the minute-long end-to-end files start early and the second-long ones fill the end:
+    xdist's own order (most tests first) left the 2-minute chaos run to start last."""
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow)  # stable: collection order otherwise
 
 
 @pytest.fixture(scope="session")

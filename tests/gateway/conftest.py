@@ -13,7 +13,7 @@ from rollouts.inference.protocol import Completion, InferenceEngine, SamplingPar
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def gateway_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tests' tiny model with room for tools in the system message (char tokens)."""
     out = tmp_path_factory.mktemp("tiny-model-1k")
@@ -28,14 +28,15 @@ def gateway_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(out, spec)
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def server(gateway_model_dir: Path) -> Iterator[EngineProcess]:
-    """One `rollouts serve` process for every gateway test module."""
+    """One `rollouts serve` process for every gateway test module (session-scoped for the
+    reason tests/rollout/conftest.py's `server` is)."""
     with engine_server_sync(gateway_model_dir, max_batch=16) as proc:
         yield proc
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def tok(gateway_model_dir: Path):
     return AutoTokenizer.from_pretrained(gateway_model_dir)
 

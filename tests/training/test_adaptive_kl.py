@@ -9,6 +9,8 @@ import pytest
 
 from tests.training.test_train_e2e import _config, _train
 
+pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
+
 
 def _rows(run: Path) -> dict[int, dict]:
     lines = (run / "metrics.jsonl").read_text().splitlines()

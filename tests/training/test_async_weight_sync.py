@@ -20,6 +20,8 @@ from rollouts.trainer.pytorch import PyTorchBackend, load_hf_weights
 from rollouts.types import Sample
 from rollouts.weights.disk import EngineSyncResult, SyncReport, WeightSyncError
 
+pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
+
 PROMPTS = [f"{a}+{a}=" for a in range(10, 30)]
 
 

@@ -13,7 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.training.test_train_e2e import ROOT, _config
+
+pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
 
 KINDS = "kill_driver_mid_checkpoint,kill_engine_mid_sync,corrupt_checkpoint,full_disk"
 

@@ -30,6 +30,8 @@ from rollouts.inference.http import EngineUnavailable
 from rollouts.inference.protocol import SamplingParams
 from rollouts.weights.disk import sync_pool
 
+pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -3,6 +3,7 @@ loading: a run pointed at a server that starts late waits, then trains."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from rollouts.inference.sglang import SGLangEngine
 
 from .test_train_e2e import ROOT, TRAIN, _config, _steps
 
-LATE_S = 3.0  # the server starts this long after the run waits for it
+WAITING = "waiting for 1 of 1 server(s) to answer /health"
 
 
 async def test_wait_names_the_urls_still_loading_then_gives_up() -> None:
@@ -40,16 +41,20 @@ def test_a_run_pointed_at_a_late_server_waits_then_trains(tmp_path: Path) -> Non
     )
     cmd = [sys.executable, str(TRAIN), "--mode", "rl", "--config", str(config)]
     log = tmp_path / "train.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")  # the waiting line reaches the log at once
     with log.open("w") as out:
-        run = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+        run = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, env=env
+        )
     server = None
     try:
         base = tmp_path / "base" / "config.json"  # the run builds its tiny base model first
         deadline = time.monotonic() + 120
-        while not base.is_file() and run.poll() is None and time.monotonic() < deadline:
+        # the server starts once the run says it waits for it (polled, not a fixed sleep)
+        while WAITING not in log.read_text() and run.poll() is None:
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
         assert base.is_file(), log.read_text()[-3000:]
-        time.sleep(LATE_S)
         assert run.poll() is None, log.read_text()[-3000:]
         server = spawn(EngineSpec(model_dir=str(base.parent), port=port, torch_threads=1))
         assert run.wait(timeout=240) == 0, log.read_text()[-3000:]
@@ -60,7 +65,7 @@ def test_a_run_pointed_at_a_late_server_waits_then_trains(tmp_path: Path) -> Non
         if server is not None:
             server.stop()
     text = log.read_text()
-    assert "waiting for 1 of 1 server(s) to answer /health" in text, text[-3000:]
+    assert WAITING in text, text[-3000:]
     ready = f"[engines] http://127.0.0.1:{port} ready after"
     assert any(
         line.startswith(ready) and line.endswith("rollouts built-in server")

@@ -12,9 +12,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 from tests.training.test_train_e2e import ROOT, TRAIN, _config, _order, _steps, _train
+
+pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
 
 LORA = {
     "model__lora": {"enabled": True, "rank": 4, "alpha": 16.0},

@@ -17,10 +17,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.training.test_train_e2e import ROOT, TRAIN, _config, _steps
+
+pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
 
 STEPS = 4
 KILL_AFTER = "step_000002"

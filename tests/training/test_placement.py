@@ -30,6 +30,8 @@ from rollouts.openmp import short_spin_waits
 from rollouts.trainer.core import TrainerCore
 from rollouts.types import Sample
 
+pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
+
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 needs_two_cores = pytest.mark.skipif(len(CORES) < 2, reason="placement needs >= 2 usable cores")
 

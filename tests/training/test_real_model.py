@@ -36,6 +36,8 @@ from rollouts.weights.check import (
 )
 from rollouts.weights.disk import sync_weights_to_engines
 
+pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
+
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "integration_training" / "train.py"
 STEPS = 2

@@ -19,6 +19,8 @@ from safetensors.torch import load_file
 
 from tests.training.test_train_e2e import _config, _train
 
+pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
+
 REWARD = {"reward_fn": "tests.training.varied_reward.varied_reward"}  # nonzero advantages
 TIMING = ("time/", "perf/")
 # the engine's logprobs of the sampled tokens: equal tokens, floats of another batch shape

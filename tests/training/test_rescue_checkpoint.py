@@ -19,6 +19,8 @@ import pytest
 from tests.training.test_engine_failover import server_pids, wait_gone
 from tests.training.test_train_e2e import ROOT, _config, _expected_order, _order, _steps, _train
 
+pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
+
 TRAIN = ROOT / "integration_training" / "train.py"
 
 

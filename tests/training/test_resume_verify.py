@@ -31,6 +31,8 @@ from tests.training.backend_helpers import lora_config, tiny_config
 from tests.training.conftest import FinishedRun
 from tests.training.test_train_e2e import _steps, _train
 
+pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
+
 MODEL = "model/model.safetensors"
 
 

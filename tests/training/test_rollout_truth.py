@@ -11,6 +11,8 @@ import pytest
 from rollouts.driver.quick_start import quick_start_training
 from rollouts.types import Sample
 
+pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
+
 
 def reward_len_mod_2(sample: Sample) -> float:
     return float(sample.response_length % 2)

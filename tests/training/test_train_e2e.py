@@ -17,6 +17,8 @@ from rollouts.data.loaders import load_prompts
 from tests.toml_config import write_config
 from tests.training.conftest import FinishedRun
 
+pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
+
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "integration_training" / "train.py"
 
@@ -74,37 +76,6 @@ def _train(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
 
 def _steps(path: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
-
-
-def test_sft_then_rl_end_to_end(finished_run: FinishedRun) -> None:
-    done, run = finished_run.done, finished_run.run
-    assert _steps(run / "sft_metrics.jsonl") == [0, 1, 2, 3, 4, 5, 6]  # 0 = held-out eval
-    assert _steps(run / "metrics.jsonl") == [0, 1, 2, 3]  # 0 = held-out eval before RL
-    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
-    for key in (
-        "reward/mean",
-        "eval/accuracy",
-        "train/clipfrac",
-        "train/logprob_mismatch",
-        "time/generate_s",
-        "time/train_s",
-        "time/sync_s",
-        "policy/version",
-        "perf/driver_rss_mb",
-    ):
-        assert key in last, key
-    assert last["policy/version"] == 3.0
-    assert "held-out accuracy before RL" in done.stdout
-    assert "held-out accuracy after RL" in done.stdout
-    rl_root = run / "checkpoints" / "rl"
-    ckpts = sorted(p.name for p in rl_root.iterdir() if p.name.startswith("step_"))
-    assert ckpts == ["step_000002", "step_000003"]  # keep_last = 2
-    best = json.loads((rl_root / "best.json").read_text())  # eval/accuracy ran at step 3 only
-    assert "step_000003" in json.dumps(best)
-    assert (run / "checkpoints" / "rl" / "step_000003" / "model" / "config.json").is_file()
-    assert json.loads((run / "config.json").read_text())["config"]["rollout"]["batch_size"] == 2
-    rows = (run / "rollouts.jsonl").read_text().splitlines()
-    assert len(rows) == 3 * 2 * 2
 
 
 def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
@@ -182,3 +153,36 @@ def test_nproc_2_relaunches_under_torchrun_and_matches_one_process(tmp_path: Pat
         assert synced["sync/content_gap_max"] < 1e-4  # the engine serves the FSDP trainer's
     assert "re-launching under torchrun" in done.stdout
     assert losses[2] == pytest.approx(losses[1], rel=1e-4)
+
+
+def test_sft_then_rl_end_to_end(finished_run: FinishedRun) -> None:
+    """Last in this file: the other tests run first, so when test_resume_verify's worker builds
+    the shared run (tests/training/conftest.py) this worker rarely waits on it."""
+    done, run = finished_run.done, finished_run.run
+    assert _steps(run / "sft_metrics.jsonl") == [0, 1, 2, 3, 4, 5, 6]  # 0 = held-out eval
+    assert _steps(run / "metrics.jsonl") == [0, 1, 2, 3]  # 0 = held-out eval before RL
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    for key in (
+        "reward/mean",
+        "eval/accuracy",
+        "train/clipfrac",
+        "train/logprob_mismatch",
+        "time/generate_s",
+        "time/train_s",
+        "time/sync_s",
+        "policy/version",
+        "perf/driver_rss_mb",
+    ):
+        assert key in last, key
+    assert last["policy/version"] == 3.0
+    assert "held-out accuracy before RL" in done.stdout
+    assert "held-out accuracy after RL" in done.stdout
+    rl_root = run / "checkpoints" / "rl"
+    ckpts = sorted(p.name for p in rl_root.iterdir() if p.name.startswith("step_"))
+    assert ckpts == ["step_000002", "step_000003"]  # keep_last = 2
+    best = json.loads((rl_root / "best.json").read_text())  # eval/accuracy ran at step 3 only
+    assert "step_000003" in json.dumps(best)
+    assert (run / "checkpoints" / "rl" / "step_000003" / "model" / "config.json").is_file()
+    assert json.loads((run / "config.json").read_text())["config"]["rollout"]["batch_size"] == 2
+    rows = (run / "rollouts.jsonl").read_text().splitlines()
+    assert len(rows) == 3 * 2 * 2

@@ -16,9 +16,13 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from rollouts.weights.copies import run_sync_root
 from tests.training.test_engine_failover import server_pids, wait_gone
 from tests.training.test_train_e2e import ROOT, _config, _steps, _train
+
+pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
 
 KILL_AFTER_PUBLISH = textwrap.dedent(
     """

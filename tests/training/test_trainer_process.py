@@ -29,6 +29,8 @@ from tests.training.backend_helpers import (
     tiny_config,
 )
 
+pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
+
 
 @pytest.fixture
 def host() -> Iterator[TrainerProcess]:

@@ -32,6 +32,8 @@ TIED = TinyModelSpec(
     hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, tie_embeddings=True
 )
 
+pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
+
 
 @pytest.fixture(scope="module")
 def tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
