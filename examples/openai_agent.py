@@ -11,6 +11,12 @@ the calculator until the model answers without a tool call. Trained through the 
 (configs/demo-gateway-cpu.toml). Run against a server by hand:
 
     python examples/openai_agent.py http://127.0.0.1:8000/v1 "What is 23+45?"
+
+With vLLM serving SmolLM2, whose own template drops `tools`, give it the packaged template that
+shows the tools as the training loop does, and the parser that reads the calls back:
+
+    bash scripts/serve_vllm.sh MODEL_DIR 8000 --enable-auto-tool-choice \
+      --tool-call-parser hermes --chat-template rollouts/envs/templates/smollm2_tools.jinja
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ gateway, so that what a model is trained to write is what every reader parses:
 - A tool's result goes back as a `{"role": "tool", "content": ...}` message rendered by the
   template. Assistant messages with a `tool_calls` field are written into their content first
   where the template does not render `tool_calls` itself.
+- A server that renders the prompt itself (vLLM's OpenAI server) gets the same prompt from a
+  packaged template that writes `tools` and `tool_calls` this way (`packaged_template`:
+  `smollm2_tools` for SmolLM2, passed as `--chat-template`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import dataclasses
 import functools
 import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from rollouts.data.sft import render
@@ -27,6 +31,7 @@ from rollouts.envs.tools import ToolCall, parse_tool_calls
 from rollouts.types import Message
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_TEMPLATES = Path(__file__).parent / "templates"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -174,3 +179,16 @@ def render_with_tools(
     if not template_tools(tokenizer).tool_calls:
         msgs = [inline_tool_calls(m) if m.get("tool_calls") else m for m in msgs]
     return render(tokenizer, msgs, add_generation_prompt, **extra)
+
+
+def packaged_template(name: str) -> Path:
+    """The chat template `name` shipped with rollouts (envs/templates/NAME.jinja).
+
+    `smollm2_tools`: SmolLM2's template that renders `tools` and `tool_calls` exactly as
+    `render_with_tools` does for SmolLM2's own, for a server's `--chat-template` (vLLM's).
+    """
+    path = _TEMPLATES / f"{name}.jinja"
+    if not path.is_file():
+        known = sorted(p.stem for p in _TEMPLATES.glob("*.jinja"))
+        raise FileNotFoundError(f"no packaged chat template {name!r}; known: {known}")
+    return path

@@ -4,8 +4,9 @@
 tests are skipped (the plain suite, `scripts/test.sh`, has no vLLM). Four servers start at once:
 "tiny" and "tiny2" (the demo's model shape: head_dim 32, untied; the pool of two), "tied" (the
 same shape with a tied LM head) and "smollm2" (the packaged SmolLM2-135M-Instruct, tied; with
-LoRA on: `--enable-lora`, adapters loaded at run time, as the LoRA runs need it; and the hermes
-tool parser, for the OpenAI agent example). `-O0`
+LoRA on: `--enable-lora`, adapters loaded at run time, as the LoRA runs need it; the hermes
+tool parser and the packaged template that shows SmolLM2 the tools, for the OpenAI agent
+example). `-O0`
 skips vLLM's compile: start-up is then Python imports and a warm-up (tens of seconds each);
 "tiny2" runs at vLLM's default level (compiled, as users run it), where seeded requests crashed
 the CPU engine with chunked prefill on.
@@ -23,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from rollouts.envs.tool_format import packaged_template
 from rollouts.inference.launch import free_port
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
 
@@ -32,8 +34,16 @@ DEMO_SHAPE = dict(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=
 # LoRA adapters loaded at run time (/v1/load_lora_adapter): the served one and the one before
 LORA_ARGS = ("--enable-lora", "--max-lora-rank", "16", "--max-loras", "2")
 LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-# OpenAI tool calls read back from `<tool_call>{json}</tool_call>` (the gateway's format too)
-TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+# OpenAI tool calls read back from `<tool_call>{json}</tool_call>` (the gateway's format too), and
+# SmolLM2's template with the tools in the system message as the agent loop writes them (its own
+# template drops `tools`): vLLM builds the prompt the loop and the gateway build
+TOOL_ARGS = (
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+    "--chat-template",
+    str(packaged_template("smollm2_tools")),
+)
 
 
 class VLLMServer:

@@ -50,10 +50,13 @@ def _config(tmp: Path, model: Path, urls: list[str], mode: str, **sections: dict
 
 
 def _train(
-    config: Path, timeout_s: float = 400, start_line: str = "serves the trainer's weights"
+    config: Path,
+    timeout_s: float = 400,
+    start_line: str = "serves the trainer's weights",
+    mode: str = "rl",
 ) -> list[dict]:
     done = subprocess.run(
-        [sys.executable, str(TRAIN), "--mode", "rl", "--config", str(config)],
+        [sys.executable, str(TRAIN), "--mode", mode, "--config", str(config)],
         capture_output=True,
         text=True,
         timeout=timeout_s,
