@@ -109,6 +109,18 @@ def serve(
     return prefill_s, decode_s, done
 
 
+def options(tokenizer, share: bool) -> BatchOptions:
+    """The engine's batch options here: room for every row, greedy's defaults."""
+    return BatchOptions(
+        max_batch=128,
+        max_prefill=64,
+        pad_token_id=tokenizer.pad_token_id or 0,
+        eos_token_ids=(),
+        logprobs_from="raw",
+        share_prefix=share,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
@@ -142,15 +154,7 @@ def main() -> None:
     for r in range(args.rounds + 1):
         for share in (r % 2 == 0, r % 2 != 0):
             for name, admissions in phases.items():
-                opts = BatchOptions(
-                    max_batch=128,
-                    max_prefill=64,
-                    pad_token_id=tokenizer.pad_token_id or 0,
-                    eos_token_ids=(),
-                    logprobs_from="raw",
-                    share_prefix=share,
-                )
-                batch = RunningBatch(model, tokenizer, opts)
+                batch = RunningBatch(model, tokenizer, options(tokenizer, share))
                 pre, dec, done = serve(batch, admissions, args.new)
                 if r:  # round 0 warms up
                     times.setdefault((name, share), []).append((pre, dec))
@@ -173,16 +177,9 @@ def main() -> None:
     print("shared against whole:", agreement(shared, whole))
     # the noise floor: whole prompts again, turn 1 admitted in two halves (other padding, other
     # matmul shapes), against all together
-    opts = BatchOptions(
-        max_batch=128,
-        max_prefill=64,
-        pad_token_id=tokenizer.pad_token_id or 0,
-        eos_token_ids=(),
-        logprobs_from="raw",
-        share_prefix=False,
-    )
     half = len(turn1) // 2
-    halves = serve(RunningBatch(model, tokenizer, opts), [turn1[:half], turn1[half:]], args.new)
+    batch = RunningBatch(model, tokenizer, options(tokenizer, share=False))
+    halves = serve(batch, [turn1[:half], turn1[half:]], args.new)
     print(
         "the same engine, whole prompts, turn 1 in two halves against together:",
         agreement(halves[2], outputs[False]["turn 1 (distinct, together)"]),
