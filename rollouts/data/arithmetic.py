@@ -123,7 +123,8 @@ def _prompt_row(p: Problem) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": p.question}], "label": p.answer}
 
 
-def _check_paths(data: DataConfig) -> Path:
+def prepared_dir(data: DataConfig) -> Path:
+    """The one directory of a `data.prepare` hook's DIR/sft.jsonl, train.jsonl and eval.jsonl."""
     paths = {"sft": data.sft_path, "train": data.train_path, "eval": data.eval_path}
     dirs = {str(Path(p).parent) for p in paths.values()}
     if len(dirs) != 1 or any(Path(p).name != f"{k}.jsonl" for k, p in paths.items()):
@@ -139,14 +140,14 @@ def prepare_demo_data(
 ) -> None:
     """A `data.prepare` hook's body: the demo datasets with SFT conversations written by
     `conversation`, where `data`'s paths point (DIR/sft, train, eval.jsonl), unless there."""
-    out = _check_paths(data)
+    out = prepared_dir(data)
     if not all((out / f"{k}.jsonl").is_file() for k in ("sft", "train", "eval")):
         write_demo_datasets(out, digits=digits, conversation=conversation)
 
 
 def prepare_addition_tool_data(data: DataConfig) -> None:
     """`data.prepare` hook of the tools demo: 2-digit sums; SFT calls the calculator tool."""
-    out = _check_paths(data)
+    out = prepared_dir(data)
     if not all((out / f"{k}.jsonl").is_file() for k in ("sft", "train", "eval")):
         write_demo_datasets(out, digits=2, tool=True)
 
@@ -176,6 +177,6 @@ def prepare_addition_data(data: DataConfig) -> None:
     The three paths must share one directory and be named sft/train/eval.jsonl; files that
     exist already are left as they are (so a resumed run reads the same data).
     """
-    out = _check_paths(data)
+    out = prepared_dir(data)
     if not all((out / f"{k}.jsonl").is_file() for k in ("sft", "train", "eval")):
         write_demo_datasets(out)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rollouts.config import DataConfig
+from rollouts.data.arithmetic import prepared_dir
 from rollouts.data.loaders import write_jsonl
 from rollouts.envs.shop import ANSWER_MARKER, CATALOGUE_KEY, shop_tool_specs
 from rollouts.envs.tool_format import call_text, tool_system_text
@@ -119,13 +120,6 @@ def prepare_shop_data(data: DataConfig) -> None:
     The three paths must be DIR/sft.jsonl, DIR/train.jsonl, DIR/eval.jsonl; files that exist
     already are left as they are (a resumed run reads the same data).
     """
-    paths = {"sft": data.sft_path, "train": data.train_path, "eval": data.eval_path}
-    dirs = {str(Path(p).parent) for p in paths.values()}
-    if len(dirs) != 1 or any(Path(p).name != f"{k}.jsonl" for k, p in paths.items()):
-        raise ValueError(
-            "data.prepare = prepare_shop_data needs data.sft_path, data.train_path and "
-            f"data.eval_path as DIR/sft.jsonl, DIR/train.jsonl, DIR/eval.jsonl; got {paths}"
-        )
-    out = Path(dirs.pop())
-    if not all((out / f"{k}.jsonl").is_file() for k in paths):
+    out = prepared_dir(data)
+    if not all((out / f"{k}.jsonl").is_file() for k in ("sft", "train", "eval")):
         write_shop_datasets(out)
