@@ -37,6 +37,10 @@ FP32_MATCH = 1e-4  # engine vs trainer logprobs on the same weights, fp32
 # batch-of-one decode steps are so short that the box stalls (timers of other processes too)
 # until the request ends, so nothing can pause or abort it mid-way
 LONG = SamplingParams(max_new_tokens=100, temperature=1.0, ignore_eos=True, seed=1)
+# a request that is cut mid-way (abort, pause "abort", a sync): so long that no box finishes it
+# before the cut lands (a fast one made LONG's 100 tokens within `_mid_way`); the cut ends it,
+# so it costs no more time than LONG
+CUT = SamplingParams(max_new_tokens=1500, temperature=1.0, ignore_eos=True, seed=1)
 
 
 class Trainer:
@@ -152,8 +156,10 @@ async def test_n_samples_on_the_completions_route(
     assert len({tuple(c["token_ids"]) for c in choices}) > 1  # three samples, not one copied
 
 
-async def _running(engine: VLLMEngine, prompt: list[int], rid: str, box: list) -> None:
-    box.append(await engine.generate(prompt, LONG, rid=rid))
+async def _running(
+    engine: VLLMEngine, prompt: list[int], rid: str, box: list, params: SamplingParams = LONG
+) -> None:
+    box.append(await engine.generate(prompt, params, rid=rid))
 
 
 async def _mid_way() -> None:
@@ -168,13 +174,15 @@ async def test_abort_by_request_id_returns_the_partial_output(
     engine = await _at_base(vllm["smollm2"], trainers["smollm2"], tmp_path)
     kept, aborted = [], []
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_running, engine, _prompt(trainers["smollm2"], 1), "grp-7-0", aborted)
+        nursery.start_soon(
+            _running, engine, _prompt(trainers["smollm2"], 1), "grp-7-0", aborted, CUT
+        )
         nursery.start_soon(_running, engine, _prompt(trainers["smollm2"], 2), "grp-8-0", kept)
         await _mid_way()
         await engine.abort("grp-7")
     await engine.aclose()
     assert aborted[0].finish_reason == FinishReason.ABORT
-    assert 0 < len(aborted[0].output_ids) < LONG.max_new_tokens
+    assert 0 < len(aborted[0].output_ids) < CUT.max_new_tokens
     assert len(aborted[0].logprobs) == len(aborted[0].output_ids)
     assert kept[0].finish_reason == FinishReason.LENGTH  # another group's request ran on
 
@@ -187,7 +195,8 @@ async def test_pause_with_a_request_running(
     engine = await _at_base(vllm["smollm2"], trainer, tmp_path)
     box: list = []
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_running, engine, _prompt(trainer, 3), "pause-0", box)
+        params = CUT if mode == "abort" else LONG
+        nursery.start_soon(_running, engine, _prompt(trainer, 3), "pause-0", box, params)
         await _mid_way()
         await engine.pause(mode)
         paused_with = list(box)  # wait: done before the pause returns; abort: being answered
@@ -198,7 +207,7 @@ async def test_pause_with_a_request_running(
     done = box[0]
     if mode == "abort":
         assert done.finish_reason == FinishReason.ABORT
-        assert 0 < len(done.output_ids) < LONG.max_new_tokens
+        assert 0 < len(done.output_ids) < CUT.max_new_tokens
     elif mode == "wait":
         assert paused_with and done.finish_reason == FinishReason.LENGTH
     else:  # keep: frozen while paused, then finished on resume
@@ -265,7 +274,7 @@ async def test_partial_rollout_aborted_by_a_sync_continues_on_the_new_weights(
         path = await trio.to_thread.run_sync(trainer.publish, tmp_path / "w", "1")
         probe = await trainer_probe(trainer.backend, prompt, "1", FP32_MATCH)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_running, engine, prompt, "part-0", box)
+            nursery.start_soon(_running, engine, prompt, "part-0", box, CUT)
             await _mid_way()
             report = await sync_weights_to_engines([engine], path, "1", probe=probe)
         partial = box[0]
@@ -277,7 +286,7 @@ async def test_partial_rollout_aborted_by_a_sync_continues_on_the_new_weights(
     await engine.aclose()
     assert report.ok
     assert partial.finish_reason == FinishReason.ABORT and partial.weight_version == "base"
-    assert 0 < len(partial.output_ids) < LONG.max_new_tokens
+    assert 0 < len(partial.output_ids) < CUT.max_new_tokens
     assert continued.weight_version == "1" and len(continued.output_ids) == 16
     assert largest_gap(expected, continued.logprobs)[0] < FP32_MATCH
 
