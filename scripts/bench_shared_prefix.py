@@ -37,7 +37,7 @@ short_spin_waits()
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from rollouts.data import shop  # noqa: E402
+from rollouts.envs import shop_data as shop  # noqa: E402
 from rollouts.envs.shop import shop_tool_specs  # noqa: E402
 from rollouts.envs.tool_format import call_text, render_with_tools  # noqa: E402
 from rollouts.inference.server import precision  # noqa: E402

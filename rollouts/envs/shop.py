@@ -5,7 +5,7 @@ seen; the price (and the stock) come only from `lookup(item)`, and the product o
 numbers is beyond a small model's head, so it comes from `calculator(expression)`. An episode is
 therefore at least two tool calls over at least two turns, then "Answer: N". The catalogue
 travels with each prompt (`sample.metadata["catalogue"]`: `{item: {"price": p, "stock": s}}`),
-written by `rollouts.data.shop`. The tools reach the model through its chat template
+written by `rollouts.envs.shop_data`. The tools reach the model through its chat template
 (`ToolEnvironment.tool_specs`, read by the agent loop: `envs/tool_format.with_tools`).
 """
 
@@ -53,7 +53,7 @@ def _catalogue_of(sample: Sample) -> Mapping[str, Mapping[str, int]]:
         raise ValueError(
             f"sample {sample.index}: the shop environment needs metadata[{CATALOGUE_KEY!r}] "
             "(a non-empty {item: {price, stock}} column of the prompt file, as "
-            "rollouts.data.shop writes it)"
+            "rollouts.envs.shop_data writes it)"
         )
     return catalogue
 

@@ -9,9 +9,9 @@ from transformers import AutoTokenizer
 
 from rollouts.data.arithmetic import final_answer_reward
 from rollouts.data.sft import render
-from rollouts.data.shop import write_shop_datasets
 from rollouts.driver.metrics import MetricsLogger
 from rollouts.envs.shop import shop_env
+from rollouts.envs.shop_data import write_shop_datasets
 from rollouts.envs.tool_format import call_text, with_tools
 from rollouts.loop.episodes import episode_metrics
 from rollouts.types import Sample, Status

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from rollouts.data.shop import write_shop_datasets
+from rollouts.envs.shop_data import write_shop_datasets
 from tests.real_vllm.conftest import VLLMServer
 from tests.real_vllm.test_vllm_training import FP32_MATCH, _config, _steps, _train
 
