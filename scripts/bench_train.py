@@ -200,7 +200,7 @@ def inline_step_of(backend, batch: TrainBatch):
     norm = backend.core.settings.max_grad_norm
 
     def step() -> None:
-        backend.core.forward_backward(batch, nll_loss, False, False)
+        backend.core.forward_backward(batch, nll_loss, False)
         backend.core.optim_step(lambda: torch.nn.utils.clip_grad_norm_(params, norm))
 
     return step

@@ -89,7 +89,7 @@ class TrainingConfig(_Section):
     # engine and (async) the driver on cores of their own; "off": leave it to the OS
     cpu_placement: CpuPlacement = "auto"
     # "auto": train in a child process when async mode runs with that CPU placement (the
-    # driver's Python then never holds the training thread's GIL; backends/process.py);
+    # driver's Python then never holds the training thread's GIL; trainer/process.py);
     # "on": always (one-device backend); "off": train in the driver's process
     trainer_process: TrainerProcessMode = "auto"
     # forward and backward under torch.autocast, fp32 master weights and optimizer: "auto" =

@@ -123,7 +123,7 @@ def run_training(
     this). `resume_step`: --resume-step N (with `resume`), step N of the phase being resumed.
 
     Under torchrun with several ranks (the FSDP backend), rank 0 runs the driver and the other
-    ranks mirror its backend calls (`backends/mirror.py`).
+    ranks mirror its backend calls (`trainer/mirror.py`).
     """
     quiet_progress_bars()
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:

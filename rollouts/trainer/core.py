@@ -171,14 +171,12 @@ class TrainerCore:
         plan = plan_micro_batches([2], 2, "pad")[0]
         return build_tensors(plan, ids, self.settings.pad_id)
 
-    def forward_backward(
-        self, batch: TrainBatch, loss_fn: LossFn, want_entropy: bool, want_values: bool = False
-    ) -> Metrics:
+    def forward_backward(self, batch: TrainBatch, loss_fn: LossFn, want_entropy: bool) -> Metrics:
         """Sum gradients of `loss_fn` over micro-batches; metrics summed over them and ranks.
 
-        Values (the critic head) are computed when `want_values` or `loss_fn.needs_values`.
+        Values (the critic head) are computed when `loss_fn.needs_values`.
         """
-        want_values = want_values or loss_fn.needs_values
+        want_values = loss_fn.needs_values
         # an entropy the loss does not train on is a metric: no graph through [N, V] for it
         entropy_grad = loss_fn.needs_entropy
         t0 = time.perf_counter()

@@ -107,10 +107,10 @@ class FSDPBackend:
         return TrainFuture(self._executor.submit(fn, *args))
 
     def forward_backward(
-        self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False, values: bool = False
+        self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False
     ) -> TrainFuture[Metrics]:
         """Every rank passes the whole batch; each trains its share; metrics summed over ranks."""
-        return self._submit(self.core.forward_backward, batch, loss_fn, entropy, values)
+        return self._submit(self.core.forward_backward, batch, loss_fn, entropy)
 
     def optim_step(self) -> TrainFuture[Metrics]:
         """Clip the (global) gradient norm, step AdamW and the schedule, or skip if non-finite."""

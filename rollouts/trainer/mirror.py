@@ -5,9 +5,10 @@ metrics). Every backend call it makes is first broadcast - (backend id, method, 
 a dedicated gloo group, then run locally; ranks 1..N-1 run `BackendHub.follow()`, which receives
 the same calls in the same order and runs them on their own shard, so the FSDP collectives match
 across ranks. All of rank 0's calls go through one control thread, so a control broadcast never
-interleaves with the backend's own collectives. Functions that "every rank calls"
-(`save_checkpoint`, `publish_weights`) work unchanged on a `MirroredBackend`: their backend
-calls (barrier, save) are mirrored one by one.
+interleaves with the backend's own collectives. Rank 0's handle is a `RemoteBackend`
+(`remote.py`) over a `MirrorLink`. Functions that "every rank calls" (`save_checkpoint`,
+`publish_weights`) work unchanged on it: their backend calls (barrier, save) are mirrored one
+by one.
 
 Across nodes, paths go out absolute (each node's torchrun may have its own working directory),
 and `check_shared` proves at start that every rank sees rank 0's checkpoint directory: rank 0
@@ -18,18 +19,18 @@ checkpoints that no node can resume.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import socket
 import time
-from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from rollouts.config import Config
-from rollouts.types import LossFn, TrainBatch, TrainFuture
+from rollouts.trainer.remote import RemoteBackend
+from rollouts.types import TrainFuture
 
 EXIT = "exit"
 SHARED_WAIT_S = 10.0  # how long a rank looks for rank 0's marker (a network filesystem's lag)
@@ -89,13 +90,16 @@ class BackendHub:
     def submit(self, message: tuple) -> concurrent.futures.Future:
         return self._control.submit(self._lead, message)
 
-    def create(self, config: Config, **kwargs: Any) -> MirroredBackend:
-        """Build an FSDP backend on every rank; the handle rank 0's driver uses."""
+    def create(self, config: Config, **kwargs: Any) -> RemoteBackend:
+        """Build an FSDP backend on every rank; the handle rank 0's driver uses (no weight
+        snapshots: FSDP gathers and writes the weights when they are published)."""
         backend_id = self._next_id
         self._next_id += 1
         kwargs = {k: Path(v).absolute() if isinstance(v, Path) else v for k, v in kwargs.items()}
         self.submit(("create", backend_id, config, kwargs)).result()
-        return MirroredBackend(self, backend_id)
+        link = MirrorLink(self, backend_id)
+        lora = config.model.lora.enabled
+        return RemoteBackend(link, world_size=self.world_size, adapters=lora, snapshots=False)
 
     def check_shared(self, root: Path) -> None:
         """Rank 0: SharedPathError unless every rank sees `root` (created here), naming the
@@ -160,72 +164,24 @@ def _appears(path: Path, wait_s: float) -> bool:
     return True
 
 
-class MirroredBackend:
-    """A `TrainingBackend` on rank 0 whose every call is mirrored on all ranks."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class MirrorLink:
+    """The `BackendLink` to one mirrored backend: each call broadcast, then run on every rank."""
 
-    def __init__(self, hub: BackendHub, backend_id: int) -> None:
-        self.hub = hub
-        self.backend_id = backend_id
-        self.rank = 0
-        self.world_size = hub.world_size
-        self.tokenizer = hub._backends[backend_id].tokenizer
-        self.adapters = hub._backends[backend_id].adapters  # it trains LoRA adapters
+    hub: BackendHub
+    backend_id: int
 
-    def _call(self, name: str, *args: Any, **kwargs: Any) -> TrainFuture[Any]:
-        return TrainFuture(self.hub.submit(("call", self.backend_id, name, args, kwargs)))
+    def call(self, name: str, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        """The backend's method `name` on every rank, in order (rank 0's result)."""
+        return self.hub.submit(("call", self.backend_id, name, args, kwargs))
 
-    def forward_backward(
-        self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False, values: bool = False
-    ) -> TrainFuture[dict[str, float]]:
-        return self._call("forward_backward", batch, loss_fn, entropy=entropy, values=values)
-
-    def optim_step(self) -> TrainFuture[dict[str, float]]:
-        return self._call("optim_step")
-
-    def compute_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
-        return self._call("compute_logprobs", batch)
-
-    def compute_values(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
-        return self._call("compute_values", batch)
-
-    def get_weights(self) -> dict[str, torch.Tensor]:
-        return self._call("get_weights").result()
-
-    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        self._call("load_weights", dict(weights)).result()
-
-    def save_checkpoint(self, path: Path) -> TrainFuture[None]:
-        return self._call("save_checkpoint", Path(path).absolute())
-
-    def load_checkpoint(self, path: Path) -> TrainFuture[None]:
-        return self._call("load_checkpoint", Path(path).absolute())
-
-    def save_weights(self, path: Path) -> TrainFuture[None]:
-        return self._call("save_weights", Path(path).absolute())
-
-    def weight_snapshots(self) -> None:
-        """No snapshots: weights are gathered and written when published."""
-        return None
-
-    def lora_adapters(self) -> MirroredBackend | None:
-        """This handle when the backend trains LoRA adapters (its calls mirrored too)."""
-        return self if self.adapters else None
-
-    def save_adapter(self, path: Path) -> TrainFuture[int]:
-        return self._call("save_adapter", Path(path))
-
-    def save_base_weights(self, path: Path) -> TrainFuture[None]:
-        return self._call("save_base_weights", Path(path))
-
-    def compute_base_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
-        return self._call("compute_base_logprobs", batch)
-
-    def pin_thread(self, cores: Collection[int]) -> None:
+    def pin_thread(self, cores: tuple[int, ...]) -> None:
         """Nothing to pin: torchrun places the ranks."""
         return None
 
     def barrier(self) -> None:
-        self._call("barrier").result()
+        """Every rank's backend waits for the others (a mirrored call)."""
+        self.call("barrier").result()
 
     def close(self) -> None:
         """Stop this backend's worker on every rank (the process group stays for the next)."""

@@ -6,8 +6,8 @@ every torch op and must take it back, and while the driver runs Python on its ow
 training thread waits. `TrainerProcess` starts one child process (`python -m
 rollouts.trainer.process_child`, so nothing of the caller's `__main__` is re-run) that
 builds one-device backends (the policy, a reference model) with `create_pytorch_backend` and runs
-their calls. `ProcessBackend` is the driver's handle: a `TrainingBackend` whose calls are pickled
-over a socket pair in order (`process_wire.py`) and whose results come back as `TrainFuture`s.
+their calls. The driver's handle is a `RemoteBackend` (`remote.py`) over a `ProcessLink`: its
+calls are pickled over a socket pair in order (`process_wire.py`) and come back as `TrainFuture`s.
 
 Start-up is not waited for: the child imports torch and builds the model while the driver starts
 the engines, and an error of that work comes back from the next call. In the child, calls that
@@ -30,29 +30,19 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
-
-import torch
 
 from rollouts.config import Config
 from rollouts.trainer.process_wire import HOST, dumps, pack, unpack
-from rollouts.types import LossFn, TrainBatch, TrainFuture
+from rollouts.trainer.remote import RemoteBackend
 
 CLOSE_TIMEOUT_S = 30.0
 
 
 class TrainerProcessError(RuntimeError):
     """The trainer process died (or could not start); its calls cannot finish."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class WeightSnapshot:
-    """Weights copied in the trainer process (by `snapshot_weights`), kept there until written."""
-
-    key: int
 
 
 class TrainerProcess:
@@ -154,12 +144,14 @@ class TrainerProcess:
             )
         return self._error
 
-    def create(self, config: Config, **kwargs: Any) -> ProcessBackend:
+    def create(self, config: Config, **kwargs: Any) -> RemoteBackend:
         """A one-device backend for `config` built in the child (`create_pytorch_backend`);
-        returns at once (the child builds it in order before the backend's first call)."""
+        returns at once (the child builds it in order before the backend's first call). Its
+        weight snapshots stay in the child until written there."""
         backend_id = next(self._backend_ids)
         self.call_unchecked(backend_id, "create", config, **kwargs)
-        return ProcessBackend(self, backend_id, adapters=config.model.lora.enabled)
+        link = ProcessLink(self, backend_id)
+        return RemoteBackend(link, adapters=config.model.lora.enabled, snapshots=True)
 
     def close(self) -> None:
         """Stop the child (its backends finish their queued work first); kill it if it hangs."""
@@ -175,81 +167,21 @@ class TrainerProcess:
         self._reader.join(timeout=CLOSE_TIMEOUT_S)
 
 
-class ProcessBackend:
-    """The driver's handle on a backend in the trainer process; see `TrainingBackend`."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProcessLink:
+    """The `BackendLink` to one backend in the trainer process (by its id there)."""
 
-    rank = 0
-    world_size = 1
+    host: TrainerProcess
+    backend_id: int
 
-    def __init__(self, host: TrainerProcess, backend_id: int, *, adapters: bool = False) -> None:
-        self.host = host
-        self.backend_id = backend_id
-        self.adapters = adapters  # built with model.lora.enabled (the child's backend trains LoRA)
+    def call(self, name: str, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        """The backend's method `name`, run in the child in order."""
+        return self.host.call(self.backend_id, name, *args, **kwargs)
 
-    def _call(self, name: str, *args: Any, **kwargs: Any) -> TrainFuture[Any]:
-        return TrainFuture(self.host.call(self.backend_id, name, *args, **kwargs))
-
-    def forward_backward(
-        self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False, values: bool = False
-    ) -> TrainFuture[dict[str, float]]:
-        return self._call("forward_backward", batch, loss_fn, entropy=entropy, values=values)
-
-    def optim_step(self) -> TrainFuture[dict[str, float]]:
-        return self._call("optim_step")
-
-    def compute_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
-        return self._call("compute_logprobs", batch)
-
-    def compute_values(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
-        return self._call("compute_values", batch)
-
-    def get_weights(self) -> dict[str, torch.Tensor]:
-        return self._call("get_weights").result()
-
-    def snapshot_weights(self) -> WeightSnapshot:
-        """Copy this step's weights in the trainer process (in order after the submitted work);
-        `write_weights` writes them there, so they never cross the socket."""
-        return WeightSnapshot(self._call("snapshot_weights").result())
-
-    def write_weights(self, snapshot: WeightSnapshot, path: Path) -> None:
-        """Write a snapshot's weight files (on the child's writer thread; the training thread
-        goes on with the next step)."""
-        assert isinstance(snapshot, WeightSnapshot), f"{type(snapshot)=}"
-        self._call("write_weights", snapshot.key, Path(path)).result()
-
-    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        self._call("load_weights", dict(weights)).result()
-
-    def save_checkpoint(self, path: Path) -> TrainFuture[None]:
-        return self._call("save_checkpoint", Path(path))
-
-    def load_checkpoint(self, path: Path) -> TrainFuture[None]:
-        return self._call("load_checkpoint", Path(path))
-
-    def save_weights(self, path: Path) -> TrainFuture[None]:
-        return self._call("save_weights", Path(path))
-
-    def pin_thread(self, cores: Collection[int]) -> None:
+    def pin_thread(self, cores: tuple[int, ...]) -> None:
         """Run the child's training thread (and the torch threads it starts) on `cores` (not
         waited for: it runs before the backend's next call)."""
-        self.host.call_unchecked(self.backend_id, "pin_thread", tuple(cores))
-
-    def weight_snapshots(self) -> ProcessBackend:
-        """This backend: it takes snapshots (`snapshot_weights`, `write_weights`)."""
-        return self
-
-    def lora_adapters(self) -> ProcessBackend | None:
-        """This backend when the child's trains LoRA adapters."""
-        return self if self.adapters else None
-
-    def save_adapter(self, path: Path) -> TrainFuture[int]:
-        return self._call("save_adapter", Path(path))
-
-    def save_base_weights(self, path: Path) -> TrainFuture[None]:
-        return self._call("save_base_weights", Path(path))
-
-    def compute_base_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
-        return self._call("compute_base_logprobs", batch)
+        self.host.call_unchecked(self.backend_id, "pin_thread", cores)
 
     def barrier(self) -> None:
         """One device: nothing to wait for."""

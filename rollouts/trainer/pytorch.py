@@ -157,10 +157,10 @@ class PyTorchBackend:
         return TrainFuture(self._executor.submit(fn, *args))
 
     def forward_backward(
-        self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False, values: bool = False
+        self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False
     ) -> TrainFuture[Metrics]:
         """Accumulate gradients of `loss_fn` over `batch`; see `TrainingBackend`."""
-        return self._submit(self.core.forward_backward, batch, loss_fn, entropy, values)
+        return self._submit(self.core.forward_backward, batch, loss_fn, entropy)
 
     def optim_step(self) -> TrainFuture[Metrics]:
         """Clip to `max_grad_norm`, step AdamW and the schedule (or skip a non-finite step)."""

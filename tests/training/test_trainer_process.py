@@ -1,4 +1,4 @@
-"""The trainer process (`backends/process.py`): the same numbers as training in this process,
+"""The trainer process (`trainer/process.py`): the same numbers as training in this process,
 weight snapshots written there, checkpoints that carry its RNG, errors with the child's
 traceback, and a real kill that fails every call with the child's pid and exit code."""
 
