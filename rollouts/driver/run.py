@@ -35,9 +35,10 @@ from rollouts.driver.setup import (
     watch_signals,
 )
 from rollouts.driver.sft_phase import sft_phase
-from rollouts.driver.summary import finish_run, quiet_progress_bars
+from rollouts.driver.summary import finish_run
 from rollouts.driver.trainer_io import BackendFactory, checkpoint_root
 from rollouts.heap import release_garbage
+from rollouts.progress_bars import quiet_progress_bars
 from rollouts.trainer.checkpoint import find_latest_checkpoint
 from rollouts.trainer.factories import create_backend, resolve_device
 from rollouts.weights.copies import run_sync_root

@@ -7,9 +7,7 @@
     [train] checkpoint: runs/x/checkpoints/rl/step_000040/model  (an HF model directory)
     [train] plots:      runs/x/plots  (accuracy.png, reward.png, ...)
 
-Also `quiet_progress_bars`: transformers draws a progress bar every time it writes or loads
-weights (each weight sync, each checkpoint, each engine reload); the console keeps only the
-project's own progress line.
+`finish_run` prints these lines and writes the plots.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,16 +24,6 @@ from rollouts.trainer.checkpoint import read_best
 
 MODEL_DIR = "model"
 ADAPTER_DIR = "adapter"  # a LoRA run's (trainer/lora.py)
-
-
-def quiet_progress_bars() -> None:
-    """Silence transformers' "Writing model shards" / "Loading weights" bars, here and in the
-    engine processes started from here (they inherit HF_HUB_DISABLE_PROGRESS_BARS)."""
-    from transformers.utils import logging as hf_logging
-
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] != "0":
-        hf_logging.disable_progress_bar()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from rollouts.gcpolicy import freeze_startup_objects
+from rollouts.progress_bars import quiet_progress_bars
 from rollouts.trainer.process_wire import HOST, pack, unpack
 from rollouts.types import TrainFuture
 
@@ -153,8 +154,6 @@ class _Host:
         if other_cores and hasattr(os, "sched_setaffinity"):
             self.start_cores = os.sched_getaffinity(0)
             os.sched_setaffinity(0, set(other_cores))  # this thread; the writer inherits it
-        from rollouts.driver.summary import quiet_progress_bars
-
         quiet_progress_bars()
         self.writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weights")
         return os.getpid()

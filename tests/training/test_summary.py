@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,6 @@ from rollouts.driver.summary import (
     finish_run,
     format_duration,
     phase_line,
-    quiet_progress_bars,
     summarize_phase,
     summary_lines,
 )
@@ -84,15 +82,3 @@ def test_finish_run_without_rl_metrics_says_why_no_plots(tmp_path: Path) -> None
     lines = finish_run(tmp_path, 3.0, None)
     assert lines[0] == "SFT: 4 steps"
     assert lines[-1] == "plots:      none (no RL metrics)"
-
-
-def test_quiet_progress_bars_reaches_child_processes(monkeypatch: pytest.MonkeyPatch) -> None:
-    from transformers.utils import logging as hf_logging
-
-    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
-    try:
-        quiet_progress_bars()
-        assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
-        assert not hf_logging.is_progress_bar_enabled()
-    finally:
-        hf_logging.enable_progress_bar()
