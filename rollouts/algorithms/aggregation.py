@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rollouts.config import AGG_MODES
+from rollouts.config import AGG_MODES, AggMode
 
 SEQ_MEAN_EPS = 1e-8  # as in verl's seq-mean-token-mean
 
@@ -48,7 +48,7 @@ def global_counts(masks: Sequence[torch.Tensor], max_response_length: int = 0) -
 
 
 def aggregate(
-    loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, counts: GlobalCounts
+    loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: AggMode, counts: GlobalCounts
 ) -> torch.Tensor:
     """Reduce a per-token loss to a scalar with `mode`, normalised by global `counts`.
 

@@ -11,11 +11,13 @@ falls outside [lower, upper]. The mismatch metric is reported every step.
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Sequence
 
 import torch
 
 from rollouts.algorithms.losses import LOG_RATIO_CLAMP
+from rollouts.config import RejectionMode
 
 
 def tis_weights(
@@ -57,7 +59,7 @@ def logprob_mismatch(
     return total / count if count else 0.0
 
 
-REJECTION_MODES = ("none", "token", "sequence", "geometric")
+REJECTION_MODES = typing.get_args(RejectionMode)
 
 
 def rejection_keep_mask(
@@ -65,7 +67,7 @@ def rejection_keep_mask(
     rollout_logp_BT: torch.Tensor,
     mask_BT: torch.Tensor,
     *,
-    mode: str,
+    mode: RejectionMode,
     lower: float,
     upper: float,
 ) -> torch.Tensor:

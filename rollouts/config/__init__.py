@@ -20,6 +20,7 @@ from rollouts.config.algorithm import (
     AGG_MODES,
     KL_ESTIMATORS,
     POLICY_LOSSES,
+    AggMode,
     AlgorithmConfig,
 )
 from rollouts.config.algorithm_tables import (
@@ -29,6 +30,7 @@ from rollouts.config.algorithm_tables import (
     KLConfig,
     PairwiseConfig,
     ReferenceConfig,
+    RejectionMode,
     RolloutCorrectionConfig,
     TruncatedISConfig,
 )
@@ -44,17 +46,34 @@ from rollouts.config.model import (
     DataConfig,
     LoraConfig,
     ModelConfig,
+    ModelSourceName,
     RunSection,
     TinyModelConfig,
+    TinyTokenizer,
 )
-from rollouts.config.reward import LengthShapingConfig, RewardConfig
+from rollouts.config.reward import (
+    LengthShapingConfig,
+    ParetoMode,
+    RewardConfig,
+    RewardScope,
+    RewardTransform,
+)
 from rollouts.config.rollout import (
     BuiltinEnginesConfig,
     EnginesConfig,
     RolloutConfig,
+    RolloutMode,
     SamplingConfig,
 )
-from rollouts.config.training import CheckpointConfig, LoggingConfig, OptimConfig, TrainingConfig
+from rollouts.config.training import (
+    CheckpointConfig,
+    LoggingConfig,
+    OptimConfig,
+    RunMode,
+    Scheduler,
+    TrainingConfig,
+    WandbMode,
+)
 from rollouts.config.weight_sync import DistributedSyncConfig, WeightSyncConfig
 
 __all__ = [
@@ -63,6 +82,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "PAIR_SELECTORS",
     "POLICY_LOSSES",
+    "AggMode",
     "AlgorithmConfig",
     "BuiltinEnginesConfig",
     "CheckpointConfig",
@@ -78,17 +98,27 @@ __all__ = [
     "LoggingConfig",
     "LoraConfig",
     "ModelConfig",
+    "ModelSourceName",
     "OptimConfig",
     "PairwiseConfig",
+    "ParetoMode",
     "ReferenceConfig",
+    "RejectionMode",
     "RewardConfig",
+    "RewardScope",
+    "RewardTransform",
     "RolloutConfig",
     "RolloutCorrectionConfig",
+    "RolloutMode",
+    "RunMode",
     "RunSection",
     "SamplingConfig",
+    "Scheduler",
     "TinyModelConfig",
+    "TinyTokenizer",
     "TrainingConfig",
     "TruncatedISConfig",
+    "WandbMode",
     "WeightSyncConfig",
     "apply_overrides",
     "config_from_dict",

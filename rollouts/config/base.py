@@ -35,11 +35,6 @@ def _not_one_of(key: str, value: Any, allowed: tuple[Any, ...]) -> str:
     return f"{key} = {value!r}: must be one of {list(allowed)}{hint}"
 
 
-def _one_of(problems: list[str], key: str, value: str, allowed: tuple[str, ...]) -> None:
-    """For a value set known only at run time (a registry); a fixed set is a `Literal` field."""
-    _check(problems, value in allowed, _not_one_of(key, value, allowed))
-
-
 def is_literal(tp: Any) -> bool:
     """Whether the annotation `tp` is a mode: `Literal[...]`."""
     return typing.get_origin(tp) is typing.Literal

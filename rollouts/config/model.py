@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar, Literal
 
-from rollouts.config.base import _check, _one_of, _Section
-from rollouts.models.sources import source_names
+from rollouts.config.base import _check, _Section
 
 TinyTokenizer = Literal["char", "bpe"]
+# a packaged real model, built on first use (`rollouts.models.sources.SOURCES`); "" = none
+ModelSourceName = Literal["", "smollm2-135m-instruct"]
 ModelDtype = Literal["float32", "bfloat16", "float16"]
 AttnImplementation = Literal["sdpa", "eager"]
 
@@ -101,7 +102,7 @@ class ModelConfig(_Section):
     KEY: ClassVar[str] = "model"
 
     path: str = ""  # an HF directory or hub id; with `source`, where it is converted to
-    source: str = ""  # a packaged real model, e.g. "smollm2-135m-instruct" (built on first use)
+    source: ModelSourceName = ""  # a packaged real model (built on first use)
     tokenizer_path: str = ""  # "" = same as path
     dtype: ModelDtype = "float32"
     attn_implementation: AttnImplementation = "sdpa"
@@ -114,8 +115,6 @@ class ModelConfig(_Section):
 
     def problems(self) -> list[str]:
         p: list[str] = []
-        if self.source:
-            _one_of(p, "model.source", self.source, source_names())
         _check(
             p,
             not (self.source and self.tiny.enabled),

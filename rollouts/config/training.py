@@ -20,6 +20,7 @@ SftAutocast = Literal["", "auto", "bfloat16", "off"]  # "" = training.autocast
 BestMode = Literal["max", "min"]
 OnCorrupt = Literal["stop", "fall_back"]  # a resume whose checkpoint fails verification
 WandbMode = Literal["offline", "online", "disabled"]
+RunMode = Literal["sft", "rl", "sft+rl"]  # train.py --mode: the phases a run runs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

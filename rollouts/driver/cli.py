@@ -20,15 +20,16 @@ import argparse
 import contextlib
 import os
 import sys
+import typing
 from pathlib import Path
 from typing import NoReturn
 
-from rollouts.config import Config, ConfigError, load_config
+from rollouts.config import Config, ConfigError, RunMode, load_config
 from rollouts.driver.errors import report_error
 from rollouts.driver.launch import needs_torchrun, srun_ranks, torchrun_command
 from rollouts.driver.lock import RunInUse, hold_run_locks  # light: no torch before the lock
 
-MODES = ("sft", "rl", "sft+rl")
+MODES = typing.get_args(RunMode)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

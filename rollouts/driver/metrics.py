@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from rollouts.config import WandbMode
 from rollouts.failures import failure_reason
 from rollouts.rewards.shaping import scored_reward
 from rollouts.trainer.disk_errors import write_error
@@ -212,7 +213,7 @@ class WandbSink:
     """Scalars to Weights & Biases (the `wandb` extra); mode "offline" needs no network."""
 
     def __init__(
-        self, project: str, name: str, run_dir: str | Path, mode: str, config: dict
+        self, project: str, name: str, run_dir: str | Path, mode: WandbMode, config: dict
     ) -> None:
         try:
             import wandb

@@ -17,8 +17,10 @@ metrics.jsonl and rollouts.jsonl are left as they are.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from pathlib import Path
 
+from rollouts.config import RunMode
 from rollouts.config.training import OnCorrupt
 from rollouts.trainer.checkpoint import STEP_DIR
 from rollouts.trainer.checkpoint_verify import MANIFEST, Verdict, verify_checkpoint
@@ -178,10 +180,10 @@ def verify_start_model(model_dir: Path) -> None:
     print(f"[train] model {model_dir}: its checkpoint is intact (verified)", flush=True)
 
 
-def resume_steps(mode: str, rl_root: Path, step: int | None) -> tuple[int | None, int | None]:
+def resume_steps(mode: RunMode, rl_root: Path, step: int | None) -> tuple[int | None, int | None]:
     """--resume-step N as (SFT's, RL's): it is for the phase being resumed, RL when the mode
     runs RL and RL has checkpoints (or directories of them), else SFT."""
-    assert mode in ("sft", "rl", "sft+rl"), f"{mode=}"
+    assert mode in typing.get_args(RunMode), f"{mode=}"
     if step is None:
         return None, None
     rl_resumed = mode == "rl" or (mode == "sft+rl" and bool(step_dirs(rl_root)))

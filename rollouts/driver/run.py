@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import trio
 
-from rollouts.config import Config
+from rollouts.config import Config, RunMode
 from rollouts.driver.engines import cpu_share
 from rollouts.driver.launch import shares_node_with_driver
 from rollouts.driver.placement import placement_of
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 
 async def _main(
-    mode: str,
+    mode: RunMode,
     config: Config,
     resume: bool,
     config_path: str,
@@ -112,7 +112,7 @@ async def _main(
 
 
 def run_training(
-    mode: str,
+    mode: RunMode,
     config: Config,
     *,
     resume: bool = False,

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rollouts.models.tiny import TinyModelSpec, make_tiny_model
+from rollouts.models.tiny import TOKENIZERS, TinyModelSpec, make_tiny_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `rollouts make-tiny-model`."""
     defaults = TinyModelSpec()
     parser.add_argument("dir", help="output directory (HF format)")
-    parser.add_argument("--tokenizer", choices=("char", "bpe"), default=defaults.tokenizer)
+    parser.add_argument("--tokenizer", choices=TOKENIZERS, default=defaults.tokenizer)
     parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
     parser.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
     parser.add_argument("--num-layers", type=int, default=defaults.num_layers)

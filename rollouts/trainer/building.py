@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rollouts.algorithms.advantages import needs_critic
-from rollouts.config import Config, OptimConfig
+from rollouts.config import Config, OptimConfig, Scheduler
 from rollouts.config.model import ModelDtype
 from rollouts.trainer.core import BackendSettings
 
@@ -145,7 +145,11 @@ def create_optimizer_with_head(
 
 
 def warmup_cosine_factor(
-    step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float, kind: str = "cosine"
+    step: int,
+    warmup_steps: int,
+    total_steps: int,
+    min_lr_ratio: float,
+    kind: Scheduler = "cosine",
 ) -> float:
     """LR multiplier at `step`: linear warmup to 1, then cosine down to `min_lr_ratio`."""
     assert total_steps >= 1, f"{total_steps=}"
