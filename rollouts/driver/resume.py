@@ -17,10 +17,13 @@ metrics.jsonl and rollouts.jsonl are left as they are.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from pathlib import Path
 
-from rollouts.config import RunMode
+import trio
+
+from rollouts.config import Config, RunMode
 from rollouts.config.training import OnCorrupt
 from rollouts.trainer.checkpoint import STEP_DIR
 from rollouts.trainer.checkpoint_verify import MANIFEST, Verdict, verify_checkpoint
@@ -125,6 +128,18 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))]
     return sorted((s, p) for s, p in found if p.is_dir())[::-1]
+
+
+async def checkpoint_to_resume(
+    config: Config, root: Path, phase: str, *, resume: bool, step: int | None
+) -> Path | None:
+    """The verified checkpoint under `root` a phase continues from (None: a new run, or
+    `resume` off); `choose_checkpoint` on a worker thread, with checkpoint.on_corrupt."""
+    if not resume:
+        return None
+    on_corrupt = config.checkpoint.on_corrupt
+    choose = functools.partial(choose_checkpoint, root, phase=phase, on_corrupt=on_corrupt)
+    return await trio.to_thread.run_sync(functools.partial(choose, step=step))
 
 
 def choose_checkpoint(

@@ -26,7 +26,7 @@ from rollouts.driver.failures import BatchReporter
 from rollouts.driver.metrics import MetricsLogger, last_step
 from rollouts.driver.placement import CpuPlan, cpu_plan, decide_trainer_process, pinned
 from rollouts.driver.reference_setup import open_reference
-from rollouts.driver.resume import choose_checkpoint
+from rollouts.driver.resume import checkpoint_to_resume
 from rollouts.driver.setup import (
     RL_METRICS,
     StopFlag,
@@ -109,14 +109,7 @@ async def rl_phase(
     """
     root = checkpoint_root(config, run_dir, "rl")
     clean_leftovers(root)
-    latest = None
-    if resume:
-        on_corrupt = config.checkpoint.on_corrupt
-        latest = await trio.to_thread.run_sync(
-            functools.partial(
-                choose_checkpoint, root, phase="rl", on_corrupt=on_corrupt, step=resume_step
-            )
-        )
+    latest = await checkpoint_to_resume(config, root, "rl", resume=resume, step=resume_step)
     tokenizer = load_tokenizer(model_dir)
     buffer, eval_items, reward = _rl_inputs(config, tokenizer, model_dir, reward_fn)
     plan = cpu_plan(config)
@@ -125,11 +118,7 @@ async def rl_phase(
     make = host.create if host is not None else make_backend or create_backend
     backend = ref = None
     try:
-        backend = make(config, model_path=model_dir, total_steps=config.training.rl_steps)
-        if plan is not None:
-            print(f"[train] CPU placement: {plan.describe()}", flush=True)
-            if plan.trainer:
-                backend.pin_thread(plan.trainer)
+        backend = _policy_backend(config, make, model_dir, plan)
         resumed = await _resume(backend, buffer, latest)
         ref = await open_reference(config, model_dir, make, plan, latest, backend)
         sync_root, engine_model = await _engines_start_weights(
@@ -160,6 +149,18 @@ async def rl_phase(
         for opened in (backend, ref.backend if ref is not None else None, host):
             if opened is not None:
                 opened.close()
+
+
+def _policy_backend(
+    config: Config, make: BackendFactory, model_dir: Path, plan: CpuPlan | None
+) -> TrainingBackend:
+    """The trained policy, its training thread on the plan's cores (the plan printed)."""
+    backend = make(config, model_path=model_dir, total_steps=config.training.rl_steps)
+    if plan is not None:
+        print(f"[train] CPU placement: {plan.describe()}", flush=True)
+        if plan.trainer:
+            backend.pin_thread(plan.trainer)
+    return backend
 
 
 def _rl_inputs(

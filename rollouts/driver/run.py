@@ -57,20 +57,9 @@ async def _main(
     resume_step: int | None = None,
 ) -> int:
     started = time.monotonic()
-    # SFT: a share of the cores, or every core when colocated (the RL phase sets its own threads:
-    # driver/placement.py)
-    e = config.engines
-    on_cpu = resolve_device(config.training.device).type == "cpu" and e.kind == "builtin"
-    beside = 0 if placement_of(config) == "colocate" else e.builtin.num_engines
-    threads = cpu_share(config.training.torch_threads, "cpu" if on_cpu else "gpu", beside)
-    if threads:
-        torch.set_num_threads(threads)
+    _sft_threads(config)
     run_dir = prepare_run_dir(config, config_path, resume)
-    make_backend: BackendFactory | None = None
-    if hub is not None:  # several ranks: they all write each checkpoint, so all must see it
-        shared = Path(config.checkpoint.dir or run_dir)  # the checkpoints go under it
-        await trio.to_thread.run_sync(hub.check_shared, shared)
-        make_backend = hub.create
+    make_backend = await _mirrored_factory(hub, config, run_dir)
     if mode in ("rl", "sft+rl"):  # before any work: can the engines reach the weights?
         sync_root = run_sync_root(config.weight_sync.dir, config.run.name, run_dir)
         config, reach = resolve_reach(config, sync_root)
@@ -109,6 +98,29 @@ async def _main(
     last = find_latest_checkpoint(checkpoint_root(config, run_dir, phase))
     finish_run(run_dir, time.monotonic() - started, last)
     return 0
+
+
+def _sft_threads(config: Config) -> None:
+    """SFT's torch threads: a share of the cores, or every core when colocated (the RL phase
+    sets its own threads: driver/placement.py)."""
+    e = config.engines
+    on_cpu = resolve_device(config.training.device).type == "cpu" and e.kind == "builtin"
+    beside = 0 if placement_of(config) == "colocate" else e.builtin.num_engines
+    threads = cpu_share(config.training.torch_threads, "cpu" if on_cpu else "gpu", beside)
+    if threads:
+        torch.set_num_threads(threads)
+
+
+async def _mirrored_factory(
+    hub: BackendHub | None, config: Config, run_dir: Path
+) -> BackendFactory | None:
+    """The torchrun hub's backend factory (None: one process), once every rank has shown it
+    sees the checkpoint directory (they all write each checkpoint there)."""
+    if hub is None:
+        return None
+    shared = Path(config.checkpoint.dir or run_dir)  # the checkpoints go under it
+    await trio.to_thread.run_sync(hub.check_shared, shared)
+    return hub.create
 
 
 def run_training(

@@ -7,7 +7,6 @@ base with that adapter merged in, and RL trains a new adapter on it."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import shutil
 from pathlib import Path
 
@@ -16,7 +15,8 @@ import trio
 from rollouts.config import Config
 from rollouts.data.limits import sft_limit
 from rollouts.data.loaders import load_conversations
-from rollouts.driver.resume import choose_checkpoint, verify_start_model
+from rollouts.data.sft import TokenizedConversation
+from rollouts.driver.resume import checkpoint_to_resume, verify_start_model
 from rollouts.driver.setup import SFT_METRICS, StopFlag, make_logger
 from rollouts.driver.trainer_io import BackendFactory, checkpoint_root, save
 from rollouts.loop.sft import run_sft_training, split_eval, tokenize_all, total_sft_steps
@@ -25,6 +25,8 @@ from rollouts.trainer.checkpoint_verify import add_to_manifest
 from rollouts.trainer.factories import create_backend, load_tokenizer
 from rollouts.trainer.protocol import TrainingBackend
 from rollouts.trainer.pytorch import MODEL_DIR
+
+Examples = list[TokenizedConversation]
 
 
 async def sft_phase(
@@ -41,19 +43,9 @@ async def sft_phase(
     a corrupt one raises `CorruptCheckpoint`)."""
     root = checkpoint_root(config, run_dir, "sft")
     clean_leftovers(root)
-    tokenizer = load_tokenizer(base)
-    conversations = load_conversations(config.data.sft_path, config.data.messages_key)
-    examples = tokenize_all(tokenizer, conversations, sft_limit(base, config.data.max_length))
-    train, held = split_eval(examples, config.data.sft_eval_fraction, config.run.seed)
+    train, held = _sft_examples(config, base)
     total = total_sft_steps(config, len(train))
-    latest = None
-    if resume:
-        on_corrupt = config.checkpoint.on_corrupt
-        latest = await trio.to_thread.run_sync(
-            functools.partial(
-                choose_checkpoint, root, phase="sft", on_corrupt=on_corrupt, step=resume_step
-            )
-        )
+    latest = await checkpoint_to_resume(config, root, "sft", resume=resume, step=resume_step)
     backend = make_backend(
         dataclasses.replace(config, training=config.training.for_sft()),
         model_path=base,
@@ -66,37 +58,72 @@ async def sft_phase(
         if latest is not None:
             start = (await trio.to_thread.run_sync(load_checkpoint, backend, latest)).step
         if start < total:
-            logger = make_logger(
-                config, run_dir / SFT_METRICS, total, "sft ", start if latest else None
-            )
-
-            async def checkpoint(step: int) -> None:
-                keep = config.checkpoint.keep_last
-                await save(backend, root, step, f"sft-{step}", {"phase": "sft"}, keep)
-
-            print(f"[train] SFT: {len(train)} conversations, {total} steps", flush=True)
-            result = await run_sft_training(
-                backend,
-                train,
-                config,
-                logger,
-                eval_examples=held,
-                start_step=start,
-                checkpoint=checkpoint,
-                should_stop=stop,
-            )
-            logger.close()
-            print(f"[train] SFT done: loss {result.final_loss:.4f} eval {result.eval_loss}")
-        final = find_latest_checkpoint(root)
-        assert final is not None, f"SFT wrote no checkpoint under {root}"
-        if config.model.lora.enabled and not (final / MODEL_DIR).is_dir():
-            await trio.to_thread.run_sync(_write_merged, backend, final / MODEL_DIR)
-            await trio.to_thread.run_sync(add_to_manifest, final, MODEL_DIR)
-        if final != latest:  # written by this run (a resumed one was verified already)
-            await trio.to_thread.run_sync(verify_start_model, final / MODEL_DIR)
+            run = _SftRun(config=config, run_dir=run_dir, root=root, backend=backend, stop=stop)
+            await _train_sft(run, train, held, total, start if latest else None)
+        final = await _final_model(config, backend, root, latest)
     finally:
         backend.close()
     return final / MODEL_DIR
+
+
+def _sft_examples(config: Config, base: Path) -> tuple[Examples, Examples]:
+    """The tokenized conversations (loss masks from the chat template): (train, held out)."""
+    tokenizer = load_tokenizer(base)
+    conversations = load_conversations(config.data.sft_path, config.data.messages_key)
+    examples = tokenize_all(tokenizer, conversations, sft_limit(base, config.data.max_length))
+    return split_eval(examples, config.data.sft_eval_fraction, config.run.seed)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _SftRun:
+    """Where the SFT loop trains and writes (fixed for the phase)."""
+
+    config: Config
+    run_dir: Path
+    root: Path  # checkpoints/sft
+    backend: TrainingBackend
+    stop: StopFlag
+
+
+async def _train_sft(
+    run: _SftRun, train: Examples, held: Examples, total: int, resumed: int | None
+) -> None:
+    """The SFT loop from step `resumed` (None: a new run) to `total`, a checkpoint as it asks."""
+    config, backend = run.config, run.backend
+    logger = make_logger(config, run.run_dir / SFT_METRICS, total, "sft ", resumed)
+
+    async def checkpoint(step: int) -> None:
+        keep = config.checkpoint.keep_last
+        await save(backend, run.root, step, f"sft-{step}", {"phase": "sft"}, keep)
+
+    print(f"[train] SFT: {len(train)} conversations, {total} steps", flush=True)
+    result = await run_sft_training(
+        backend,
+        train,
+        config,
+        logger,
+        eval_examples=held,
+        start_step=resumed or 0,
+        checkpoint=checkpoint,
+        should_stop=run.stop,
+    )
+    logger.close()
+    print(f"[train] SFT done: loss {result.final_loss:.4f} eval {result.eval_loss}")
+
+
+async def _final_model(
+    config: Config, backend: TrainingBackend, root: Path, latest: Path | None
+) -> Path:
+    """The phase's last checkpoint, with model/ (LoRA: the merged model, written now) verified
+    when this run wrote it (a resumed one was verified already)."""
+    final = find_latest_checkpoint(root)
+    assert final is not None, f"SFT wrote no checkpoint under {root}"
+    if config.model.lora.enabled and not (final / MODEL_DIR).is_dir():
+        await trio.to_thread.run_sync(_write_merged, backend, final / MODEL_DIR)
+        await trio.to_thread.run_sync(add_to_manifest, final, MODEL_DIR)
+    if final != latest:
+        await trio.to_thread.run_sync(verify_start_model, final / MODEL_DIR)
+    return final
 
 
 def _write_merged(backend: TrainingBackend, path: Path) -> None:

@@ -90,7 +90,6 @@ async def run_rl_training(
 
     `loop_state` is what the checkpoint hook was given last (a resumed run passes it back).
     """
-    total = config.training.rl_steps
     is_async = config.rollout.mode == "async"
     st = loop_state_from(
         loop_state, AdaptiveKL.from_config(config.algorithm), start_step, start_version
@@ -119,18 +118,24 @@ async def run_rl_training(
         bound=bound,
         is_async=is_async,
     )
-    async with trio.open_nursery() as nursery:
-        if is_async:
-            first = st.batches + 1 + (held is not None)
-            batches.start_producer(nursery, first, st.batches + total - st.step)
-        while st.step < total:
-            await _one_step_or_empty(ctx, st, engines, metrics_logger)
-            if hooks.should_stop():  # (a step that saw it first has its checkpoint already)
-                await checkpoint_unsaved(hooks, batches, st)
-                break
-        await weights.settle()  # a delivery still in flight: its error is the run's
-        nursery.cancel_scope.cancel()
+    await _steps(ctx, st, metrics_logger, held=held is not None)
     return RLResult(steps=st.step, weight_version=str(st.version), last_metrics=st.metrics)
+
+
+async def _steps(ctx: _Ctx, st: LoopState, metrics_logger: StepLog, *, held: bool) -> None:
+    """Steps until `training.rl_steps` or a stop (async: beside the producer, which starts
+    after the batch a checkpoint `held`); then the delivery in flight settles."""
+    async with trio.open_nursery() as nursery:
+        if ctx.is_async:
+            first = st.batches + 1 + held
+            ctx.batches.start_producer(nursery, first, st.batches + ctx.total - st.step)
+        while st.step < ctx.total:
+            await _one_step_or_empty(ctx, st, ctx.engines, metrics_logger)
+            if ctx.hooks.should_stop():  # (a step that saw it first has its checkpoint already)
+                await checkpoint_unsaved(ctx.hooks, ctx.batches, st)
+                break
+        await ctx.weights.settle()  # a delivery still in flight: its error is the run's
+        nursery.cancel_scope.cancel()
 
 
 async def _one_step_or_empty(
@@ -227,14 +232,12 @@ async def _one_batch(ctx: _Ctx, st: LoopState) -> dict[str, float] | None:
     algo = st.kl_ctl.steer(ctx.schedule(step - 1))  # the adaptive KL coefficient, if any
     st.in_backend = True
     async with _engines_asleep(ctx, times):
-        train_metrics, train_times = await train_step(
-            ctx.backend, prep.groups, algo, ctx.config, ctx.ref
-        )
-        metrics |= train_metrics
-        if "train/reward_kl_seq_mean" in train_metrics:  # verl: n_steps = the batch size
+        trained = await train_step(ctx.backend, prep.groups, algo, ctx.config, ctx.ref)
+        metrics |= trained.metrics
+        if trained.reward_kl is not None:  # verl: n_steps = the batch size
             n_seqs = sum(len(g) for g in prep.groups)
-            st.kl_ctl = st.kl_ctl.update(train_metrics["train/reward_kl_seq_mean"], n_seqs)
-        times |= train_times
+            st.kl_ctl = st.kl_ctl.update(trained.reward_kl, n_seqs)
+        times |= trained.times
         st.version += 1
         st.step, st.step_batch, st.batches = step, number, number
         if ctx.ref is not None:

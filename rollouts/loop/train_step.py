@@ -29,6 +29,27 @@ from rollouts.trainer.reference import ReferencePolicy
 from rollouts.types import TrainBatch
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StepResult:
+    """What one training step gives the loop: its metrics and phase times, and with the KL in
+    the reward the batch's sequence-mean KL (what the adaptive KL controller follows)."""
+
+    metrics: dict[str, float]
+    times: dict[str, float]
+    reward_kl: float | None = None  # None: the KL is not in the reward (no controller input)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Prepared:
+    """A step's batch before the updates, and the algorithm it trains with."""
+
+    batch: TrainBatch
+    algorithm: Algorithm
+    extra: dict[str, float]  # metrics of the preparation (the KL in the reward)
+    times: dict[str, float]
+    reward_kl: float | None = None
+
+
 async def _logprobs_for(
     batch: TrainBatch,
     backend: TrainingBackend,
@@ -69,8 +90,9 @@ async def _kl_in_reward_batch(
     backend: TrainingBackend,
     ref: ReferencePolicy,
     values: tuple[Any, ...] | None = None,
-) -> tuple[TrainBatch, dict[str, float]]:
-    """KL in the reward: per-token penalties from old vs reference logprobs, then advantages."""
+) -> tuple[TrainBatch, dict[str, float], float]:
+    """KL in the reward: per-token penalties from old vs reference logprobs, then advantages;
+    (the batch, its metrics, its sequence-mean KL)."""
     max_new = config.rollout.sampling.max_new_tokens
     plain = train_batch_of(groups, algo, max_new_tokens=max_new, values=values)
     old = await backend.compute_logprobs(plain)
@@ -81,11 +103,12 @@ async def _kl_in_reward_batch(
     )
     batch = dataclasses.replace(batch, old_logprobs=tuple(old), ref_logprobs=tuple(ref_lp))
     seq_kl = sequence_mean_kl(old, ref_lp, plain.loss_mask, algo.kl)
-    return batch, {
+    metrics = {
         "train/reward_kl": batch_kl,
         "train/reward_kl_seq_mean": seq_kl,
         "train/kl_coef": algo.kl.coef,
     }
+    return batch, metrics, seq_kl
 
 
 async def _batch_with_logprobs(
@@ -94,7 +117,7 @@ async def _batch_with_logprobs(
     algorithm: Algorithm,
     config: Config,
     ref: ReferencePolicy | None,
-) -> tuple[TrainBatch, Algorithm, dict[str, float], dict[str, float]]:
+) -> _Prepared:
     """The step's batch (advantages, old and reference logprobs as needed), the algorithm it
     trains with (KL in the reward: none left for the loss), its extra metrics and times."""
     times: dict[str, float] = {}
@@ -105,16 +128,17 @@ async def _batch_with_logprobs(
     if algorithm.kl_in_reward and ref is not None:
         started = time.monotonic()
         algo = algorithm.config
-        batch, extra = await _kl_in_reward_batch(groups, algo, config, backend, ref, values)
+        batch, extra, kl = await _kl_in_reward_batch(groups, algo, config, backend, ref, values)
         times["logprobs"] = time.monotonic() - started
         # the KL is in the reward, not the loss (the controller, if any, already steered it)
-        return batch, algorithm.with_kl_in_reward_applied(), extra, times
+        applied = algorithm.with_kl_in_reward_applied()
+        return _Prepared(batch=batch, algorithm=applied, extra=extra, times=times, reward_kl=kl)
     max_new = config.rollout.sampling.max_new_tokens
     batch = train_batch_of(groups, algorithm.config, max_new_tokens=max_new, values=values)
     n_mini = len(mini_batches(groups, algorithm.config.mini_batch_size))
     separate = algorithm.needs_old_logprobs_pass(n_mini)
     batch, times["logprobs"] = await _logprobs_for(batch, backend, ref, algorithm, separate)
-    return batch, algorithm, {}, times
+    return _Prepared(batch=batch, algorithm=algorithm, extra={}, times=times)
 
 
 async def train_step(
@@ -123,12 +147,10 @@ async def train_step(
     algo: AlgorithmConfig,
     config: Config,
     ref: ReferencePolicy | None,
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Advantages, logprobs and `ppo_epochs` x mini-batch optimizer steps; (metrics, times)."""
-    algorithm = Algorithm(config=algo)
-    batch, algorithm, extra, times = await _batch_with_logprobs(
-        backend, groups, algorithm, config, ref
-    )
+) -> StepResult:
+    """Advantages, logprobs and `ppo_epochs` x mini-batch optimizer steps."""
+    prepared = await _batch_with_logprobs(backend, groups, Algorithm(config=algo), config, ref)
+    batch, algorithm, times = prepared.batch, prepared.algorithm, prepared.times
     algo = algorithm.config
     loss_fn = make_loss_fn(algo)
     started = time.monotonic()
@@ -149,12 +171,12 @@ async def train_step(
             n_updates += 1
     times["train"] = time.monotonic() - started
     metrics = {k: v / n_updates for k, v in summed.items()}  # mean over optimizer updates
-    metrics = prefixed(metrics, "train") | extra
+    metrics = prefixed(metrics, "train") | prepared.extra
     if algo.ppo_epochs > 1 or algorithm.needs_critic:
         metrics |= epoch_metrics(per_epoch)
     metrics["train/updates"] = float(n_updates)
     metrics["train/tokens"] = float(sum(len(t) for t in batch.input_ids))
-    return metrics, times
+    return StepResult(metrics=metrics, times=times, reward_kl=prepared.reward_kl)
 
 
 def _renormalised(batch: TrainBatch, indices: list[int]) -> TrainBatch:

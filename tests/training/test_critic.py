@@ -101,9 +101,8 @@ async def test_ppo_epochs_move_the_ratio_and_the_clip_fraction(tiny_model_dir: P
     config = gae_config(tiny_model_dir, ppo_epochs=3, clip_eps_low=0.05, clip_eps_high=0.05)
     backend = create_pytorch_backend(config)
     try:
-        metrics, times = await train_step(
-            backend, groups_of_samples(), config.algorithm, config, None
-        )
+        trained = await train_step(backend, groups_of_samples(), config.algorithm, config, None)
+        metrics, times = trained.metrics, trained.times
     finally:
         backend.close()
     assert metrics["train/updates"] == 3.0

@@ -78,7 +78,8 @@ def config_with(model_dir: Path, tis: bool = False, tis_cap: float = 2.0, **algo
 async def one_step(config: Config) -> tuple[dict[str, float], dict[str, torch.Tensor], int]:
     backend = CountingBackend(create_pytorch_backend(config))
     try:
-        metrics, _ = await train_step(backend, scored_groups(), config.algorithm, config, None)
+        trained = await train_step(backend, scored_groups(), config.algorithm, config, None)
+        metrics = trained.metrics
         weights = backend.get_weights()
     finally:
         backend.close()
