@@ -15,11 +15,16 @@ import trio
 from rollouts.config import Config
 from rollouts.data.limits import sft_limit
 from rollouts.data.loaders import load_conversations
-from rollouts.data.sft import TokenizedConversation
 from rollouts.driver.resume import checkpoint_to_resume, verify_start_model
 from rollouts.driver.setup import SFT_METRICS, StopFlag, make_logger
 from rollouts.driver.trainer_io import BackendFactory, checkpoint_root, save
-from rollouts.loop.sft import run_sft_training, split_eval, tokenize_all, total_sft_steps
+from rollouts.loop.sft import (
+    TokenizedConversation,
+    run_sft_training,
+    split_eval,
+    tokenize_all,
+    total_sft_steps,
+)
 from rollouts.trainer.checkpoint import clean_leftovers, find_latest_checkpoint, load_checkpoint
 from rollouts.trainer.checkpoint_verify import add_to_manifest
 from rollouts.trainer.factories import create_backend, load_tokenizer
