@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rollouts.algorithms.advantages import needs_critic
-from rollouts.config import Config, OptimConfig, Scheduler
+from rollouts.config import Config, ModelConfig, OptimConfig, Scheduler
 from rollouts.config.model import ModelDtype
 from rollouts.trainer.core import BackendSettings
 
@@ -34,26 +34,21 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_hf_model(
-    path: str | Path,
-    *,
-    dtype: ModelDtype = "float32",
-    attn_implementation: str = "sdpa",
-    gradient_checkpointing: bool = False,
-    compile: bool = False,
-    device: torch.device | None = None,
+    path: str | Path, model: ModelConfig, device: torch.device | None = None
 ) -> torch.nn.Module:
-    """An HF causal LM ready to train: use_cache off, optional activation checkpointing and
-    compiled decoder layers (`compile_decoder_layers`)."""
+    """An HF causal LM ready to train, as [model] says: its dtype and attention, use_cache off,
+    optional activation checkpointing and compiled decoder layers (`compile_decoder_layers`)."""
     from transformers import AutoModelForCausalLM
 
+    dtype = model.dtype
     assert dtype in typing.get_args(ModelDtype), f"{dtype=} not in {typing.get_args(ModelDtype)}"
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"model.path = {str(path)!r}: no config.json (not an HF model)")
     lm = AutoModelForCausalLM.from_pretrained(
-        path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
+        path, dtype=getattr(torch, dtype), attn_implementation=model.attn_implementation
     )
     lm.config.use_cache = False
-    if gradient_checkpointing:
+    if model.gradient_checkpointing:
         kwargs = {"use_reentrant": False}
         if hasattr(lm, "activation_checkpointing_enable"):  # transformers >= 5
             lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -61,7 +56,7 @@ def load_hf_model(
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if device is not None:
         lm.to(device)
-    if compile:
+    if model.compile:
         compile_decoder_layers(lm)
     return lm
 

@@ -61,14 +61,7 @@ def create_pytorch_backend(
     path = model_path_of(config, model_path)
     device = resolve_device(config.training.device)
     m = config.model
-    lm = load_hf_model(
-        path,
-        dtype=m.dtype,
-        attn_implementation=m.attn_implementation,
-        gradient_checkpointing=m.gradient_checkpointing,
-        compile=m.compile,
-        device=device,
-    )
+    lm = load_hf_model(path, m, device)
     problem = shared_prefix_problem(lm)
     if config.training.micro_batch_layout == "prefix" and problem:
         raise ValueError(

@@ -325,14 +325,7 @@ def create_fsdp_backend(
     device = init_distributed()
     path = f.model_path_of(config, model_path)
     m = config.model
-    lm = f.load_hf_model(
-        path,
-        dtype=m.dtype,
-        attn_implementation=m.attn_implementation,
-        gradient_checkpointing=m.gradient_checkpointing,
-        compile=m.compile,
-        device=device,
-    )
+    lm = f.load_hf_model(path, m, device)
     head = make_value_head(lm) if f.wants_value_head(config, value_head) else None
     if m.lora.enabled:  # before sharding; the same adapters on every rank (run.seed)
         lm = lora.apply_lora(lm, m.lora, seed=config.run.seed)
