@@ -160,5 +160,5 @@ class Delivery(Protocol):
 
     async def deliver(self, engines: Sequence[InferenceEngine]) -> Delivered:
         """Make `engines` serve `weights`; an engine failure is reported in `Delivered.failed`,
-        never raised (it raises only when no engine could take them)."""
+        never raised (a delivery may raise when none could take them: nothing is recorded)."""
         ...

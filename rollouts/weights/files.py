@@ -4,8 +4,10 @@ name and renamed, the last K kept (`disk.py` has the engines load them)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,24 +39,32 @@ def publish_weights(
         shutil.rmtree(tmp, ignore_errors=True)
         _recycle(root, tmp, keep_last)
     backend.barrier()
-    try:
+    with _named_errors("the weight-sync copy (weight_sync.dir)", tmp):
         snapshots = backend.weight_snapshots()
         if weights is None or snapshots is None:
             assert weights is None, "a snapshot from a backend that takes none"
             backend.save_weights(tmp).result()
         else:
             snapshots.write_weights(weights, tmp)
-    except Exception as e:  # a full /dev/shm: name it (weight_sync.dir moves it)
-        error = write_error("the weight-sync copy (weight_sync.dir)", tmp, e)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if error.disk_full or isinstance(e, OSError):
-            raise error from e
-        raise
     if backend.rank == 0:
         os.utime(tmp)  # files rewritten in place leave a recycled directory's time as it was
         _swap_in(tmp, final, keep_last)
     backend.barrier()
     return final
+
+
+@contextlib.contextmanager
+def _named_errors(what: str, tmp: Path) -> Iterator[None]:
+    """A write of `tmp` that fails leaves nothing behind; a full disk (a full /dev/shm:
+    weight_sync.dir moves it) or another OSError is raised named (`write_error`)."""
+    try:
+        yield
+    except Exception as e:
+        error = write_error(what, tmp, e)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if error.disk_full or isinstance(e, OSError):
+            raise error from e
+        raise
 
 
 def _versions(root: Path, but: Path | None = None) -> list[Path]:
@@ -92,14 +102,8 @@ def publish_adapter(
     final, tmp = root / f"v_{version}", root / f".tmp-v_{version}"
     root.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with _named_errors("the adapter copy (weight_sync.dir)", tmp):
         size = adapters.save_adapter(tmp).result()
-    except Exception as e:  # a full /dev/shm: name it (weight_sync.dir moves it)
-        error = write_error("the adapter copy (weight_sync.dir)", tmp, e)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if error.disk_full or isinstance(e, OSError):
-            raise error from e
-        raise
     _swap_in(tmp, final, keep_last)
     return final, size
 

@@ -290,7 +290,7 @@ async def open_publisher(
     sync_root: Path,
 ) -> AsyncIterator[WeightPublisher]:
     """The publisher `config` asks for, for the run's life; on exit the distributed group is
-    left and the run's weight copies are removed (`sync_root`: `disk.run_sync_root`)."""
+    left and the run's weight copies are removed (`sync_root`: `copies.run_sync_root`)."""
     sender = distributed_sync_for(config)  # None for weight_sync.method = "disk"
     is_async = config.rollout.mode == "async"
     common: dict[str, Any] = {
