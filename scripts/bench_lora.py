@@ -51,12 +51,8 @@ from rollouts.models.tiny import TinyModelSpec, make_tiny_model
 from rollouts.trainer.factories import create_pytorch_backend
 from rollouts.types import TrainBatch
 from rollouts.weights.check import probe_ids, tolerance_for, trainer_probe
-from rollouts.weights.disk import (
-    publish_adapter,
-    publish_weights,
-    sync_weights_to_engines,
-    weight_bytes,
-)
+from rollouts.weights.disk import sync_weights_to_engines
+from rollouts.weights.files import publish_adapter, publish_weights, weight_bytes
 
 # the demo's tiny model (configs/demo-cpu.toml) and the SmolLM2 task's batch shapes
 TINY = TinyModelSpec(

@@ -42,8 +42,9 @@ from rollouts.models.tiny import TinyModelSpec, make_tiny_model
 from rollouts.trainer.batching import padding_fraction, plan_micro_batches
 from rollouts.trainer.factories import create_pytorch_backend
 from rollouts.types import ModelOutputs, PlainLoss, TrainBatch
-from rollouts.weights.disk import publish_weights, sync_weights_to_engines
+from rollouts.weights.disk import sync_weights_to_engines
 from rollouts.weights.distributed import DistributedWeightSync, DistSyncOptions
+from rollouts.weights.files import publish_weights
 
 
 def masked_nll(outputs: ModelOutputs, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:

@@ -7,7 +7,7 @@ keeps them (each way in its own directory):
   save_pretrained  before: a CPU copy of the state dict, the tied head cloned, `save_pretrained`
                    (safetensors builds the whole file in memory, then writes it) and the
                    tokenizer into a new directory, renamed to v_k; the oldest version removed;
-  publish          `disk.publish_weights` now: the version it would remove renamed and its files
+  publish          `files.publish_weights` now: the version it would remove renamed and its files
                    rewritten in place, tensor by tensor from the live parameters
                    (`write_engine_files`).
 Both must hold the same tensors. Prints each way's median seconds, the process's user and system
@@ -46,7 +46,7 @@ from rollouts.config import (
 from rollouts.inference.server.weights import read_safetensors_dir
 from rollouts.trainer.factories import create_pytorch_backend
 from rollouts.trainer.pytorch import engine_state_dict, save_hf
-from rollouts.weights.disk import publish_weights, weight_bytes
+from rollouts.weights.files import publish_weights, weight_bytes
 
 
 def save_pretrained_way(backend, root: Path, version: str) -> Path:

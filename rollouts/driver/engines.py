@@ -29,7 +29,7 @@ from rollouts.inference.factory import make_pool
 from rollouts.inference.launch import serve_engines
 from rollouts.inference.pool import EnginePool
 from rollouts.inference.readiness import wait_until_ready
-from rollouts.weights.disk import sync_pool
+from rollouts.weights.disk import DiskDelivery
 
 
 def cpu_share(threads: int, device: str, num_engines: int) -> int:
@@ -65,9 +65,10 @@ def current_weights(pool: EnginePool | None) -> tuple[str, str] | None:
     """(model dir, version) the pool's engines serve now, for restarting a built-in engine;
     None when they serve a LoRA adapter (it restarts on its base model, then loads the adapter
     before its first request: `EnginePool.check_health`)."""
-    if pool is None or pool.weights_path is None or pool.version is None or pool.weights_adapter:
+    weights = pool.weights if pool is not None else None
+    if weights is None or weights.path is None or weights.adapter:
         return None
-    return pool.weights_path, pool.version
+    return weights.path, weights.version
 
 
 @contextlib.asynccontextmanager
@@ -118,7 +119,7 @@ async def open_engines(
         try:
             if e.kind != "builtin":  # external servers: wait for them, then our starting weights
                 await wait_until_ready(pool.engines, e.startup_timeout_s)
-                await sync_pool(pool, str(model_dir), version)
+                await pool.sync(DiskDelivery(path=str(model_dir), version=version))
             await nursery.start(pool.run_health_checks)
             yield pool
         finally:  # the health checks stop before the clients close: a check due during

@@ -55,7 +55,7 @@ from rollouts.trainer.pytorch import MODEL_DIR
 from rollouts.trainer.reference import ReferencePolicy
 from rollouts.types import PromptItem
 from rollouts.weights.copies import clean_sync_root, run_sync_root
-from rollouts.weights.disk import publish_weights
+from rollouts.weights.files import publish_weights
 from rollouts.weights.publisher import open_publisher
 
 JSON_SCALAR = (int, float, str, bool)  # what a checkpoint stores of a step's metrics

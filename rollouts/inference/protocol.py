@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, get_args, runtime_checkable
 
 from rollouts.types import Status
 
@@ -99,7 +99,10 @@ class EngineLoad:
         return self.running + self.waiting
 
 
-PAUSE_MODES = ("abort", "wait", "keep")
+# what a pause does to the requests in flight: end them (partial output) | let them finish first |
+# freeze them (they go on after the resume, under the new weights)
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES: tuple[PauseMode, ...] = get_args(PauseMode)
 
 
 @runtime_checkable
@@ -118,7 +121,7 @@ class InferenceEngine(Protocol):
         """Load HF-format weights from `path`; afterwards the engine serves `version`."""
         ...
 
-    async def pause(self, mode: str = "abort") -> None:
+    async def pause(self, mode: PauseMode = "abort") -> None:
         """Stop generating: "abort" in-flight requests, "wait" for them, or "keep" them."""
         ...
 

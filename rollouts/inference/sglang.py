@@ -23,6 +23,7 @@ from rollouts.inference.protocol import (
     Completion,
     EngineLoad,
     GenerateRequest,
+    PauseMode,
     SamplingParams,
     TensorSpecLike,
     WeightGroupSpec,
@@ -156,7 +157,7 @@ class SGLangEngine:
                 raise
             log.info("%s: LoRA adapter %r was not unloaded (%s)", self.url, name, exc)
 
-    async def pause(self, mode: str = "abort") -> None:
+    async def pause(self, mode: PauseMode = "abort") -> None:
         """POST /pause_generation: abort -> abort, keep -> retract; wait polls /v1/loads until
         nothing runs (bounded by the client timeout), then pauses with retract."""
         assert mode in PAUSE_MODES, f"{mode=} not in {PAUSE_MODES}"

@@ -25,6 +25,7 @@ from rollouts.inference.protocol import (
     Completion,
     EngineLoad,
     FinishReason,
+    PauseMode,
     SamplingParams,
     TensorSpecLike,
     WeightGroupSpec,
@@ -290,7 +291,7 @@ class VLLMEngine:
         if not isinstance(answer, dict) or answer.get("success") is not True:
             raise EngineError(f"{self.url}: /update_weight_version answered {answer!r}")
 
-    async def pause(self, mode: str = "abort") -> None:
+    async def pause(self, mode: PauseMode = "abort") -> None:
         """POST /pause?mode=abort|wait|keep."""
         assert mode in PAUSE_MODES, f"{mode=} not in {PAUSE_MODES}"
         await self.http.call("POST", "/pause", params={"mode": mode})

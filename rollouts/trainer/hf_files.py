@@ -7,7 +7,7 @@ same format (safetensors with `{"format": "pt"}` metadata, sharded with an index
 `max_shard_bytes`, plus config.json, generation_config.json and the tokenizer) tensor by tensor
 from the tensors it is given, live parameters included: each tensor is cast (when `dtype` is
 given) and moved to the CPU on its own, so the extra memory is one tensor, not a model. Files of
-a directory written before are rewritten in place (`disk.publish_weights` recycles the version it
+a directory written before are rewritten in place (`files.publish_weights` recycles the version it
 would prune), and files of another layout removed.
 On SmolLM2-135M in a trainer process, `scripts/bench_weight_write.py` times both.
 """

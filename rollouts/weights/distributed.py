@@ -27,14 +27,10 @@ import torch
 import trio
 
 from rollouts.inference.launch import free_port
-from rollouts.inference.protocol import InferenceEngine, WeightGroupSpec, WeightReceiver
-from rollouts.weights.disk import (
-    RESUME_TIMEOUT_S,
-    EngineSyncResult,
-    SyncReport,
-    WeightSyncError,
-)
-from rollouts.weights.group import plan_buckets, state_specs
+from rollouts.inference.protocol import InferenceEngine, PauseMode, WeightGroupSpec, WeightReceiver
+from rollouts.inference.sync import EngineSyncResult, SyncReport, WeightSyncError
+from rollouts.weights.disk import RESUME_TIMEOUT_S
+from rollouts.weights.group import GROUP_BACKENDS, GroupBackend, plan_buckets, state_specs
 from rollouts.weights.transport import Transport, make_transport
 
 
@@ -53,14 +49,14 @@ class DistSyncOptions:
     bucket_bytes: int = 256 * 2**20
     master_address: str = "127.0.0.1"  # an address of the trainer the engines can reach
     master_port: int = 0  # 0 = a free port each time the group forms
-    backend: str = "gloo"  # "gloo" | "nccl" (resolved from "auto" by the caller)
+    backend: GroupBackend = "gloo"  # resolved from "auto" by the caller
     device: str = "cpu"  # where rank 0's buckets live for the broadcast (cuda for nccl)
     group_name: str = "rollouts_weights"
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         assert self.bucket_bytes >= 1, f"{self.bucket_bytes=}"
-        assert self.backend in ("gloo", "nccl"), f"{self.backend=}"
+        assert self.backend in GROUP_BACKENDS, f"{self.backend=} not in {GROUP_BACKENDS}"
         assert self.timeout_s > 0, f"{self.timeout_s=}"
 
 
@@ -146,7 +142,7 @@ class DistributedWeightSync:
         get_weights: Callable[[], Mapping[str, torch.Tensor]],
         version: str,
         *,
-        pause_mode: str = "abort",
+        pause: PauseMode = "abort",
         step: int | None = None,
     ) -> SyncReport:
         """Make every engine serve the trainer's weights as `version`, or raise WeightSyncError."""
@@ -158,7 +154,7 @@ class DistributedWeightSync:
             if not self.connected or self._members != tuple(e.url for e in engines):
                 await self._timed(times, "connect_s", self.connect(engines, errors))
             weights = await _in_thread(get_weights)
-            await self._transfer(engines, weights, version, pause_mode, errors, times)
+            await self._transfer(engines, weights, version, pause, errors, times)
         except _Failed:
             pass  # `errors` names the engines
         except trio.TooSlowError:
@@ -181,7 +177,7 @@ class DistributedWeightSync:
         engines: Sequence[SyncTarget],
         weights: Mapping[str, torch.Tensor],
         version: str,
-        pause_mode: str,
+        pause: PauseMode,
         errors: dict[str, str],
         times: dict[str, float],
     ) -> None:
@@ -189,7 +185,7 @@ class DistributedWeightSync:
         specs = state_specs(weights)
         buckets = plan_buckets(specs, self.options.bucket_bytes)
         with trio.fail_after(self.options.timeout_s):
-            await self._each(engines, errors, lambda e: e.pause(pause_mode))
+            await self._each(engines, errors, lambda e: e.pause(pause))
             try:
                 clock = time.perf_counter()
                 await self._each(engines, errors, lambda e: e.begin_weight_update())

@@ -1,8 +1,8 @@
-"""The distributed weight sync over an EnginePool: the engines that are up (and those back up),
-the failing ones marked down, fatal only when none is left.
+"""The distributed delivery: the trainer's weights broadcast to the engines of a pool's sync
+(`EnginePool.sync`, which waits, locks, marks the failing engines down and records the version).
 
 The group is a collective: one engine failing fails the bucket for all. The engines whose own
-call failed are marked down and the others are synced again at once in a group without them
+call failed leave it and the others are synced again at once in a group without them
 (bounded: each retry drops at least one engine). There is no file to reload from, so an engine
 that comes back is not routed to (the pool records no weights path) until the next sync, which
 takes every engine that answers /health into the group and marks it up once it serves the version.
@@ -12,95 +12,108 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import ClassVar
 
 import torch
 
 from rollouts.config import Config
-from rollouts.inference.http import EngineError, EngineUnavailable
-from rollouts.inference.pool import EnginePool
+from rollouts.config.rollout import EngineKind
+from rollouts.config.weight_sync import SyncBackend
+from rollouts.inference.http import EngineError
+from rollouts.inference.protocol import InferenceEngine, WeightReceiver
+from rollouts.inference.sync import Delivered, SyncOptions, SyncReport, Weights, WeightSyncError
 from rollouts.trainer.factories import resolve_device
 from rollouts.weights.check import WeightContentError, WeightProbe, check_engine
-from rollouts.weights.disk import SyncReport, WeightSyncError
-from rollouts.weights.distributed import DistributedWeightSync, DistSyncOptions
+from rollouts.weights.distributed import DistributedWeightSync, DistSyncOptions, SyncTarget
+from rollouts.weights.group import GroupBackend
 from rollouts.weights.reach import LOCAL_MASTER
 
 
-async def _reachable(pool: EnginePool) -> list[int]:
-    """Engines that are up, and down ones that answer /health again (they rejoin the group)."""
-    return [i for i, up in enumerate(pool.up) if up or await pool.engines[i].health()]
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DistributedDelivery:
+    """Broadcast `get_weights()` as `version` to every engine given (a `Delivery` for
+    `EnginePool.sync`); with a `probe`, the engines that do not serve them have failed.
 
-
-async def sync_pool_distributed(
-    pool: EnginePool,
-    sender: DistributedWeightSync,
-    get_weights: Callable[[], Mapping[str, torch.Tensor]],
-    version: str,
-    *,
-    pause_mode: str = "abort",
-    step: int | None = None,
-    probe: WeightProbe | None = None,
-) -> SyncReport:
-    """Broadcast the trainer's weights to the pool's live engines as `version`; with a `probe`,
-    the engines that do not serve them (`weight_check`) are marked down.
-
-    Raises EngineUnavailable when no engine is up within `pool.wait_for_up_s`, WeightSyncError
-    when no engine took the new weights (or the trainer's side failed), WeightContentError when
-    none of those that took them serves them.
+    Raises WeightSyncError when no engine took the new weights (or the trainer's side failed),
+    WeightContentError when none of those that took them serves them.
     """
-    if not await pool.wait_for_up():
-        raise EngineUnavailable(
-            f"weight sync to version {version!r}: no engine of {pool.url} is up after "
-            f"{pool.wait_for_up_s}s; the run stops (resume it with --resume)"
-        )
-    async with pool.weights_lock:
-        live = await _reachable(pool)
-        if not live:
-            raise EngineUnavailable(f"weight sync to version {version!r}: every engine is down")
+
+    collective: ClassVar[bool] = True  # a process group: down engines that answer join it too
+
+    sender: DistributedWeightSync
+    get_weights: Callable[[], Mapping[str, torch.Tensor]]
+    version: str
+    options: SyncOptions = dataclasses.field(default_factory=SyncOptions)
+    step: int | None = None
+    probe: WeightProbe | None = None
+
+    @property
+    def weights(self) -> Weights:
+        """No weights path: a returning engine must not reload old files under the new version."""
+        return Weights(version=self.version)
+
+    async def deliver(self, engines: Sequence[InferenceEngine]) -> Delivered:
+        """Broadcast to `engines`; the ones that failed (their own call, or the content check)."""
+        targets = [_target(e) for e in engines]
+        failed: dict[int, str] = {}
+        report = await self._broadcast(targets, failed)
+        if self.probe is not None:
+            report = await _serving(targets, failed, self.probe, report, self.step)
+        return Delivered(report=report, failed=failed)
+
+    async def _broadcast(self, engines: Sequence[SyncTarget], failed: dict[int, str]) -> SyncReport:
+        """The sync of the engines not in `failed`; each failed try adds the engines whose own
+        call failed to `failed` and tries again without them (re-raised when none is left, or
+        when no engine is to blame)."""
         while True:
-            engines = [pool.engines[i] for i in live]
+            live = [e for j, e in enumerate(engines) if j not in failed]
             try:
-                report = await sender.sync(
-                    engines, get_weights, version, pause_mode=pause_mode, step=step
+                pause = self.options.pause
+                return await self.sender.sync(
+                    live, self.get_weights, self.version, pause=pause, step=self.step
                 )
-                break
-            except WeightSyncError:
-                failed = [i for i in live if pool.engines[i].url in sender.culprits]
-                for i in failed:
-                    pool.mark_down(i)
-                    print(f"[engines] {pool.engines[i].url} marked down (weight sync failed)")
-                live = [i for i in live if i not in failed]
-                if not failed or not live:
+            except WeightSyncError as exc:
+                errors = {r.url: r.error for r in exc.report.results}
+                culprits = self.sender.culprits
+                dropped = [
+                    j for j, e in enumerate(engines) if j not in failed and e.url in culprits
+                ]
+                for j in dropped:
+                    failed[j] = f"weight sync failed: {errors.get(engines[j].url)}"
+                if not dropped or len(failed) == len(engines):
                     raise
-        if probe is not None:
-            live, report = await _serving(pool, live, probe, report, step)
-        for i in live:
-            pool.up[i] = True
-        # no weights path: a returning engine must not reload old files under the new version
-        pool.weights_path, pool.version = None, str(version)
-    return dataclasses.replace(report, engines_down=len(pool.engines) - len(live))
+
+
+def _target(engine: InferenceEngine) -> SyncTarget:
+    """`engine` as a receiver of broadcast weights (what the engines of a distributed sync are)."""
+    assert isinstance(engine, WeightReceiver), f"{engine.url}: receives no broadcast weights"
+    return engine  # type: ignore[return-value]
 
 
 async def _serving(
-    pool: EnginePool, live: list[int], probe: WeightProbe, report: SyncReport, step: int | None
-) -> tuple[list[int], SyncReport]:
-    """The engines of `live` whose content check passes (the others marked down), and the
-    report with the check's figures; WeightContentError when none passes."""
+    engines: Sequence[SyncTarget],
+    failed: dict[int, str],
+    probe: WeightProbe,
+    report: SyncReport,
+    step: int | None,
+) -> SyncReport:
+    """The content check of the engines not in `failed` (those that fail it are added), and
+    the report with the check's figures; WeightContentError when none passes."""
     started = time.perf_counter()
-    kept, gaps, errors = [], [], []
-    for i in live:
-        try:
-            gaps.append(await check_engine(pool.engines[i], probe, step))
-        except (WeightContentError, EngineError) as exc:
-            pool.mark_down(i)
-            print(f"[engines] {pool.engines[i].url} marked down: {exc}", flush=True)
-            errors.append(str(exc))
+    gaps, errors = [], []
+    for j, engine in enumerate(engines):
+        if j in failed:
             continue
-        kept.append(i)
-    if not kept:
+        try:
+            gaps.append(await check_engine(engine, probe, step))
+        except (WeightContentError, EngineError) as exc:
+            failed[j] = str(exc)
+            errors.append(str(exc))
+    if not gaps:
         raise WeightContentError("\n".join(errors))
     stats = {"check_s_max": time.perf_counter() - started, "content_gap_max": max(gaps)}
-    return kept, dataclasses.replace(report, stats=report.stats | stats)
+    return dataclasses.replace(report, stats=report.stats | stats)
 
 
 def distributed_sync_for(config: Config) -> DistributedWeightSync | None:
@@ -141,8 +154,8 @@ def distributed_sync_for(config: Config) -> DistributedWeightSync | None:
 
 
 def choose_backend(
-    requested: str, trainer_on_cuda: bool, engines_kind: str, engines_device: str
-) -> str:
+    requested: SyncBackend, trainer_on_cuda: bool, engines_kind: EngineKind, engines_device: str
+) -> GroupBackend:
     """`weight_sync.distributed.backend`, with "auto" resolved: NCCL when the trainer is on CUDA
     and the engines are on GPUs of their own (external servers are taken to be; built-in engines
     are on "cuda:N" with N not the trainer's GPU, cuda:0), else gloo."""

@@ -17,9 +17,13 @@ import datetime
 import inspect
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
+
+GroupBackend = Literal["gloo", "nccl"]  # the process group's torch.distributed backend
+GROUP_BACKENDS: tuple[GroupBackend, ...] = get_args(GroupBackend)
 
 DTYPES = {
     "float32": torch.float32,
@@ -155,7 +159,7 @@ def specs_from_request(names: object, dtypes: object, shapes: object) -> list[Te
 
 def init_custom_group(
     *,
-    backend: str,
+    backend: GroupBackend,
     address: str,
     port: int,
     world_size: int,
@@ -171,7 +175,7 @@ def init_custom_group(
     from torch.distributed import distributed_c10d as c10d
 
     assert 0 <= rank < world_size, f"{rank=} not in [0, {world_size=})"
-    assert backend in ("gloo", "nccl"), f"{backend=}"
+    assert backend in GROUP_BACKENDS, f"{backend=} not in {GROUP_BACKENDS}"
     timeout = datetime.timedelta(seconds=timeout_s)
     # what SGLang's `tcp://` rendezvous makes, built directly: under torchrun, rendezvous() would
     # join torchrun's own agent store instead of hosting this one on rank 0

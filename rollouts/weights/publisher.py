@@ -33,6 +33,7 @@ import trio
 
 from rollouts.config import Config
 from rollouts.inference.pool import EnginePool
+from rollouts.inference.sync import SyncOptions
 from rollouts.trainer.protocol import LoraAdapters, TrainingBackend
 from rollouts.weights.check import (
     WeightProbe,
@@ -41,14 +42,10 @@ from rollouts.weights.check import (
     probe_metrics,
 )
 from rollouts.weights.copies import clean_sync_root
-from rollouts.weights.disk import (
-    publish_adapter,
-    publish_weights,
-    sync_pool,
-    weight_bytes,
-)
+from rollouts.weights.disk import DiskDelivery
 from rollouts.weights.distributed import DistributedWeightSync
-from rollouts.weights.distributed_pool import distributed_sync_for, sync_pool_distributed
+from rollouts.weights.distributed_pool import DistributedDelivery, distributed_sync_for
+from rollouts.weights.files import publish_adapter, publish_weights, weight_bytes
 
 Metrics = dict[str, float]
 Delivery = Callable[[], Awaitable[Metrics]]  # the engines load weights already published
@@ -88,14 +85,22 @@ class WeightPublisher(Protocol):
         ...
 
 
+def sync_options(config: Config) -> SyncOptions:
+    """How each engine is synced: `weight_sync.attempts` tries; a load pauses the engines as
+    `weight_sync.in_flight` says in async mode, and aborts in sync mode (nothing runs then)."""
+    ws = config.weight_sync
+    pause = ws.in_flight if config.rollout.mode == "async" else "abort"
+    return SyncOptions(attempts=ws.attempts, pause=pause)
+
+
 @dataclasses.dataclass(kw_only=True)
 class _Publisher:
-    """What every publisher has: the engines, the trainer, the content check, the pause mode."""
+    """What every publisher has: the engines, the trainer, the content check, the options."""
 
     pool: EnginePool
     backend: TrainingBackend
     probe_of: ProbeOf | None  # None: weight_sync.check is off
-    pause_mode: str  # engines pause for a load: "abort" (sync), weight_sync.in_flight (async)
+    options: SyncOptions  # `sync_options(config)`
 
     async def probe(self, version: str) -> WeightProbe | None:
         return await self.probe_of(version) if self.probe_of is not None else None
@@ -103,8 +108,17 @@ class _Publisher:
     async def check_start(self, version: str) -> None:
         if self.probe_of is None:
             return
-        live = [e for e, up in zip(self.pool.engines, self.pool.up, strict=True) if up]
-        await check_engines_at_start(live, await self.probe_of(version))
+        await check_engines_at_start(self.pool.live_engines(), await self.probe_of(version))
+
+    async def load(
+        self, path: Path, version: str, probe: WeightProbe | None, *, adapter: bool
+    ) -> Metrics:
+        """The pool's engines load the files at `path` (`DiskDelivery`); the sync's figures."""
+        delivery = DiskDelivery(
+            path=str(path), version=version, options=self.options, probe=probe, adapter=adapter
+        )
+        report = await self.pool.sync(delivery)
+        return report.metrics() | probe_metrics(probe)
 
     async def settle(self) -> Metrics:
         return {}
@@ -118,7 +132,6 @@ class DiskPublisher(_Publisher):
     """Weights-only files under `root/v_<version>`; every engine reloads them by path."""
 
     root: Path
-    attempts: int  # tries per engine
 
     async def publish(self, version: str, *, urgent: bool) -> Metrics:
         probe = await self.probe(version)
@@ -145,15 +158,8 @@ class DiskPublisher(_Publisher):
         return write_and_deliver
 
     async def deliver(self, path: Path, version: str, probe: WeightProbe | None) -> Metrics:
-        report = await sync_pool(
-            self.pool,
-            path,
-            version,
-            attempts=self.attempts,
-            pause_mode=self.pause_mode,
-            probe=probe,
-        )
-        return report.metrics() | probe_metrics(probe) | {"bytes": float(weight_bytes(path))}
+        metrics = await self.load(path, version, probe, adapter=False)
+        return metrics | {"bytes": float(weight_bytes(path))}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -162,7 +168,6 @@ class AdapterPublisher(_Publisher):
     (`AdapterLoader`) on the base model it serves, and its requests name it from then on."""
 
     root: Path
-    attempts: int
     adapters: LoraAdapters
 
     async def check_start(self, version: str) -> None:
@@ -188,16 +193,8 @@ class AdapterPublisher(_Publisher):
     async def deliver(
         self, path: Path, version: str, probe: WeightProbe | None, size: int, written: Metrics
     ) -> Metrics:
-        report = await sync_pool(
-            self.pool,
-            path,
-            version,
-            attempts=self.attempts,
-            pause_mode=self.pause_mode,
-            probe=probe,
-            adapter=True,
-        )
-        return report.metrics() | probe_metrics(probe) | {"bytes": float(size)} | written
+        metrics = await self.load(path, version, probe, adapter=True)
+        return metrics | {"bytes": float(size)} | written
 
 
 class _Fixes(Protocol):
@@ -272,15 +269,15 @@ class DistributedPublisher(_Publisher):
 
     async def publish(self, version: str, *, urgent: bool) -> Metrics:
         probe = await self.probe(version)
-        report = await sync_pool_distributed(
-            self.pool,
-            self.sender,
-            self.backend.get_weights,
-            version,
-            pause_mode=self.pause_mode,
+        delivery = DistributedDelivery(
+            sender=self.sender,
+            get_weights=self.backend.get_weights,
+            version=version,
+            options=self.options,
             step=int(version),
             probe=probe,
         )
+        report = await self.pool.sync(delivery)
         return as_sync_metrics(report.metrics() | probe_metrics(probe))
 
 
@@ -293,16 +290,16 @@ async def open_publisher(
     sync_root: Path,
 ) -> AsyncIterator[WeightPublisher]:
     """The publisher `config` asks for, for the run's life; on exit the distributed group is
-    left and the run's weight copies are removed (`sync_root`: `disk.run_sync_root`)."""
+    left and the run's weight copies are removed (`sync_root`: `copies.run_sync_root`)."""
     sender = distributed_sync_for(config)  # None for weight_sync.method = "disk"
     is_async = config.rollout.mode == "async"
     common: dict[str, Any] = {
         "pool": pool,
         "backend": backend,
         "probe_of": content_probe(config, backend, tokenizer),
-        "pause_mode": config.weight_sync.in_flight if is_async else "abort",
+        "options": sync_options(config),
     }
-    disk = {"root": sync_root, "attempts": config.weight_sync.attempts}
+    disk = {"root": sync_root}
     adapters = backend.lora_adapters() if config.weight_sync.lora == "adapter" else None
     try:
         async with trio.open_nursery() as nursery:

@@ -30,7 +30,8 @@ from rollouts.inference.sglang_wire import batch_generate_body, generate_body
 from rollouts.inference.vllm import VLLMEngine
 from rollouts.trainer.factories import create_pytorch_backend
 from rollouts.weights.check import probe_ids, tolerance_for, trainer_probe
-from rollouts.weights.disk import publish_adapter, publish_weights, sync_weights_to_engines
+from rollouts.weights.disk import sync_weights_to_engines
+from rollouts.weights.files import publish_adapter, publish_weights
 from tests.training.backend_helpers import (
     make_batch,
     nll_loss,

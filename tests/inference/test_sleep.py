@@ -17,7 +17,7 @@ from rollouts.inference.pool import EnginePool
 from rollouts.inference.protocol import SamplingParams, Sleeper
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.vllm import VLLMEngine
-from rollouts.weights.disk import sync_pool
+from rollouts.weights.disk import DiskDelivery
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 PROMPT = [5, 9, 2, 7]
@@ -134,13 +134,14 @@ async def test_a_pool_asleep_checks_only_liveness_and_serves_again_after_the_syn
             await pool.check_health()  # the weights are gone: no proof asked; 1 stays down
         assert pool.up == [True, False]
         await pool.wake_up()  # the down one too
-        report = await sync_pool(pool, str(tiny_model_dir), "1")
+        report = await pool.sync(DiskDelivery(path=str(tiny_model_dir), version="1"))
         assert report.ok, report
         await pool.check_health()
         assert pool.up == [True, True]
         for _ in range(2):
             assert (await pool.generate(PROMPT, GREEDY)).output_ids == before.output_ids
-        pool.up = [False, False]  # none up (both marked down): nothing to sleep or wake, no error
+        pool.mark_down(0)  # none up (both marked down): nothing to sleep or wake, no error
+        pool.mark_down(1)
         await pool.sleep(1)
         await pool.wake_up()
         await pool.aclose()

@@ -28,7 +28,8 @@ from rollouts.weights.check import (
     probe_ids,
     trainer_probe,
 )
-from rollouts.weights.disk import publish_weights, sync_weights_to_engines
+from rollouts.weights.disk import sync_weights_to_engines
+from rollouts.weights.files import publish_weights
 from tests.real_vllm.conftest import VLLMServer
 from tests.training.backend_helpers import tiny_config
 

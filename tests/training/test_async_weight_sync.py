@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-import rollouts.weights.publisher as publisher_module
 from rollouts.driver.quick_start import quick_start_training
+from rollouts.inference.pool import EnginePool
+from rollouts.inference.sync import Delivery, EngineSyncResult, SyncReport, WeightSyncError
 from rollouts.trainer.pytorch import PyTorchBackend, load_hf_weights
 from rollouts.types import Sample
-from rollouts.weights.disk import EngineSyncResult, SyncReport, WeightSyncError
 
 pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
 
@@ -55,13 +55,13 @@ def test_async_engines_load_weights_while_the_next_step_trains(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pauses: list[str] = []
-    real_sync_pool = publisher_module.sync_pool
+    real_sync = EnginePool.sync
 
-    async def sync_pool(pool: Any, path: Any, version: str, **kwargs: Any) -> SyncReport:
-        pauses.append(kwargs["pause_mode"])
-        return await real_sync_pool(pool, path, version, **kwargs)
+    async def sync(pool: EnginePool, delivery: Any) -> SyncReport:
+        pauses.append(delivery.options.pause)
+        return await real_sync(pool, delivery)
 
-    monkeypatch.setattr(publisher_module, "sync_pool", sync_pool)
+    monkeypatch.setattr(EnginePool, "sync", sync)
     result = quick_start_training(
         tiny_model_dir,
         PROMPTS,
@@ -91,17 +91,19 @@ def test_async_engines_load_weights_while_the_next_step_trains(
 def test_a_failed_background_delivery_stops_the_run_after_a_rescue_checkpoint(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_sync_pool = publisher_module.sync_pool
+    real_sync = EnginePool.sync
 
-    async def sync_pool(pool: Any, path: Any, version: str, **kwargs: Any) -> SyncReport:
+    async def sync(pool: EnginePool, delivery: Delivery) -> SyncReport:
+        version = delivery.weights.version
         if version == "2":  # the engines refuse step 2's weights
             failed = EngineSyncResult(url=pool.url, ok=False, attempts=1, error="injected")
+            path = str(delivery.weights.path)
             raise WeightSyncError(
-                SyncReport(version=version, path=str(path), results=(failed,), total_s=0.0)
+                SyncReport(version=version, path=path, results=(failed,), total_s=0.0)
             )
-        return await real_sync_pool(pool, path, version, **kwargs)
+        return await real_sync(pool, delivery)
 
-    monkeypatch.setattr(publisher_module, "sync_pool", sync_pool)
+    monkeypatch.setattr(EnginePool, "sync", sync)
     with pytest.raises(BaseException) as info:
         quick_start_training(
             tiny_model_dir,

@@ -17,9 +17,9 @@ from rollouts.inference.pool import EnginePool
 from rollouts.inference.protocol import SamplingParams
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.sglang_wire import distributed_update_body
-from rollouts.weights.disk import WeightSyncError
+from rollouts.inference.sync import WeightSyncError
 from rollouts.weights.distributed import DistributedWeightSync, DistSyncOptions
-from rollouts.weights.distributed_pool import sync_pool_distributed
+from rollouts.weights.distributed_pool import DistributedDelivery
 from rollouts.weights.group import broadcast_bucket, flatten, state_specs
 from tests.training.backend_helpers import one_torch_thread  # noqa: F401 (autouse)
 from tests.training.test_weight_sync import _greedy, _train_to_memorise
@@ -83,7 +83,10 @@ async def test_distributed_sync_into_one_then_two_engines_and_its_failures(
         with trio.fail_after(30):  # the survivor was resumed although the dead one's resume failed
             await _greedy_outputs(engines[:1], prompt, 2)
         pool = EnginePool(engines, wait_for_up_s=5.0)  # both "up": the sync finds the dead one
-        survivor = await sync_pool_distributed(pool, sync, backend.get_weights, "5", step=5)
+        delivery = DistributedDelivery(
+            sender=sync, get_weights=backend.get_weights, version="5", step=5
+        )
+        survivor = await pool.sync(delivery)
         served = await engines[0].weight_version()
         flattened = await _send_flattened(sync, engines[0], backend.get_weights(), "6")
         await sync.close(engines[:1])
@@ -106,4 +109,6 @@ async def test_distributed_sync_into_one_then_two_engines_and_its_failures(
     assert flattened == "6"  # SGLang's flattened_bucket format is read too
     assert survivor.ok and served == "5" and pool.up == [True, False]
     assert survivor.metrics()["engines_down"] == 1.0
-    assert (pool.version, pool.weights_path) == ("5", None)  # no file to reload old weights from
+    assert pool.weights is not None
+    # no file to reload old weights from
+    assert (pool.weights.version, pool.weights.path) == ("5", None)

@@ -28,7 +28,8 @@ from rollouts.config import config_from_dict
 from rollouts.driver.engines import open_engines
 from rollouts.inference.http import EngineUnavailable
 from rollouts.inference.protocol import SamplingParams
-from rollouts.weights.disk import sync_pool
+from rollouts.inference.sync import SyncOptions
+from rollouts.weights.disk import DiskDelivery
 
 pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
 
@@ -59,6 +60,12 @@ def wait_gone(marker: str, timeout_s: float = 20.0) -> list[int]:
     return left
 
 
+def _once(path: str, version: str) -> DiskDelivery:
+    """A disk delivery that tries each engine once."""
+    options = SyncOptions(attempts=1, retry_delay_s=0.0)
+    return DiskDelivery(path=path, version=version, options=options)
+
+
 def _config(model_dir: Path, builtin: dict | None = None, **engines: object):
     builtin = {"num_engines": 2, "max_batch": 8} | (builtin or {})
     table = {
@@ -79,12 +86,12 @@ async def test_a_dead_engine_is_skipped_then_restarted_on_the_current_weights(
     async with open_engines(config, start, "0") as pool:
         assert pool.engines[0].http.options.timeout_s == 30.0
         assert pool.engines[0].http.options.max_retries == 1
-        assert (await sync_pool(pool, str(v1), "1")).ok
+        assert (await pool.sync(DiskDelivery(path=str(v1), version="1"))).ok
         shutil.rmtree(start)  # rotated away: a restart cannot use the starting model
         port = pool.engines[1].url.rsplit(":", 1)[1]
         (victim,) = server_pids(f"--port {port}")
         os.kill(victim, signal.SIGKILL)
-        report = await sync_pool(pool, str(v2), "2", attempts=1, retry_delay_s=0.0)
+        report = await pool.sync(_once(str(v2), "2"))
         assert report.results[0].ok, report
         assert await pool.engines[0].weight_version() == "2"
         with trio.fail_after(120):  # restarted (on v1), reloaded v2, proved it, routed again
@@ -94,7 +101,7 @@ async def test_a_dead_engine_is_skipped_then_restarted_on_the_current_weights(
         (restarted,) = server_pids(f"--port {port}")
         assert restarted != victim
         assert str(start) not in Path(f"/proc/{restarted}/cmdline").read_text()
-        pool.in_flight[0] = 100  # route to the restarted engine
+        pool.states[0].in_flight = 100  # route to the restarted engine
         completion = await pool.generate([1, 2, 3], sampling)
         assert completion.weight_version == "2"
 
@@ -111,7 +118,7 @@ async def test_a_sync_waits_for_its_only_engine_to_come_back(
     async with open_engines(config, tiny_model_dir, "0") as pool:
         (victim,) = server_pids(f"--port {pool.engines[0].url.rsplit(':', 1)[1]}")
         os.kill(victim, signal.SIGKILL)
-        await sync_pool(pool, str(v1), "1", attempts=1, retry_delay_s=0.0)
+        await pool.sync(_once(str(v1), "1"))
         assert pool.up == [True], pool.up  # back, and proved the new weights
         assert await pool.engines[0].weight_version() == "1"
 
@@ -125,9 +132,9 @@ async def test_the_sync_stops_the_run_only_when_no_engine_is_left(tiny_model_dir
             for pid in server_pids(f"--port {engine.url.rsplit(':', 1)[1]}"):
                 os.kill(pid, signal.SIGKILL)
         with pytest.raises(Exception, match="failed on 1 of 1"):
-            await sync_pool(pool, str(tiny_model_dir), "1", attempts=1, retry_delay_s=0.0)
+            await pool.sync(_once(str(tiny_model_dir), "1"))
         with pytest.raises(EngineUnavailable, match="no engine .* is up after 1.0s"):
-            await sync_pool(pool, str(tiny_model_dir), "2", attempts=1, retry_delay_s=0.0)
+            await pool.sync(_once(str(tiny_model_dir), "2"))
 
 
 PARENT = textwrap.dedent(

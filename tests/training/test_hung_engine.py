@@ -13,7 +13,8 @@ import trio
 
 from rollouts.driver.engines import open_engines
 from rollouts.inference.protocol import GenerateRequest, SamplingParams
-from rollouts.weights.disk import sync_pool
+from rollouts.inference.sync import SyncOptions
+from rollouts.weights.disk import DiskDelivery
 from tests.training.test_engine_failover import _config, server_pids
 
 STALL_S = 2.0
@@ -31,7 +32,7 @@ async def test_a_hung_engines_requests_go_to_the_other_engine(tiny_model_dir: Pa
         (hung,) = server_pids(f"--port {hung_port}")
         os.kill(hung, signal.SIGSTOP)
         try:
-            pool.in_flight[0] += 100  # route to the hung engine first
+            pool.states[0].in_flight += 100  # route to the hung engine first
             started = trio.current_time()
             with trio.fail_after(30):  # far below REQUEST_TIMEOUT_S
                 async with trio.open_nursery() as nursery:
@@ -43,7 +44,7 @@ async def test_a_hung_engines_requests_go_to_the_other_engine(tiny_model_dir: Pa
                     nursery.start_soon(one)
                     many = await pool.generate_many(group)  # a group: one batch request
             elapsed = trio.current_time() - started
-            pool.in_flight[0] -= 100
+            pool.states[0].in_flight -= 100
             assert len(many) == 4 and len(results) == 1
             assert all(c.completion_tokens > 0 for c in [*many, *results])
             assert elapsed >= STALL_S  # they did go to the hung engine first
@@ -55,7 +56,9 @@ async def test_a_hung_engines_requests_go_to_the_other_engine(tiny_model_dir: Pa
         os.kill(hung, signal.SIGSTOP)  # hung again, now during a weight sync
         try:
             with trio.fail_after(30):  # its pause would wait REQUEST_TIMEOUT_S
-                report = await sync_pool(pool, str(tiny_model_dir), "1", attempts=2)
+                options = SyncOptions(attempts=2)
+                delivery = DiskDelivery(path=str(tiny_model_dir), version="1", options=options)
+                report = await pool.sync(delivery)
             assert [r.ok for r in report.results] == [True, False], report
             assert pool.up == [True, False]
             assert await pool.engines[0].weight_version() == "1"

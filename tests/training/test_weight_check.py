@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from rollouts.inference.launch import engine_server
 from rollouts.inference.sglang import SGLangEngine
+from rollouts.inference.sync import SyncOptions, WeightSyncError
 from rollouts.inference.vllm import VLLMEngine
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
 from rollouts.trainer.factories import create_pytorch_backend
@@ -25,7 +26,8 @@ from rollouts.weights.check import (
     tolerance_for,
     trainer_probe,
 )
-from rollouts.weights.disk import WeightSyncError, publish_weights, sync_weights_to_engines
+from rollouts.weights.disk import sync_weights_to_engines
+from rollouts.weights.files import publish_weights
 from tests.training.backend_helpers import one_torch_thread, tiny_config  # noqa: F401
 
 TIED = TinyModelSpec(
@@ -149,7 +151,11 @@ async def test_sync_fails_an_engine_that_serves_other_weights(
         engine = SGLangEngine(url)
         with pytest.raises(WeightSyncError) as caught:
             await sync_weights_to_engines(
-                [engine], stale, "1", attempts=2, retry_delay_s=0.0, probe=probe
+                [engine],
+                stale,
+                "1",
+                options=SyncOptions(attempts=2, retry_delay_s=0.0),
+                probe=probe,
             )
         report = await sync_weights_to_engines([engine], fresh, "1", probe=probe)
         await engine.aclose()

@@ -15,13 +15,11 @@ from rollouts.inference.http import HttpOptions
 from rollouts.inference.launch import engine_server
 from rollouts.inference.protocol import SamplingParams
 from rollouts.inference.sglang import SGLangEngine
+from rollouts.inference.sync import SyncOptions, WeightSyncError
 from rollouts.trainer.factories import create_pytorch_backend, load_tokenizer
 from rollouts.types import TrainBatch
-from rollouts.weights.disk import (
-    WeightSyncError,
-    publish_weights,
-    sync_weights_to_engines,
-)
+from rollouts.weights.disk import sync_weights_to_engines
+from rollouts.weights.files import publish_weights
 from tests.training.backend_helpers import (
     nll_loss,
     one_torch_thread,  # noqa: F401 (autouse)
@@ -113,7 +111,9 @@ async def test_a_failing_engine_is_retried_reported_and_always_resumed(
     good, flaky, dead = _FlakyServer(0), _FlakyServer(1), _FlakyServer(99)
     engines = [_engine(s, f"http://e{i}") for i, s in enumerate((good, flaky, dead))]
     with pytest.raises(WeightSyncError, match="1 of 3") as info:
-        await sync_weights_to_engines(engines, tiny_model_dir, "7", attempts=3, retry_delay_s=0.0)
+        await sync_weights_to_engines(
+            engines, tiny_model_dir, "7", options=SyncOptions(attempts=3, retry_delay_s=0.0)
+        )
     report = info.value.report
     assert [r.attempts for r in report.results] == [1, 2, 3]
     assert [r.ok for r in report.results] == [True, True, False]
@@ -123,7 +123,7 @@ async def test_a_failing_engine_is_retried_reported_and_always_resumed(
         assert server.calls.count("/pause_generation") == attempts
         assert server.calls.count("/continue_generation") == attempts
     lenient = await sync_weights_to_engines(
-        engines[2:], tiny_model_dir, "8", attempts=1, strict=False
+        engines[2:], tiny_model_dir, "8", options=SyncOptions(attempts=1), strict=False
     )
     assert not lenient.ok and lenient.metrics()["failed_engines"] == 1.0
     for engine in engines:

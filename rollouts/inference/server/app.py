@@ -84,7 +84,7 @@ def load_model(options: ServeOptions) -> tuple[Any, Any]:
     )
     model = model.to(options.device).eval()
     if model.device.type == "cpu":  # own the memory: CPU tensors may map the files, which a
-        with torch.no_grad():  # weight sync rewrites in place (weights/disk.py `_recycle`)
+        with torch.no_grad():  # weight sync rewrites in place (weights/files.py `_recycle`)
             for t in [*model.parameters(), *model.buffers()]:
                 t.data = t.data.clone()
     precision.mix(model, options.autocast)

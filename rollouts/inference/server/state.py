@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import trio
 
-from rollouts.inference.protocol import FinishReason
+from rollouts.inference.protocol import PAUSE_MODES, FinishReason, PauseMode
 from rollouts.inference.server.core import EngineCore, PromptLogprob, Sequence
 from rollouts.inference.server.sampling import BadRequest, SamplingSpec
 from rollouts.inference.server.scheduler import Stop, allowed_new_tokens
@@ -218,9 +218,9 @@ class ServerState:
         hit = lambda s: s.request in ids  # noqa: E731
         return await self.command(lambda reply: reply(self.core.abort_where(hit)))
 
-    async def pause(self, mode: str, *, reject_new: bool) -> None:
+    async def pause(self, mode: PauseMode, *, reject_new: bool) -> None:
         """abort: abort in-flight; wait: let them finish; keep: freeze them. Then stop stepping."""
-        assert mode in ("abort", "wait", "keep"), f"{mode=}"
+        assert mode in PAUSE_MODES, f"{mode=} not in {PAUSE_MODES}"
         self.reject_new = reject_new and mode != "keep"
 
         def run(reply: Callable[[Any], None]) -> None:
@@ -327,11 +327,11 @@ class ServerState:
         in the worker between steps (also while paused: a weight sync checks it there)."""
         return await self.command(lambda reply: reply(self.core.prompt_logprobs(prompt_ids, top)))
 
-    async def sleep(self, level: int, mode: str) -> None:
+    async def sleep(self, level: int, mode: PauseMode) -> None:
         """vLLM's /sleep: hold scheduling as a pause in `mode` would (abort: the running
         requests end; wait: they finish first; keep: they stay), then release memory
         (`EngineCore.go_to_sleep`). Requests sent meanwhile wait for the wake-up."""
-        assert mode in ("abort", "wait", "keep"), f"{mode=}"
+        assert mode in PAUSE_MODES, f"{mode=} not in {PAUSE_MODES}"
 
         def run(reply: Callable[[Any], None]) -> None:
             if mode == "abort":

@@ -16,7 +16,7 @@ class WeightLoadError(ValueError):
 def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of every `*.safetensors` file in `path` (sharded checkpoints included).
     The tensors map the files: copy them before keeping them (a weight sync rewrites a
-    version's files in place two versions later, weights/disk.py `_recycle`)."""
+    version's files in place two versions later, weights/files.py `_recycle`)."""
     root = Path(path)
     if not root.is_dir():
         raise WeightLoadError(f"model_path {str(root)!r}: not a directory")
