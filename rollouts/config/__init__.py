@@ -33,6 +33,7 @@ from rollouts.config.algorithm_tables import (
     TruncatedISConfig,
 )
 from rollouts.config.base import ConfigError
+from rollouts.config.engine_options import EngineOptions
 from rollouts.config.loader import (
     Config,
     apply_overrides,
@@ -48,12 +49,7 @@ from rollouts.config.model import (
     TinyModelConfig,
 )
 from rollouts.config.reward import LengthShapingConfig, RewardConfig
-from rollouts.config.rollout import (
-    BuiltinEnginesConfig,
-    EnginesConfig,
-    RolloutConfig,
-    SamplingConfig,
-)
+from rollouts.config.rollout import EnginesConfig, RolloutConfig, SamplingConfig
 from rollouts.config.training import CheckpointConfig, LoggingConfig, OptimConfig, TrainingConfig
 from rollouts.config.weight_sync import DistributedSyncConfig, WeightSyncConfig
 
@@ -64,13 +60,13 @@ __all__ = [
     "PAIR_SELECTORS",
     "POLICY_LOSSES",
     "AlgorithmConfig",
-    "BuiltinEnginesConfig",
     "CheckpointConfig",
     "CispoConfig",
     "Config",
     "ConfigError",
     "DataConfig",
     "DistributedSyncConfig",
+    "EngineOptions",
     "EnginesConfig",
     "GAEConfig",
     "KLConfig",

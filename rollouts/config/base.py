@@ -40,6 +40,12 @@ def _one_of(problems: list[str], key: str, value: str, allowed: tuple[str, ...])
     _check(problems, value in allowed, _not_one_of(key, value, allowed))
 
 
+def config_fields(cls: Any) -> list[dataclasses.Field]:
+    """The fields of section `cls` that are config keys: all but those a run sets itself
+    (metadata `config_key` false: the built-in engine's model, port ... `EngineOptions`)."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("config_key", True)]
+
+
 def is_literal(tp: Any) -> bool:
     """Whether the annotation `tp` is a mode: `Literal[...]`."""
     return typing.get_origin(tp) is typing.Literal

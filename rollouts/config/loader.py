@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from rollouts.config.algorithm import ALGORITHM_MOVED_KEYS, AlgorithmConfig
-from rollouts.config.base import ConfigError, _check, _Section, is_literal, literal_problem
+from rollouts.config.base import (
+    ConfigError,
+    _check,
+    _Section,
+    config_fields,
+    is_literal,
+    literal_problem,
+)
 from rollouts.config.model import DataConfig, ModelConfig, RunSection
 from rollouts.config.reward import RewardConfig
 from rollouts.config.rollout import EnginesConfig, RolloutConfig, engine_logprobs
@@ -176,7 +183,7 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
 def _build(cls: type, table: Mapping[str, Any], prefix: str, problems: list[str]) -> Any:
     """Build section `cls` from `table`, appending every problem found (with key paths)."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in config_fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in table.items():
         path = f"{prefix}{key}"
@@ -314,5 +321,11 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
-    """The config as a plain dict (for writing the resolved config of a run)."""
-    return dataclasses.asdict(config)
+    """The config as a plain dict of its keys (for writing the resolved config of a run)."""
+    return {f.name: _plain(getattr(config, f.name)) for f in config_fields(config)}
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return config_to_dict(value)
+    return copy.deepcopy(value)

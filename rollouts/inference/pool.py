@@ -31,14 +31,12 @@ from rollouts.inference.http import EngineError, EngineUnavailable
 from rollouts.inference.hung import CallWatch, WatchedEngine
 from rollouts.inference.protocol import (
     AdapterLoader,
-    Completion,
     EngineLoad,
-    GenerateRequest,
     InferenceEngine,
-    SamplingParams,
     Sleeper,
     batches_requests,
 )
+from rollouts.wire.generation import Completion, GenerateRequest, SamplingParams
 
 
 def pick_engine(in_flight: Sequence[int], up: Sequence[bool], tried: set[int]) -> int | None:

@@ -22,15 +22,13 @@ from rollouts.inference.adapters import AdapterSlots
 from rollouts.inference.http import EngineError, EngineHttp, EngineRequestError, HttpOptions
 from rollouts.inference.protocol import (
     PAUSE_MODES,
-    Completion,
     EngineLoad,
-    FinishReason,
-    SamplingParams,
     TensorSpecLike,
     WeightGroupSpec,
     adapter_name,
 )
 from rollouts.inference.versions import SyncBracket, completion_version, span_versions
+from rollouts.wire.generation import Completion, FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 5.0

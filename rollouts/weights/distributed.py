@@ -26,7 +26,6 @@ from typing import Protocol
 import torch
 import trio
 
-from rollouts.inference.launch import free_port
 from rollouts.inference.protocol import InferenceEngine, WeightGroupSpec, WeightReceiver
 from rollouts.weights.disk import (
     RESUME_TIMEOUT_S,
@@ -34,8 +33,9 @@ from rollouts.weights.disk import (
     SyncReport,
     WeightSyncError,
 )
-from rollouts.weights.group import plan_buckets, state_specs
 from rollouts.weights.transport import Transport, make_transport
+from rollouts.wire.ports import free_port
+from rollouts.wire.weight_group import plan_buckets, state_specs
 
 
 class SyncTarget(InferenceEngine, WeightReceiver, Protocol):

@@ -11,7 +11,7 @@ from rollouts.inference.sglang_wire import distributed_update_body, init_group_b
 from rollouts.inference.vllm import transfer_init_info, transfer_update_info
 from rollouts.weights.distributed import rank_offsets
 from rollouts.weights.distributed_pool import choose_backend, distributed_sync_for
-from rollouts.weights.group import (
+from rollouts.wire.weight_group import (
     BucketBuffer,
     TensorSpec,
     flatten,

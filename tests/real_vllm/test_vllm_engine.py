@@ -14,8 +14,7 @@ import pytest
 import torch
 import trio
 
-from rollouts.inference.launch import engine_server
-from rollouts.inference.protocol import FinishReason, SamplingParams
+from rollouts.engine.launch import engine_server
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.vllm import VLLMEngine
 from rollouts.trainer.factories import create_pytorch_backend
@@ -29,6 +28,7 @@ from rollouts.weights.check import (
     trainer_probe,
 )
 from rollouts.weights.disk import publish_weights, sync_weights_to_engines
+from rollouts.wire.generation import FinishReason, SamplingParams
 from tests.real_vllm.conftest import VLLMServer
 from tests.training.backend_helpers import tiny_config
 
