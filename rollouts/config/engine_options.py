@@ -19,8 +19,8 @@ from typing import Any, ClassVar, Literal
 
 from rollouts.config.base import _Section
 from rollouts.config.model import AttnImplementation, ModelDtype
+from rollouts.engine_kinds import LogprobsFrom
 
-LogprobsFrom = Literal["raw", "scaled"]  # raw logits | temperature-scaled
 EngineAutocast = Literal["off", "bfloat16", "float16"]  # the engine's numerics (precision.py)
 DecodePath = Literal[
     "auto", "eager", "hf"

@@ -29,6 +29,7 @@ from rollouts.config.reward import RewardConfig
 from rollouts.config.rollout import EnginesConfig, RolloutConfig, engine_logprobs
 from rollouts.config.training import CheckpointConfig, LoggingConfig, OptimConfig, TrainingConfig
 from rollouts.config.weight_sync import WeightSyncConfig
+from rollouts.engine_kinds import engine_kind
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,18 +69,7 @@ def logprob_problems(config: Config) -> list[str]:
     correction = config.algorithm.rollout_correction
     if not correction.enabled or temperature in (0.0, 1.0) or engine_logprobs(engines) == "raw":
         return []
-    if engines.kind == "builtin":
-        fix = "set engines.builtin.logprobs_from = 'raw'"
-    elif engines.kind == "sglang":
-        fix = (
-            "start the SGLang servers with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (their logprobs are "
-            "then of the raw logits) and set engines.served_logprobs = 'raw'"
-        )
-    else:
-        fix = (
-            "start the vLLM servers with --logprobs-mode raw_logprobs (vLLM's default) and set "
-            "engines.served_logprobs = 'raw'"
-        )
+    fix = engine_kind(engines.kind).raw_logprobs
     return [
         f"algorithm.rollout_correction (tis = {correction.tis}, rejection = "
         f"{correction.rejection!r}) at rollout.sampling.temperature = {temperature}: the "
@@ -109,6 +99,13 @@ def sleep_problems(config: Config) -> list[str]:
     if not level:
         return []
     p: list[str] = []
+    kind = config.engines.kind
+    _check(
+        p,
+        engine_kind(kind).sleeps,
+        f"engines.sleep_level = {level} with engines.kind = {kind!r}: its servers have no sleep "
+        "routes; set engines.sleep_level = 0",
+    )
     _check(
         p,
         config.rollout.mode == "sync",

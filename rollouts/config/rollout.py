@@ -6,13 +6,13 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar, Literal
 
-from rollouts.config.base import _check, _Section
-from rollouts.config.engine_options import EngineOptions, LogprobsFrom
+from rollouts.config.base import _check, _one_of, _Section
+from rollouts.config.engine_options import EngineOptions
 from rollouts.config.gateway import GatewayConfig, gateway_problems
+from rollouts.engine_kinds import ENGINE_KINDS, LogprobsFrom, engine_kind
 
 RolloutMode = Literal["sync", "async"]
 OnShortBatch = Literal["warn", "error"]  # train on a smaller batch | stop the run
-EngineKind = Literal["builtin", "sglang", "vllm"]
 ServedLogprobs = Literal["auto", "raw", "scaled"]  # SGLang / vLLM servers; auto: their default
 
 
@@ -126,8 +126,8 @@ class EnginesConfig(_Section):
 
     KEY: ClassVar[str] = "engines"
 
-    kind: EngineKind = "builtin"
-    urls: list[str] = dataclasses.field(default_factory=list)  # for sglang / vllm
+    kind: str = "builtin"  # a name of ENGINE_KINDS (rollouts/engine_kinds.py)
+    urls: list[str] = dataclasses.field(default_factory=list)  # servers not started here
     api_key: str = ""
     # every HTTP call (a generation, a weight reload); a hung engine is caught sooner, by
     # stall_timeout_s. The GPU presets raise it for long generations and big reloads
@@ -175,16 +175,27 @@ class EnginesConfig(_Section):
             self.sleep_level in (0, 1, 2),
             f"engines.sleep_level = {self.sleep_level}: must be 0 (awake), 1 or 2",
         )
+        _one_of(p, "engines.kind", self.kind, tuple(ENGINE_KINDS))
+        if self.kind in ENGINE_KINDS:
+            p += self._kind_problems()
+        return p
+
+    def _kind_problems(self) -> list[str]:
+        """What the kind asks of the other keys: URLs of servers not started here; no
+        `served_logprobs` for engines started here (their own option says it)."""
+        p: list[str] = []
+        here = engine_kind(self.kind).started_here
         _check(
             p,
-            self.kind == "builtin" or bool(self.urls),
+            here or bool(self.urls),
             f"engines.urls: must list the server URLs when engines.kind = {self.kind!r}",
         )
         _check(
             p,
-            self.kind != "builtin" or self.served_logprobs == "auto",
-            f"engines.served_logprobs = {self.served_logprobs!r} with engines.kind = 'builtin': "
-            "it describes SGLang / vLLM servers; set engines.builtin.logprobs_from instead",
+            not here or self.served_logprobs == "auto",
+            f"engines.served_logprobs = {self.served_logprobs!r} with engines.kind = "
+            f"{self.kind!r}: it describes servers the run does not start; set "
+            "engines.builtin.logprobs_from instead",
         )
         return p
 
@@ -194,11 +205,12 @@ def engine_logprobs(engines: EnginesConfig) -> LogprobsFrom:
     sampling temperature). SGLang's own default is "scaled" (its sampler returns log(softmax(
     logits / T)) unless SGLANG_RETURN_ORIGINAL_LOGPROB is set); vLLM's is "raw"
     (`--logprobs-mode raw_logprobs`)."""
-    if engines.kind == "builtin":
+    kind = engine_kind(engines.kind)
+    if kind.started_here:
         return engines.builtin.logprobs_from
     if engines.served_logprobs != "auto":
         return engines.served_logprobs
-    return "scaled" if engines.kind == "sglang" else "raw"
+    return kind.served_logprobs
 
 
 EXTERNAL_CONCURRENCY = 64  # rollout.max_concurrency = 0 with SGLang / vLLM servers
@@ -209,6 +221,6 @@ def resolved_concurrency(rollout: RolloutConfig, engines: EnginesConfig) -> int:
     max_batch), else EXTERNAL_CONCURRENCY."""
     if rollout.max_concurrency:
         return rollout.max_concurrency
-    if engines.kind == "builtin":
+    if engine_kind(engines.kind).started_here:
         return engines.builtin.num_engines * engines.builtin.max_batch
     return EXTERNAL_CONCURRENCY

@@ -27,9 +27,11 @@ from rollouts.config import Config
 from rollouts.driver.launch import local_world_size
 from rollouts.driver.placement import CpuPlan
 from rollouts.engine.launch import EngineSpec, serve_engines
+from rollouts.engine_kinds import engine_kind
 from rollouts.inference.factory import make_pool
 from rollouts.inference.pool import EnginePool
 from rollouts.inference.readiness import wait_until_ready
+from rollouts.trainer.factories import resolve_device
 from rollouts.weights.disk import sync_pool
 
 
@@ -45,6 +47,13 @@ def cpu_share(threads: int, device: str, num_engines: int) -> int:
         return threads
     ranks = local_world_size(os.environ)
     return max(1, (os.cpu_count() or 1) // (num_engines + ranks))
+
+
+def cpu_beside_engines(config: Config) -> bool:
+    """Whether the trainer runs on CPU beside engines the run starts on this machine (then its
+    torch threads are a share of the cores: `cpu_share`)."""
+    on_cpu = resolve_device(config.training.device).type == "cpu"
+    return on_cpu and engine_kind(config.engines.kind).started_here
 
 
 def engine_threads(config: Config, plan: CpuPlan | None) -> int:
@@ -110,7 +119,8 @@ async def open_engines(
     e, b = config.engines, config.engines.builtin
     pool: EnginePool | None = None  # built below; a restart asks it for the current weights
     async with trio.open_nursery() as nursery:
-        if e.kind == "builtin":
+        here = engine_kind(e.kind).started_here
+        if here:
             urls = await nursery.start(
                 functools.partial(
                     serve_engines,
@@ -128,7 +138,7 @@ async def open_engines(
         pool = make_pool(e, urls)
         pool.set_weights(str(model_dir), version)  # what a restarted engine must load
         try:
-            if e.kind != "builtin":  # external servers: wait for them, then our starting weights
+            if not here:  # servers of their own: wait for them, then our starting weights
                 await wait_until_ready(pool.engines, e.startup_timeout_s)
                 await sync_pool(pool, str(model_dir), version)
             await nursery.start(pool.run_health_checks)

@@ -255,52 +255,59 @@ class ServerState:
         failure the old weights and version stay (every file is read before any is copied)."""
         self.check_weights_path(path)
 
-        def run(reply: Callable[[Any], None]) -> None:
-            if abort_first:
-                self.core.abort(None)
+        def load() -> None:
+            try:
+                self.core.reload(path, version)
+            except AsleepError:  # a 503: wake the weights first
+                raise
+            except Exception as exc:
+                log.warning("weight reload from %s failed: %s", path, exc)
+                message = str(exc) if isinstance(exc, WeightLoadError) else f"{path}: {exc!r}"
+                raise WeightLoadError(message) from exc
 
-            def load() -> None:  # may run later, from the worker loop: must always reply
-                try:
-                    self.core.reload(path, version)
-                except AsleepError as exc:  # a 503: wake the weights first
-                    reply(exc)
-                    return
-                except Exception as exc:
-                    log.warning("weight reload from %s failed: %s", path, exc)
-                    message = str(exc) if isinstance(exc, WeightLoadError) else f"{path}: {exc!r}"
-                    reply(WeightLoadError(message))
-                    return
-                reply(None)
-
-            if self.core.paused:
-                load()
-            else:
-                self.core.when_idle(load)
-
-        await self.command(run)
+        abort = (lambda: self.core.abort(None)) if abort_first else None
+        await self._between_requests(load, first=abort)
 
     async def load_adapter(self, name: str, path: str) -> None:
         """Load a LoRA adapter as `name` (merged into the served weights): at once when paused,
         else after the running requests finish, like a weight reload."""
         self.check_weights_path(path)
 
+        def load() -> None:
+            try:
+                self.core.load_adapter(name, path)
+            except AsleepError:
+                raise
+            except Exception as exc:
+                log.warning("loading LoRA adapter %r from %s failed: %s", name, path, exc)
+                if isinstance(exc, ValueError):
+                    raise
+                raise WeightLoadError(repr(exc)) from exc
+
+        await self._between_requests(load)
+
+    async def _between_requests(
+        self, load: Callable[[], None], first: Callable[[], Any] | None = None
+    ) -> None:
+        """Run `load` in the worker at once when paused, else once the running requests
+        finished (after `first()`, e.g. aborting them all); what it raises is the answer."""
+
         def run(reply: Callable[[Any], None]) -> None:
-            def load() -> None:  # may run later, from the worker loop: must always reply
+            if first is not None:
+                first()
+
+            def attempt() -> None:  # may run later, from the worker loop: must always reply
                 try:
-                    self.core.load_adapter(name, path)
-                except AsleepError as exc:
-                    reply(exc)
-                    return
+                    load()
                 except Exception as exc:
-                    log.warning("loading LoRA adapter %r from %s failed: %s", name, path, exc)
-                    reply(exc if isinstance(exc, ValueError) else WeightLoadError(repr(exc)))
+                    reply(exc)
                     return
                 reply(None)
 
             if self.core.paused:
-                load()
+                attempt()
             else:
-                self.core.when_idle(load)
+                self.core.when_idle(attempt)
 
         await self.command(run)
 

@@ -21,9 +21,8 @@ from rollouts.engine.sampling import (
     check_spec,
 )
 
-# wire name -> (SamplingSpec field, type)
-SGLANG_PARAMS: dict[str, tuple[str, Any]] = {
-    "max_new_tokens": ("max_new_tokens", int),
+# wire name -> (SamplingSpec field, type): the names both formats share, then each one's own
+_SHARED_PARAMS: dict[str, tuple[str, Any]] = {
     "temperature": ("temperature", float),
     "top_p": ("top_p", float),
     "top_k": ("top_k", int),
@@ -31,22 +30,19 @@ SGLANG_PARAMS: dict[str, tuple[str, Any]] = {
     "stop": ("stop", "str_list"),
     "stop_token_ids": ("stop_token_ids", "int_list"),
     "ignore_eos": ("ignore_eos", bool),
-    "no_stop_trim": ("no_stop_trim", bool),
     "skip_special_tokens": ("skip_special_tokens", bool),
+}
+SGLANG_PARAMS: dict[str, tuple[str, Any]] = {
+    "max_new_tokens": ("max_new_tokens", int),
+    **_SHARED_PARAMS,
+    "no_stop_trim": ("no_stop_trim", bool),
     "sampling_seed": ("seed", int),
 }
 OPENAI_PARAMS: dict[str, tuple[str, Any]] = {
     "max_tokens": ("max_new_tokens", int),
     "max_completion_tokens": ("max_new_tokens", int),
-    "temperature": ("temperature", float),
-    "top_p": ("top_p", float),
-    "top_k": ("top_k", int),
-    "min_p": ("min_p", float),
-    "stop": ("stop", "str_list"),
-    "stop_token_ids": ("stop_token_ids", "int_list"),
-    "ignore_eos": ("ignore_eos", bool),
+    **_SHARED_PARAMS,
     "include_stop_str_in_output": ("no_stop_trim", bool),
-    "skip_special_tokens": ("skip_special_tokens", bool),
     "seed": ("seed", int),
 }
 # accepted only at their neutral value (the built-in server does not implement them)
