@@ -35,9 +35,11 @@ def state_of(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def error_json(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
-    """The error shape both SGLang and vLLM clients read: {"error": {"message", ...}}."""
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+def error_json(
+    status: int, message: str, error_type: str, param: str | None = None
+) -> JSONResponse:
+    """The error shape both SGLang and vLLM clients read: {"error": {"message", "type", ...}}."""
+    body = {"error": {"message": message, "type": error_type, "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
 
 

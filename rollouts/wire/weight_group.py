@@ -17,10 +17,12 @@ import datetime
 import inspect
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
+GroupBackend = Literal["gloo", "nccl"]  # torch.distributed's, on CPU | between GPUs
 DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -155,7 +157,7 @@ def specs_from_request(names: object, dtypes: object, shapes: object) -> list[Te
 
 def init_custom_group(
     *,
-    backend: str,
+    backend: GroupBackend,
     address: str,
     port: int,
     world_size: int,
