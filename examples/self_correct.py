@@ -16,10 +16,10 @@ from __future__ import annotations
 import dataclasses
 
 from rollouts.data.sft import encode
-from rollouts.inference.protocol import FinishReason
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.rollout.trajectory import ChatRenderer
 from rollouts.types import Sample, Status
+from rollouts.wire.generation import FinishReason
 
 CHECK = "Check your answer. Reply with the final answer only."
 

@@ -16,7 +16,7 @@ from rollouts.openmp import short_spin_waits
 SUBCOMMANDS = {
     "make-tiny-model": ("rollouts.models.cli", "build a tiny local model + tokenizer in DIR"),
     "models": ("rollouts.models.fetch_cli", "fetch a real model: models fetch NAME [DIR]"),
-    "serve": ("rollouts.inference.server.cli", "run the built-in engine server"),
+    "serve": ("rollouts.engine.cli", "run the built-in engine server"),
     "train": ("rollouts.driver.cli", "train: --mode sft|rl|sft+rl --config X.toml"),
     "plot": ("rollouts.driver.plot", "write PNG plots of a run's metrics.jsonl"),
 }

@@ -29,8 +29,8 @@ short_spin_waits()
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from rollouts.inference.server.batch import BatchOptions, RunningBatch, Sequence  # noqa: E402
-from rollouts.inference.server.sampling import SamplingSpec  # noqa: E402
+from rollouts.engine.batch import BatchOptions, RunningBatch, Sequence  # noqa: E402
+from rollouts.engine.sampling import SamplingSpec  # noqa: E402
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model  # noqa: E402
 
 PATHS = {"hf": "hf", "fast": "auto"}  # variant name -> BatchOptions.decode

@@ -43,12 +43,12 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
+from rollouts.engine.launch import engine_process
 from rollouts.inference.http import HttpOptions
-from rollouts.inference.launch import engine_process
-from rollouts.inference.protocol import GenerateRequest, SamplingParams
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.vllm import VLLMEngine
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
+from rollouts.wire.generation import GenerateRequest, SamplingParams
 
 GOALS = {"equal": 1.0, "varying": 1.5}
 

@@ -25,7 +25,7 @@ from rollouts.config import load_config
 from rollouts.data.loaders import load_prompts
 from rollouts.driver.evaluation import EVAL_BATCH, EvalSpec, evaluate
 from rollouts.driver.setup import prepare_base_model, prepare_data, with_response_text
-from rollouts.inference.launch import engine_process
+from rollouts.engine.launch import engine_process
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.plugins import load_function
 from rollouts.rewards.protocol import RewardFn

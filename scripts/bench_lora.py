@@ -45,7 +45,7 @@ from rollouts.config import (
     TrainingConfig,
 )
 from rollouts.driver.reference_setup import build_reference
-from rollouts.inference.launch import engine_server
+from rollouts.engine.launch import engine_server
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
 from rollouts.trainer.factories import create_pytorch_backend

@@ -22,7 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sampling import one_round
 
-from rollouts.inference.server.app import ServeOptions, load_model
+from rollouts.config.engine_options import EngineOptions
+from rollouts.engine.app import load_model
 
 VARIANTS = {
     "bf16 weights": {"dtype": "bfloat16"},
@@ -43,7 +44,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     loaded = {
-        name: load_model(ServeOptions(model=args.model, **kwargs))
+        name: load_model(EngineOptions(model=args.model, **kwargs))
         for name, kwargs in VARIANTS.items()
     }
     tok = next(iter(loaded.values()))[1]

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 from rollouts.config import RolloutConfig, SamplingConfig
 from rollouts.data.buffer import DataBuffer
 from rollouts.data.sft import tokenize_prompt
-from rollouts.inference.launch import engine_server_sync
+from rollouts.engine.launch import engine_server_sync
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
 from rollouts.rollout.generate import sampling_params_from_config

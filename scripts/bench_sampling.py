@@ -34,9 +34,9 @@ short_spin_waits()
 
 import torch  # noqa: E402
 
-from rollouts.inference.server import sampling  # noqa: E402
-from rollouts.inference.server.batch import BatchOptions, RunningBatch, Sequence  # noqa: E402
-from rollouts.inference.server.sampling import SamplingSpec  # noqa: E402
+from rollouts.engine import sampling  # noqa: E402
+from rollouts.engine.batch import BatchOptions, RunningBatch, Sequence  # noqa: E402
+from rollouts.engine.sampling import SamplingSpec  # noqa: E402
 
 Draw = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

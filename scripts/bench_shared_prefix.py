@@ -1,6 +1,6 @@
 """Benchmark: the built-in engine's prefill with the shared prefix split off, against whole prompts.
 
-In this process, two running batches of the engine (`inference/server/batch.py`) over the same
+In this process, two running batches of the engine (`engine/batch.py`) over the same
 model, one with `share_prefix` (the prefix new prompts share prefilled once, and kept for the
 next admission) and one without, serve the same multi-turn agent workload, rounds interleaved
 (the first round warms up): the shop agent's prompts (`configs/smollm2-agent-cpu.toml`: the
@@ -37,12 +37,12 @@ short_spin_waits()
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from rollouts.engine import precision  # noqa: E402
+from rollouts.engine.batch import BatchOptions, RunningBatch, Sequence  # noqa: E402
+from rollouts.engine.sampling import SamplingSpec  # noqa: E402
 from rollouts.envs import shop_data as shop  # noqa: E402
 from rollouts.envs.shop import shop_tool_specs  # noqa: E402
 from rollouts.envs.tool_format import call_text, render_with_tools  # noqa: E402
-from rollouts.inference.server import precision  # noqa: E402
-from rollouts.inference.server.batch import BatchOptions, RunningBatch, Sequence  # noqa: E402
-from rollouts.inference.server.sampling import SamplingSpec  # noqa: E402
 from rollouts.models.sources import fetch_source  # noqa: E402
 
 

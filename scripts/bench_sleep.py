@@ -21,11 +21,11 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollouts.inference.launch import engine_process
-from rollouts.inference.protocol import SamplingParams
+from rollouts.engine.launch import engine_process
 from rollouts.inference.vllm import VLLMEngine
 from rollouts.models.sources import fetch_source
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
+from rollouts.wire.generation import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=32, temperature=0.0)
 TINY = TinyModelSpec(  # the demo's model (configs/demo-cpu.toml)

@@ -36,7 +36,7 @@ from bench_timing import timed
 from safetensors.torch import load_file, save_file
 
 from rollouts.config import Config, ModelConfig, OptimConfig, TrainingConfig
-from rollouts.inference.launch import engine_server
+from rollouts.engine.launch import engine_server
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
 from rollouts.trainer.batching import padding_fraction, plan_micro_batches

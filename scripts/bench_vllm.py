@@ -32,13 +32,14 @@ from pathlib import Path
 import httpx
 import trio
 
+from rollouts.engine.launch import engine_process
 from rollouts.inference.http import HttpOptions
-from rollouts.inference.launch import engine_process, free_port
-from rollouts.inference.protocol import GenerateRequest, SamplingParams
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.vllm import VLLMEngine
 from rollouts.models.sources import fetch_source
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
+from rollouts.wire.generation import GenerateRequest, SamplingParams
+from rollouts.wire.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONS = HttpOptions(timeout_s=600.0, max_retries=0)

@@ -43,7 +43,7 @@ from rollouts.config import (
     OptimConfig,
     TrainingConfig,
 )
-from rollouts.inference.server.weights import read_safetensors_dir
+from rollouts.engine.weights import read_safetensors_dir
 from rollouts.trainer.factories import create_pytorch_backend
 from rollouts.trainer.pytorch import engine_state_dict, save_hf
 from rollouts.weights.files import publish_weights, weight_bytes

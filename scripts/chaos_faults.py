@@ -40,7 +40,7 @@ BETWEEN_RUNS: frozenset[str] = frozenset({"corrupt_checkpoint", "truncate_checkp
 TRAINER_KINDS: frozenset[str] = frozenset({"kill_trainer", "kill_trainer_mid_checkpoint"})
 MOMENT_WAIT_S = 120.0  # a moment (a step, a checkpoint, a sync) not seen in this long: missed
 TAG_VAR = "ROLLOUTS_CHAOS_TAG"  # in the environment of train.py and so of every child
-ENGINE_MARK = "rollouts.inference.server"
+ENGINE_MARK = "rollouts.engine"
 TRAINER_MARK = "rollouts.trainer.process_child"
 
 

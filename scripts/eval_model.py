@@ -17,7 +17,7 @@ import trio
 
 from rollouts.data.loaders import load_prompts
 from rollouts.driver.evaluation import EvalSpec, evaluate
-from rollouts.inference.launch import engine_server
+from rollouts.engine.launch import engine_server
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.rewards.verifiers import make_exact_match_reward, tokenizer_decoder
 from rollouts.rollout.generate import generate_single_turn

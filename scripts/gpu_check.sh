@@ -114,8 +114,8 @@ for part in $PARTS; do
       --seq "$SEQ" --batch $((BATCH * 2)) --reps 3 --rounds 2
     ;;
   tests)
-    run_part tests 150 $PY -m pytest -q -s -p no:cacheprovider tests/inference/test_graphs.py \
-      tests/inference/test_precision.py
+    run_part tests 150 $PY -m pytest -q -s -p no:cacheprovider tests/engine/test_graphs.py \
+      tests/engine/test_precision.py
     ;;
   autocast)
     for mode in autocast bf16; do

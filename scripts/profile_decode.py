@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rollouts.inference.server.batch import BatchOptions, RunningBatch, Sequence
-from rollouts.inference.server.sampling import SamplingSpec
+from rollouts.engine.batch import BatchOptions, RunningBatch, Sequence
+from rollouts.engine.sampling import SamplingSpec
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
 
 SYNC_OPS = ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaMemcpyAsync")

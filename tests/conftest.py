@@ -1,9 +1,11 @@
-"""Shared fixtures: a tiny real model and tokenizer, built once per session on local disk; and
-the order the test files run in."""
+"""Shared fixtures: a tiny real model and tokenizer, built once per session on local disk (and
+loaded in the test process per module, for reference outputs); and the order the test files
+run in."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,3 +35,29 @@ def smollm2_dir() -> Path:
     from rollouts.models.sources import fetch_source
 
     return fetch_source("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def ref_model(tiny_model_dir: Path) -> Any:
+    """The tiny model the engine tests serve, loaded in this process (fp32) for reference
+    outputs (`tests/hf_reference.py`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Any:
+    """The tiny model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same shapes as the tiny model, other seed: different greedy outputs."""
+    out = tmp_path_factory.mktemp("tiny-model-seed1")
+    spec = TinyModelSpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
+    return make_tiny_model(out, spec)

@@ -13,11 +13,11 @@ from transformers import AutoTokenizer
 
 from rollouts.data.sft import encode, end_of_turn, tokenize_conversation
 from rollouts.envs import conversation_env
-from rollouts.inference.protocol import Completion, FinishReason, SamplingParams
 from rollouts.models.tiny import IM_END, PAD_TOKEN, train_tokenizer
 from rollouts.rollout.agent import generate_multi_turn, turn_text
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.types import Sample, Status
+from rollouts.wire.generation import Completion, FinishReason, SamplingParams
 from tests.rollout.fakes import ScriptedEngine
 
 

@@ -35,6 +35,7 @@ from rollouts.config.algorithm_tables import (
     TruncatedISConfig,
 )
 from rollouts.config.base import ConfigError
+from rollouts.config.engine_options import EngineOptions
 from rollouts.config.loader import (
     Config,
     apply_overrides,
@@ -59,7 +60,6 @@ from rollouts.config.reward import (
     RewardTransform,
 )
 from rollouts.config.rollout import (
-    BuiltinEnginesConfig,
     EnginesConfig,
     RolloutConfig,
     RolloutMode,
@@ -84,13 +84,13 @@ __all__ = [
     "POLICY_LOSSES",
     "AggMode",
     "AlgorithmConfig",
-    "BuiltinEnginesConfig",
     "CheckpointConfig",
     "CispoConfig",
     "Config",
     "ConfigError",
     "DataConfig",
     "DistributedSyncConfig",
+    "EngineOptions",
     "EnginesConfig",
     "GAEConfig",
     "KLConfig",

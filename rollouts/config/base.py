@@ -35,6 +35,17 @@ def _not_one_of(key: str, value: Any, allowed: tuple[Any, ...]) -> str:
     return f"{key} = {value!r}: must be one of {list(allowed)}{hint}"
 
 
+def _one_of(problems: list[str], key: str, value: str, allowed: tuple[str, ...]) -> None:
+    """For a value set known only at run time (a registry); a fixed set is a `Literal` field."""
+    _check(problems, value in allowed, _not_one_of(key, value, allowed))
+
+
+def config_fields(cls: Any) -> list[dataclasses.Field]:
+    """The fields of section `cls` that are config keys: all but those a run sets itself
+    (metadata `config_key` false: the built-in engine's model, port ... `EngineOptions`)."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("config_key", True)]
+
+
 def is_literal(tp: Any) -> bool:
     """Whether the annotation `tp` is a mode: `Literal[...]`."""
     return typing.get_origin(tp) is typing.Literal

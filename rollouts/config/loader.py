@@ -16,12 +16,20 @@ from pathlib import Path
 from typing import Any
 
 from rollouts.config.algorithm import ALGORITHM_MOVED_KEYS, AlgorithmConfig
-from rollouts.config.base import ConfigError, _check, _Section, is_literal, literal_problem
+from rollouts.config.base import (
+    ConfigError,
+    _check,
+    _Section,
+    config_fields,
+    is_literal,
+    literal_problem,
+)
 from rollouts.config.model import DataConfig, ModelConfig, RunSection
 from rollouts.config.reward import RewardConfig
 from rollouts.config.rollout import EnginesConfig, RolloutConfig, engine_logprobs
 from rollouts.config.training import CheckpointConfig, LoggingConfig, OptimConfig, TrainingConfig
 from rollouts.config.weight_sync import WeightSyncConfig
+from rollouts.engine_kinds import engine_kind
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,18 +69,7 @@ def logprob_problems(config: Config) -> list[str]:
     correction = config.algorithm.rollout_correction
     if not correction.enabled or temperature in (0.0, 1.0) or engine_logprobs(engines) == "raw":
         return []
-    if engines.kind == "builtin":
-        fix = "set engines.builtin.logprobs_from = 'raw'"
-    elif engines.kind == "sglang":
-        fix = (
-            "start the SGLang servers with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (their logprobs are "
-            "then of the raw logits) and set engines.served_logprobs = 'raw'"
-        )
-    else:
-        fix = (
-            "start the vLLM servers with --logprobs-mode raw_logprobs (vLLM's default) and set "
-            "engines.served_logprobs = 'raw'"
-        )
+    fix = engine_kind(engines.kind).raw_logprobs
     return [
         f"algorithm.rollout_correction (tis = {correction.tis}, rejection = "
         f"{correction.rejection!r}) at rollout.sampling.temperature = {temperature}: the "
@@ -102,6 +99,13 @@ def sleep_problems(config: Config) -> list[str]:
     if not level:
         return []
     p: list[str] = []
+    kind = config.engines.kind
+    _check(
+        p,
+        engine_kind(kind).sleeps,
+        f"engines.sleep_level = {level} with engines.kind = {kind!r}: its servers have no sleep "
+        "routes; set engines.sleep_level = 0",
+    )
     _check(
         p,
         config.rollout.mode == "sync",
@@ -176,7 +180,7 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
 def _build(cls: type, table: Mapping[str, Any], prefix: str, problems: list[str]) -> Any:
     """Build section `cls` from `table`, appending every problem found (with key paths)."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in config_fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in table.items():
         path = f"{prefix}{key}"
@@ -314,5 +318,11 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
-    """The config as a plain dict (for writing the resolved config of a run)."""
-    return dataclasses.asdict(config)
+    """The config as a plain dict of its keys (for writing the resolved config of a run)."""
+    return {f.name: _plain(getattr(config, f.name)) for f in config_fields(config)}
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return config_to_dict(value)
+    return copy.deepcopy(value)

@@ -1,20 +1,19 @@
-"""[rollout] (with [rollout.sampling]) and [engines] (with [engines.builtin]) sections."""
+"""[rollout] (with [rollout.sampling]) and [engines] sections ([engines.builtin]: the built-in
+engine's options, `engine_options.py`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import ClassVar, Literal
 
-from rollouts.config.base import _check, _Section
+from rollouts.config.base import _check, _one_of, _Section
+from rollouts.config.engine_options import EngineOptions
 from rollouts.config.gateway import GatewayConfig, gateway_problems
-from rollouts.config.model import ModelDtype
+from rollouts.engine_kinds import ENGINE_KINDS, LogprobsFrom, engine_kind
 
 RolloutMode = Literal["sync", "async"]
 OnShortBatch = Literal["warn", "error"]  # train on a smaller batch | stop the run
-EngineKind = Literal["builtin", "sglang", "vllm"]
-LogprobsFrom = Literal["raw", "scaled"]  # raw logits | temperature-scaled
 ServedLogprobs = Literal["auto", "raw", "scaled"]  # SGLang / vLLM servers; auto: their default
-EngineAutocast = Literal["off", "bfloat16"]  # the built-in engines' numerics (precision.py)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,58 +120,14 @@ class RolloutConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class BuiltinEnginesConfig(_Section):
-    """[engines.builtin]: the `rollouts serve` processes the run starts (engines.kind =
-    "builtin"; read only then)."""
-
-    KEY: ClassVar[str] = "engines.builtin"
-
-    num_engines: int = 1
-    max_batch: int = 64
-    max_queue: int = 1024
-    logprobs_from: LogprobsFrom = "raw"
-    device: str = "cpu"
-    # the served weights' dtype; bfloat16 serves what a bf16 trainer computes (the weight
-    # sync's content check then allows bf16's tolerance)
-    dtype: ModelDtype = "float32"
-    # "bfloat16": compute what the trainer computes under `training.autocast = "bfloat16"` (with
-    # dtype "float32"): linear weights held in bf16, embeddings, norms and the residual stream
-    # fp32, every forward under autocast; about a bf16 engine's speed on CPU
-    # (inference/server/precision.py). "off": the weights' dtype throughout
-    autocast: EngineAutocast = "off"
-    torch_threads: int = 0  # each engine's torch threads; 0 = a share of the cores on CPU
-    max_restarts: int = 3  # an engine that exits is restarted at most this many times
-
-    def problems(self) -> list[str]:
-        p: list[str] = []
-        key = self.KEY
-        _check(p, self.num_engines >= 1, f"{key}.num_engines = {self.num_engines}: must be >= 1")
-        _check(p, self.max_batch >= 1, f"{key}.max_batch = {self.max_batch}: must be >= 1")
-        _check(p, self.max_queue >= 1, f"{key}.max_queue = {self.max_queue}: must be >= 1")
-        _check(
-            p,
-            self.max_restarts >= 0,
-            f"{key}.max_restarts = {self.max_restarts}: must be >= 0 (0 = never restart)",
-        )
-        _check(p, self.torch_threads >= 0, f"{key}.torch_threads: must be >= 0 (0 = default)")
-        _check(
-            p,
-            self.autocast == "off" or self.dtype == "float32",
-            f'{key}.autocast = "{self.autocast}" needs {key}.dtype = "float32" (autocast reads '
-            f'fp32 weights), not "{self.dtype}"',
-        )
-        return p
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class EnginesConfig(_Section):
     """[engines]: the inference servers: built-in ones this run starts ([engines.builtin]), or
     SGLang / vLLM servers already up at `urls`."""
 
     KEY: ClassVar[str] = "engines"
 
-    kind: EngineKind = "builtin"
-    urls: list[str] = dataclasses.field(default_factory=list)  # for sglang / vllm
+    kind: str = "builtin"  # a name of ENGINE_KINDS (rollouts/engine_kinds.py)
+    urls: list[str] = dataclasses.field(default_factory=list)  # servers not started here
     api_key: str = ""
     # every HTTP call (a generation, a weight reload); a hung engine is caught sooner, by
     # stall_timeout_s. The GPU presets raise it for long generations and big reloads
@@ -190,7 +145,7 @@ class EnginesConfig(_Section):
     # which logits the SGLang / vLLM servers' sampled-token logprobs come from; "auto": each
     # server's default (`engine_logprobs`). The built-in engines': builtin.logprobs_from
     served_logprobs: ServedLogprobs = "auto"
-    builtin: BuiltinEnginesConfig = dataclasses.field(default_factory=BuiltinEnginesConfig)
+    builtin: EngineOptions = dataclasses.field(default_factory=EngineOptions)
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -220,16 +175,27 @@ class EnginesConfig(_Section):
             self.sleep_level in (0, 1, 2),
             f"engines.sleep_level = {self.sleep_level}: must be 0 (awake), 1 or 2",
         )
+        _one_of(p, "engines.kind", self.kind, tuple(ENGINE_KINDS))
+        if self.kind in ENGINE_KINDS:
+            p += self._kind_problems()
+        return p
+
+    def _kind_problems(self) -> list[str]:
+        """What the kind asks of the other keys: URLs of servers not started here; no
+        `served_logprobs` for engines started here (their own option says it)."""
+        p: list[str] = []
+        here = engine_kind(self.kind).started_here
         _check(
             p,
-            self.kind == "builtin" or bool(self.urls),
+            here or bool(self.urls),
             f"engines.urls: must list the server URLs when engines.kind = {self.kind!r}",
         )
         _check(
             p,
-            self.kind != "builtin" or self.served_logprobs == "auto",
-            f"engines.served_logprobs = {self.served_logprobs!r} with engines.kind = 'builtin': "
-            "it describes SGLang / vLLM servers; set engines.builtin.logprobs_from instead",
+            not here or self.served_logprobs == "auto",
+            f"engines.served_logprobs = {self.served_logprobs!r} with engines.kind = "
+            f"{self.kind!r}: it describes servers the run does not start; set "
+            "engines.builtin.logprobs_from instead",
         )
         return p
 
@@ -239,11 +205,12 @@ def engine_logprobs(engines: EnginesConfig) -> LogprobsFrom:
     sampling temperature). SGLang's own default is "scaled" (its sampler returns log(softmax(
     logits / T)) unless SGLANG_RETURN_ORIGINAL_LOGPROB is set); vLLM's is "raw"
     (`--logprobs-mode raw_logprobs`)."""
-    if engines.kind == "builtin":
+    kind = engine_kind(engines.kind)
+    if kind.started_here:
         return engines.builtin.logprobs_from
     if engines.served_logprobs != "auto":
         return engines.served_logprobs
-    return "scaled" if engines.kind == "sglang" else "raw"
+    return kind.served_logprobs
 
 
 EXTERNAL_CONCURRENCY = 64  # rollout.max_concurrency = 0 with SGLang / vLLM servers
@@ -254,6 +221,6 @@ def resolved_concurrency(rollout: RolloutConfig, engines: EnginesConfig) -> int:
     max_batch), else EXTERNAL_CONCURRENCY."""
     if rollout.max_concurrency:
         return rollout.max_concurrency
-    if engines.kind == "builtin":
+    if engine_kind(engines.kind).started_here:
         return engines.builtin.num_engines * engines.builtin.max_batch
     return EXTERNAL_CONCURRENCY

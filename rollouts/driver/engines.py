@@ -15,6 +15,7 @@ loads the pool's current weights before it gets a request (`EnginePool.check_hea
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 from collections.abc import AsyncIterator, Sequence
@@ -25,10 +26,12 @@ import trio
 from rollouts.config import Config
 from rollouts.driver.launch import local_world_size
 from rollouts.driver.placement import CpuPlan
+from rollouts.engine.launch import EngineSpec, serve_engines
+from rollouts.engine_kinds import engine_kind
 from rollouts.inference.factory import make_pool
-from rollouts.inference.launch import serve_engines
 from rollouts.inference.pool import EnginePool
 from rollouts.inference.readiness import wait_until_ready
+from rollouts.trainer.factories import resolve_device
 from rollouts.weights.disk import DiskDelivery
 
 
@@ -44,6 +47,13 @@ def cpu_share(threads: int, device: str, num_engines: int) -> int:
         return threads
     ranks = local_world_size(os.environ)
     return max(1, (os.cpu_count() or 1) // (num_engines + ranks))
+
+
+def cpu_beside_engines(config: Config) -> bool:
+    """Whether the trainer runs on CPU beside engines the run starts on this machine (then its
+    torch threads are a share of the cores: `cpu_share`)."""
+    on_cpu = resolve_device(config.training.device).type == "cpu"
+    return on_cpu and engine_kind(config.engines.kind).started_here
 
 
 def engine_threads(config: Config, plan: CpuPlan | None) -> int:
@@ -71,6 +81,29 @@ def current_weights(pool: EnginePool | None) -> tuple[str, str] | None:
     return weights.path, weights.version
 
 
+def builtin_spec(
+    config: Config,
+    model_dir: Path,
+    version: str,
+    weights_roots: Sequence[Path],
+    plan: CpuPlan | None,
+) -> EngineSpec:
+    """How each built-in engine starts: [engines.builtin], with what the run sets itself (the
+    model and version it starts on, a free port, the key, the trainer's attention, threads)."""
+    e = config.engines
+    options = dataclasses.replace(
+        e.builtin,
+        model=str(model_dir),
+        port=0,
+        api_key=e.api_key,
+        attn_implementation=config.model.attn_implementation,
+        torch_threads=engine_threads(config, plan),
+        weight_version=version,
+        weights_roots=tuple(str(Path(r).resolve()) for r in weights_roots),
+    )
+    return EngineSpec(options=options, startup_timeout_s=e.startup_timeout_s)
+
+
 @contextlib.asynccontextmanager
 async def open_engines(
     config: Config,
@@ -87,29 +120,18 @@ async def open_engines(
     e, b = config.engines, config.engines.builtin
     pool: EnginePool | None = None  # built below; a restart asks it for the current weights
     async with trio.open_nursery() as nursery:
-        if e.kind == "builtin":
+        here = engine_kind(e.kind).started_here
+        if here:
             urls = await nursery.start(
                 functools.partial(
                     serve_engines,
-                    model_dir,
+                    builtin_spec(config, model_dir, version, weights_roots, plan),
                     b.num_engines,
-                    api_key=e.api_key,
-                    max_batch=b.max_batch,
-                    max_queue=b.max_queue,
-                    logprobs_from=b.logprobs_from,
-                    device=b.device,
-                    dtype=b.dtype,
-                    autocast=b.autocast,
-                    attn_implementation=config.model.attn_implementation,
-                    torch_threads=engine_threads(config, plan),
-                    weight_version=version,
-                    startup_timeout_s=e.startup_timeout_s,
                     max_restarts=b.max_restarts,
                     restart_from=lambda: current_weights(pool),
                     on_gone=lambda url: pool.mark_gone(url) if pool is not None else None,
                     cpus_per_engine=plan.engines if plan is not None and not plan.colocated else (),
                     log_paths=engine_logs(config),
-                    weights_roots=tuple(str(Path(r).resolve()) for r in weights_roots),
                 )
             )
         else:
@@ -117,7 +139,7 @@ async def open_engines(
         pool = make_pool(e, urls)
         pool.set_weights(str(model_dir), version)  # what a restarted engine must load
         try:
-            if e.kind != "builtin":  # external servers: wait for them, then our starting weights
+            if not here:  # servers of their own: wait for them, then our starting weights
                 await wait_until_ready(pool.engines, e.startup_timeout_s)
                 await pool.sync(DiskDelivery(path=str(model_dir), version=version))
             await nursery.start(pool.run_health_checks)

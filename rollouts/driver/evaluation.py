@@ -25,7 +25,7 @@ import trio
 
 from rollouts.failures import count_failures, failure_lines, failure_metrics, full_error
 from rollouts.inference.http import EngineError
-from rollouts.inference.protocol import InferenceEngine, SamplingParams, batches_requests
+from rollouts.inference.protocol import InferenceEngine, batches_requests
 from rollouts.plugins import call_maybe_async
 from rollouts.rewards.scoring import score_group
 from rollouts.rollout.agent import generate_multi_turn
@@ -36,6 +36,7 @@ from rollouts.rollout.generate import (
 )
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.types import PromptItem, Sample, Status
+from rollouts.wire.generation import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -38,6 +38,7 @@ import threading
 from collections.abc import Collection, Iterator, Sequence
 
 from rollouts.config import Config
+from rollouts.engine_kinds import engine_kind
 
 CAN_PIN = sys.platform == "linux"  # os.sched_setaffinity: Linux only
 
@@ -114,7 +115,7 @@ def why_unplaced(config: Config) -> str:
         return "training.cpu_placement = 'off'"
     if not CAN_PIN:
         return "this OS cannot pin threads"
-    if e.kind != "builtin":
+    if not engine_kind(e.kind).started_here:
         return f"engines.kind = {e.kind!r} (servers of their own)"
     if e.builtin.device != "cpu":
         return f"engines.builtin.device = {e.builtin.device!r}"

@@ -20,7 +20,7 @@ import trio
 from rollouts.config import Config
 from rollouts.config.rollout import resolved_concurrency
 from rollouts.data.buffer import DataBuffer
-from rollouts.driver.engines import cpu_share, open_engines
+from rollouts.driver.engines import cpu_beside_engines, cpu_share, open_engines
 from rollouts.driver.evaluation import EvalSpec, evaluate
 from rollouts.driver.failures import BatchReporter
 from rollouts.driver.metrics import MetricsLogger, last_step
@@ -36,6 +36,7 @@ from rollouts.driver.setup import (
 )
 from rollouts.driver.summary import eval_failures_note
 from rollouts.driver.trainer_io import BackendFactory, checkpoint_root, save
+from rollouts.engine_kinds import engine_kind
 from rollouts.gateway import open_agent_generate
 from rollouts.gcpolicy import freeze_startup_objects
 from rollouts.inference.pool import EnginePool
@@ -48,7 +49,7 @@ from rollouts.trainer.checkpoint import (
     clean_leftovers,
     load_checkpoint,
 )
-from rollouts.trainer.factories import create_backend, load_tokenizer, resolve_device
+from rollouts.trainer.factories import create_backend, load_tokenizer
 from rollouts.trainer.process import TrainerProcess
 from rollouts.trainer.protocol import TrainingBackend
 from rollouts.trainer.pytorch import MODEL_DIR
@@ -199,10 +200,8 @@ def _set_trainer_threads(config: Config, plan: CpuPlan | None) -> None:
     if plan is not None:
         torch.set_num_threads(plan.trainer_threads)
         return
-    e = config.engines
-    on_cpu = resolve_device(config.training.device).type == "cpu" and e.kind == "builtin"
-    device = "cpu" if on_cpu else "gpu"
-    threads = cpu_share(config.training.torch_threads, device, e.builtin.num_engines)
+    device = "cpu" if cpu_beside_engines(config) else "gpu"
+    threads = cpu_share(config.training.torch_threads, device, config.engines.builtin.num_engines)
     if threads:
         torch.set_num_threads(threads)
 
@@ -242,13 +241,14 @@ async def _engines_start_weights(
     configured = bool(config.weight_sync.dir)
     await trio.to_thread.run_sync(clean_sync_root, sync_root, configured)
     adapters = backend.lora_adapters() if config.weight_sync.lora == "adapter" else None
-    if adapters is not None and config.engines.kind == "builtin":
+    here = engine_kind(config.engines.kind).started_here  # they start on our files
+    if adapters is not None and here:
         return sync_root, model_dir
     if adapters is not None:
         base = sync_root / "v_base"
         await trio.to_thread.run_sync(lambda: adapters.save_base_weights(base).result())
         return sync_root, base
-    if config.engines.kind != "builtin" or (lora and latest is not None):
+    if not here or (lora and latest is not None):
         engine_model = await trio.to_thread.run_sync(
             publish_weights, backend, sync_root, str(version)
         )

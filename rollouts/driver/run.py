@@ -22,7 +22,7 @@ import torch
 import trio
 
 from rollouts.config import Config, RunMode
-from rollouts.driver.engines import cpu_share
+from rollouts.driver.engines import cpu_beside_engines, cpu_share
 from rollouts.driver.launch import shares_node_with_driver
 from rollouts.driver.placement import placement_of
 from rollouts.driver.resume import resume_steps, verify_start_model
@@ -37,6 +37,7 @@ from rollouts.driver.setup import (
 from rollouts.driver.sft_phase import sft_phase
 from rollouts.driver.summary import finish_run
 from rollouts.driver.trainer_io import BackendFactory, checkpoint_root
+from rollouts.engine_kinds import engine_kind
 from rollouts.heap import release_garbage
 from rollouts.progress_bars import quiet_progress_bars
 from rollouts.trainer.checkpoint import find_latest_checkpoint
@@ -103,10 +104,9 @@ async def _main(
 def _sft_threads(config: Config) -> None:
     """SFT's torch threads: a share of the cores, or every core when colocated (the RL phase
     sets its own threads: driver/placement.py)."""
-    e = config.engines
-    on_cpu = resolve_device(config.training.device).type == "cpu" and e.kind == "builtin"
-    beside = 0 if placement_of(config) == "colocate" else e.builtin.num_engines
-    threads = cpu_share(config.training.torch_threads, "cpu" if on_cpu else "gpu", beside)
+    beside = 0 if placement_of(config) == "colocate" else config.engines.builtin.num_engines
+    device = "cpu" if cpu_beside_engines(config) else "gpu"
+    threads = cpu_share(config.training.torch_threads, device, beside)
     if threads:
         torch.set_num_threads(threads)
 
@@ -162,7 +162,9 @@ def _follower_threads(config: Config) -> None:
     e = config.engines
     on_cpu = resolve_device(config.training.device).type == "cpu"
     beside = (
-        e.builtin.num_engines if e.kind == "builtin" and shares_node_with_driver(os.environ) else 0
+        e.builtin.num_engines
+        if engine_kind(e.kind).started_here and shares_node_with_driver(os.environ)
+        else 0
     )
     threads = cpu_share(config.training.torch_threads, "cpu" if on_cpu else "gpu", beside)
     if threads:

@@ -5,7 +5,7 @@ user is one of:
 - a list of user turns, said in order; the conversation ends after the last;
 - a function `(history) -> str | UserReply | None` (None ends the conversation);
 - an async function of the same shape, e.g. `ModelUser`, a model that plays the user through an
-  InferenceEngine. Then `step` returns an awaitable, which the agent loop awaits.
+  engine (an InferenceEngine). Then `step` returns an awaitable, which the agent loop awaits.
 
 `history` is the conversation so far as chat messages (the sample's prompt first). A user may
 return a `UserReply` to add per-step signals (`step_reward`, `success`, ...) to the step's info.
@@ -18,16 +18,29 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
 from rollouts.data.sft import encode, render
-from rollouts.inference.protocol import FinishReason, InferenceEngine, SamplingParams
 from rollouts.plugins import is_async_callable
 from rollouts.types import Message, Sample
+from rollouts.wire.generation import Completion, FinishReason, SamplingParams
 
 StepResult = tuple[str, bool, Mapping[str, Any]]
+
+
+class Generates(Protocol):
+    """What a model-played user asks of an engine: one generation (an `InferenceEngine`, the
+    `EnginePool` among them, has it)."""
+
+    url: str
+
+    async def generate(
+        self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None
+    ) -> Completion:
+        """One continuation of `input_ids`."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,7 +140,7 @@ class ModelUser:
     failed generation is an error (the sample is marked FAILED), never an empty message.
     """
 
-    engine: InferenceEngine
+    engine: Generates
     tokenizer: Any
     persona: str = "You are a user talking to an assistant. Say [END] when you are done."
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)

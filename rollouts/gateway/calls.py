@@ -34,8 +34,8 @@ from rollouts.gateway.wire import (
     parse_request,
 )
 from rollouts.inference.http import EngineRequestError, EngineUnavailable
-from rollouts.inference.protocol import Completion, FinishReason, SamplingParams
 from rollouts.rollout.protocol import GenerateContext
+from rollouts.wire.generation import Completion, FinishReason, SamplingParams
 
 SEED_MODULUS = 2**63  # request seeds stay in [0, 2**63) (rollout/seeds.py)
 

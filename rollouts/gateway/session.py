@@ -18,7 +18,7 @@ from typing import Any
 from rollouts.data.sft import encode
 from rollouts.envs.tool_format import ToolSpec, render_with_tools
 from rollouts.gateway.wire import ChatRequest, GatewayError, same_message
-from rollouts.inference.protocol import Completion, FinishReason
+from rollouts.wire.generation import Completion, FinishReason
 
 
 class Ending(enum.Enum):

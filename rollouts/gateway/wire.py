@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollouts.envs.tool_format import ToolSpec, split_tool_calls
-from rollouts.inference.protocol import FinishReason, SamplingParams
+from rollouts.wire.generation import FinishReason, SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # fields read from a request; anything else is refused by name

@@ -1,15 +1,16 @@
-"""Building the engine clients of a run from `[engines]` config."""
+"""Building the engine clients of a run from `[engines]` config: the client of the kind
+`engines.kind` names (`rollouts/engine_kinds.py`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from rollouts.config import EnginesConfig
+from rollouts.engine_kinds import engine_kind
 from rollouts.inference.http import HttpOptions
 from rollouts.inference.pool import EnginePool
-from rollouts.inference.protocol import InferenceEngine
-from rollouts.inference.sglang import SGLangEngine
-from rollouts.inference.vllm import VLLMEngine
+from rollouts.inference.protocol import InferenceEngine, WeightReceiver
+from rollouts.plugins import import_object
 
 
 def http_options(config: EnginesConfig) -> HttpOptions:
@@ -18,11 +19,15 @@ def http_options(config: EnginesConfig) -> HttpOptions:
 
 
 def make_engine(config: EnginesConfig, url: str) -> InferenceEngine:
-    """One client: vLLM's API for kind "vllm", SGLang's (also the built-in server's) otherwise."""
-    options = http_options(config)
-    if config.kind == "vllm":
-        return VLLMEngine(url, api_key=config.api_key, options=options)
-    return SGLangEngine(url, api_key=config.api_key, options=options)
+    """One client of the engine kind's own class (`EngineKind.client`), on `url`."""
+    kind = engine_kind(config.kind)
+    client = import_object(kind.client)
+    engine = client(url, api_key=config.api_key, options=http_options(config))
+    assert isinstance(engine, InferenceEngine), f"{kind.client} is not an InferenceEngine"
+    if isinstance(engine, WeightReceiver):  # the distributed sync sends on the kind's wire
+        wire = kind.sync_wire.name
+        assert engine.weight_wire == wire, f"{kind.client}: {engine.weight_wire=} != {wire!r}"
+    return engine
 
 
 def make_pool(config: EnginesConfig, urls: Sequence[str]) -> EnginePool:

@@ -19,12 +19,7 @@ import trio
 from rollouts.inference.adapters import AdapterSlots
 from rollouts.inference.http import EngineError, EngineHttp, EngineRequestError, HttpOptions
 from rollouts.inference.protocol import (
-    PAUSE_MODES,
-    Completion,
     EngineLoad,
-    GenerateRequest,
-    PauseMode,
-    SamplingParams,
     TensorSpecLike,
     WeightGroupSpec,
     adapter_name,
@@ -40,6 +35,13 @@ from rollouts.inference.sglang_wire import (
     parse_input_logprobs,
 )
 from rollouts.inference.versions import SyncBracket, completion_version, span_versions
+from rollouts.wire.generation import (
+    PAUSE_MODES,
+    Completion,
+    GenerateRequest,
+    PauseMode,
+    SamplingParams,
+)
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 5.0

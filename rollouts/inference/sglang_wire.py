@@ -11,14 +11,8 @@ from operator import itemgetter
 from typing import Any
 
 from rollouts.inference.http import EngineError
-from rollouts.inference.protocol import (
-    Completion,
-    FinishReason,
-    GenerateRequest,
-    SamplingParams,
-    TensorSpecLike,
-    WeightGroupSpec,
-)
+from rollouts.inference.protocol import TensorSpecLike, WeightGroupSpec
+from rollouts.wire.generation import Completion, FinishReason, GenerateRequest, SamplingParams
 
 
 def sampling_body(sampling: SamplingParams) -> dict[str, Any]:

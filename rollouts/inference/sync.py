@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from rollouts.inference.http import EngineError
-from rollouts.inference.protocol import PAUSE_MODES, AdapterLoader, InferenceEngine, PauseMode
+from rollouts.inference.protocol import AdapterLoader, InferenceEngine
+from rollouts.wire.generation import PAUSE_MODES, PauseMode
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

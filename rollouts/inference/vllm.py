@@ -20,18 +20,15 @@ import httpx
 
 from rollouts.inference.adapters import AdapterSlots
 from rollouts.inference.http import EngineError, EngineHttp, EngineRequestError, HttpOptions
-from rollouts.inference.protocol import (
+from rollouts.inference.protocol import EngineLoad, TensorSpecLike, WeightGroupSpec, adapter_name
+from rollouts.inference.versions import SyncBracket, completion_version, span_versions
+from rollouts.wire.generation import (
     PAUSE_MODES,
     Completion,
-    EngineLoad,
     FinishReason,
     PauseMode,
     SamplingParams,
-    TensorSpecLike,
-    WeightGroupSpec,
-    adapter_name,
 )
-from rollouts.inference.versions import SyncBracket, completion_version, span_versions
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 5.0

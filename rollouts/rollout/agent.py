@@ -29,11 +29,11 @@ from rollouts.envs.builtin import SingleTurnEnvironment
 from rollouts.envs.protocol import ROLE_KEY, DescribesTools, Environment
 from rollouts.envs.threads import ThreadRunner
 from rollouts.envs.tool_format import with_tools
-from rollouts.inference.protocol import Completion, FinishReason
 from rollouts.rollout.generate import DONE_STATUSES, fail_sample
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.rollout.trajectory import ChatRenderer
 from rollouts.types import Sample, Status
+from rollouts.wire.generation import Completion, FinishReason
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

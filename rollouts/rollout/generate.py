@@ -19,9 +19,9 @@ from rollouts.config import RolloutConfig
 from rollouts.data.sft import tokenize_prompt
 from rollouts.failures import FailureReason, mark_failed
 from rollouts.inference.http import EngineRequestError
-from rollouts.inference.protocol import Completion, GenerateRequest, SamplingParams
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.types import Sample, Status
+from rollouts.wire.generation import Completion, GenerateRequest, SamplingParams
 
 DONE_STATUSES = (Status.COMPLETED, Status.TRUNCATED)
 

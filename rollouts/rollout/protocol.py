@@ -13,8 +13,9 @@ from typing import Any, Protocol
 
 from rollouts.envs.protocol import EnvFactory
 from rollouts.envs.threads import ThreadRunner
-from rollouts.inference.protocol import InferenceEngine, SamplingParams
+from rollouts.inference.protocol import InferenceEngine
 from rollouts.types import Sample
+from rollouts.wire.generation import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

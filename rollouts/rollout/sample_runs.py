@@ -20,13 +20,14 @@ from rollouts.config import RolloutConfig
 from rollouts.envs.protocol import EnvFactory
 from rollouts.envs.threads import CallTimeout, ThreadRunner
 from rollouts.inference.http import EngineUnavailable
-from rollouts.inference.protocol import InferenceEngine, SamplingParams
+from rollouts.inference.protocol import InferenceEngine
 from rollouts.plugins import dotted_name
 from rollouts.rollout.generate import DONE_STATUSES, fail_sample, generate_group_single_turn
 from rollouts.rollout.planning import RoundState
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.rollout.seeds import request_seed
 from rollouts.types import Sample, Status
+from rollouts.wire.generation import SamplingParams
 
 Group = tuple[Sample, ...]
 

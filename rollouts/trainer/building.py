@@ -21,6 +21,7 @@ import torch
 from rollouts.algorithms.advantages import needs_critic
 from rollouts.config import Config, ModelConfig, OptimConfig, Scheduler
 from rollouts.config.model import ModelDtype
+from rollouts.engine_kinds import engine_kind
 from rollouts.trainer.core import BackendSettings
 
 
@@ -192,8 +193,8 @@ def engine_weights_dtype(config: Config) -> torch.dtype | None:
     trained). "auto": a built-in engine's 16-bit dtype; float32 and external engines: None."""
     name = config.weight_sync.dtype
     if name == "auto":
-        builtin = config.engines.kind == "builtin"
-        name = config.engines.builtin.dtype if builtin else "float32"
+        here = engine_kind(config.engines.kind).started_here
+        name = config.engines.builtin.dtype if here else "float32"
     return None if name == "float32" else getattr(torch, name)
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from rollouts.config import Config
+from rollouts.engine_kinds import engine_kind
 from rollouts.types import FULL_PRECISION, TrainBatch
 
 # The |engine - trainer| logprob gap on the probe that still counts as the same weights, and
@@ -173,7 +174,7 @@ def probe_dtype(config: Config) -> str:
     the model's dtype; bf16 on CUDA, where engines serve bf16) and, for built-in engines, the
     dtype they serve in (their autocast dtype where they run under one)."""
     trainer = "bfloat16" if config.training.device.startswith("cuda") else config.model.dtype
-    if config.engines.kind != "builtin":
+    if not engine_kind(config.engines.kind).started_here:
         return trainer
     b = config.engines.builtin
     served = b.dtype if b.autocast == "off" else b.autocast  # autocast: bf16 matmuls

@@ -26,12 +26,13 @@ from typing import Protocol
 import torch
 import trio
 
-from rollouts.inference.launch import free_port
-from rollouts.inference.protocol import InferenceEngine, PauseMode, WeightGroupSpec, WeightReceiver
+from rollouts.inference.protocol import InferenceEngine, WeightGroupSpec, WeightReceiver
 from rollouts.inference.sync import EngineSyncResult, SyncReport, WeightSyncError
 from rollouts.weights.disk import RESUME_TIMEOUT_S
-from rollouts.weights.group import GROUP_BACKENDS, GroupBackend, plan_buckets, state_specs
 from rollouts.weights.transport import Transport, make_transport
+from rollouts.wire.generation import PauseMode
+from rollouts.wire.ports import free_port
+from rollouts.wire.weight_group import GROUP_BACKENDS, GroupBackend, plan_buckets, state_specs
 
 
 class SyncTarget(InferenceEngine, WeightReceiver, Protocol):

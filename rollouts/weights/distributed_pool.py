@@ -18,16 +18,16 @@ from typing import ClassVar
 import torch
 
 from rollouts.config import Config
-from rollouts.config.rollout import EngineKind
 from rollouts.config.weight_sync import SyncBackend
+from rollouts.engine_kinds import EngineKind, engine_kind
 from rollouts.inference.http import EngineError
 from rollouts.inference.protocol import InferenceEngine, WeightReceiver
 from rollouts.inference.sync import Delivered, SyncOptions, SyncReport, Weights, WeightSyncError
 from rollouts.trainer.factories import resolve_device
 from rollouts.weights.check import WeightContentError, WeightProbe, check_engine
 from rollouts.weights.distributed import DistributedWeightSync, DistSyncOptions, SyncTarget
-from rollouts.weights.group import GroupBackend
 from rollouts.weights.reach import LOCAL_MASTER
+from rollouts.wire.weight_group import GroupBackend
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -129,15 +129,15 @@ def distributed_sync_for(config: Config) -> DistributedWeightSync | None:
     d = ws.distributed
     device = resolve_device(config.training.device)
     e = config.engines
-    backend = choose_backend(d.backend, device.type == "cuda", e.kind, e.builtin.device)
-    if e.kind == "vllm" and (backend != "nccl" or device.type != "cuda"):
+    kind = engine_kind(e.kind)
+    backend = choose_backend(d.backend, device.type == "cuda", kind, e.builtin.device)
+    nccl_only = kind.sync_wire.nccl_only
+    if nccl_only and (backend != "nccl" or device.type != "cuda"):
         raise ValueError(
-            f"weight_sync.method = 'distributed' with engines.kind = 'vllm' needs NCCL from a "
-            f"trainer on CUDA (weight_sync.distributed.backend = {d.backend!r}, training.device "
-            f"= {config.training.device!r}); use weight_sync.method = 'disk' otherwise. vLLM has "
-            "no CPU transfer backend: its CPU build (0.32) starts with --weight-transfer-config "
-            "nccl but /init_weight_transfer_engine fails with 'Cannot access accelerator device "
-            "when none is available.'"
+            f"weight_sync.method = 'distributed' with engines.kind = {e.kind!r} needs NCCL from "
+            f"a trainer on CUDA (weight_sync.distributed.backend = {d.backend!r}, training.device "
+            f"= {config.training.device!r}); use weight_sync.method = 'disk' otherwise. "
+            f"{nccl_only}"
         )
     options = DistSyncOptions(
         bucket_bytes=max(1, int(d.bucket_mb * 2**20)),
@@ -146,7 +146,7 @@ def distributed_sync_for(config: Config) -> DistributedWeightSync | None:
         master_address=d.master_address or LOCAL_MASTER,
         master_port=d.master_port,
         backend=backend,
-        device=str(device) if backend == "nccl" or config.engines.kind == "vllm" else "cpu",
+        device=str(device) if backend == "nccl" or nccl_only else "cpu",
         group_name=d.group_name,
         timeout_s=d.timeout_s,
     )
@@ -154,16 +154,16 @@ def distributed_sync_for(config: Config) -> DistributedWeightSync | None:
 
 
 def choose_backend(
-    requested: SyncBackend, trainer_on_cuda: bool, engines_kind: EngineKind, engines_device: str
+    requested: SyncBackend, trainer_on_cuda: bool, kind: EngineKind, engines_device: str
 ) -> GroupBackend:
     """`weight_sync.distributed.backend`, with "auto" resolved: NCCL when the trainer is on CUDA
-    and the engines are on GPUs of their own (external servers are taken to be; built-in engines
-    are on "cuda:N" with N not the trainer's GPU, cuda:0), else gloo."""
+    and the engines are on GPUs of their own (servers not started here are taken to be; engines
+    started here are on "cuda:N" with N not the trainer's GPU, cuda:0), else gloo."""
     if requested != "auto":
         return requested
     if not trainer_on_cuda:
         return "gloo"
-    if engines_kind != "builtin":
+    if not kind.started_here:
         return "nccl"
     own_gpu = engines_device.startswith("cuda") and torch.device(engines_device).index not in (
         None,

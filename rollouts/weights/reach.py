@@ -23,6 +23,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from rollouts.config import Config
+from rollouts.engine_kinds import engine_kind
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 NODE_LOCAL_DIRS = (Path("/dev/shm"), Path("/tmp"), Path("/var/tmp"))
@@ -126,7 +127,7 @@ def resolve_reach(
     says where the engines are and what they reach; ValueError (naming the key and the fix)
     when the disk sync's directory is node-local and an engine is not."""
     e, ws = config.engines, config.weight_sync
-    urls = list(e.urls) if e.kind != "builtin" else []  # built-in engines run on this host
+    urls = [] if engine_kind(e.kind).started_here else list(e.urls)  # started: on this host
     if own is None:  # this host's names only when a URL is not loopback (no lookups otherwise)
         own = own_names() if any(not is_loopback(host_of(u)) for u in urls) else frozenset()
     remote = remote_urls(urls, own)

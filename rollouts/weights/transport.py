@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from rollouts.inference.protocol import WeightGroupSpec
-from rollouts.weights.group import destroy_group, init_custom_group
+from rollouts.wire.weight_group import destroy_group, init_custom_group
 
 
 class Transport(Protocol):

@@ -24,8 +24,8 @@ from typing import Any
 
 import trio
 
-from rollouts.inference.protocol import FinishReason, GenerateRequest, SamplingParams
 from rollouts.inference.readiness import wait_until_ready
+from rollouts.wire.generation import FinishReason, GenerateRequest, SamplingParams
 
 SHORT = SamplingParams(max_new_tokens=4, temperature=0.0)
 LONG = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)

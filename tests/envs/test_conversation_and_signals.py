@@ -19,10 +19,10 @@ from rollouts.envs import (
     self_verify_env,
 )
 from rollouts.envs.conversation import user_view
-from rollouts.inference.protocol import FinishReason, SamplingParams
 from rollouts.rollout.agent import generate_multi_turn
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.types import Sample
+from rollouts.wire.generation import FinishReason, SamplingParams
 from tests.rollout.fakes import ScriptedEngine
 
 SAMPLE = Sample(index=0, group_index=0, prompt="Hi, I need help.", label="42")

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from rollouts.inference.launch import EngineProcess, engine_server_sync
-from rollouts.inference.protocol import Completion, InferenceEngine, SamplingParams
+from rollouts.engine.launch import EngineProcess, engine_server_sync
+from rollouts.inference.protocol import InferenceEngine
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
+from rollouts.wire.generation import Completion, SamplingParams
 
 
 @pytest.fixture(scope="session")

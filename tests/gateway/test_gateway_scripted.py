@@ -15,8 +15,8 @@ from rollouts.config.gateway import GatewayConfig
 from rollouts.data.sft import encode
 from rollouts.envs.tool_format import call_text
 from rollouts.gateway import AgentGenerate, open_gateway
-from rollouts.inference.protocol import Completion, FinishReason, SamplingParams
 from rollouts.types import Status
+from rollouts.wire.generation import Completion, FinishReason, SamplingParams
 from tests.gateway.test_gateway_sdk import assert_exact, make_ctx, make_sample, run_episode
 from tests.rollout.fakes import ScriptedEngine
 

@@ -11,12 +11,12 @@ import pytest
 import trio
 
 from rollouts.config.gateway import GatewayConfig
+from rollouts.engine.launch import EngineProcess
 from rollouts.gateway import AgentGenerate, open_gateway
-from rollouts.inference.launch import EngineProcess
-from rollouts.inference.protocol import SamplingParams
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.types import Sample, Status
+from rollouts.wire.generation import SamplingParams
 from tests.gateway.conftest import Recording
 
 TOOLS = [

@@ -6,10 +6,7 @@ import httpx
 import pytest
 import torch
 
-from rollouts.inference.http import EngineHttp, EngineRequestError, EngineUnavailable, HttpOptions
-from rollouts.inference.pool import pick_engine
-from rollouts.inference.protocol import FinishReason, SamplingParams
-from rollouts.inference.server.sampling import (
+from rollouts.engine.sampling import (
     BadRequest,
     BatchSampling,
     SamplingSpec,
@@ -17,7 +14,7 @@ from rollouts.inference.server.sampling import (
     needs_filter,
     sample,
 )
-from rollouts.inference.server.scheduler import (
+from rollouts.engine.scheduler import (
     admit_count,
     allowed_new_tokens,
     can_enqueue,
@@ -25,9 +22,12 @@ from rollouts.inference.server.scheduler import (
     stop_after_token,
     trim_text,
 )
-from rollouts.inference.server.wire import openai_spec, sglang_spec
+from rollouts.engine.wire import openai_spec, sglang_spec
+from rollouts.inference.http import EngineHttp, EngineRequestError, EngineUnavailable, HttpOptions
+from rollouts.inference.pool import pick_engine
 from rollouts.inference.sglang_wire import generate_body
 from rollouts.inference.vllm import completion_body
+from rollouts.wire.generation import FinishReason, SamplingParams
 
 
 def choose_tokens(
@@ -231,7 +231,7 @@ async def test_http_retries_connection_errors_bounded_and_never_4xx() -> None:
 
 
 def test_core_queue_is_bounded() -> None:
-    from rollouts.inference.server.core import CoreOptions, EngineCore, Sequence
+    from rollouts.engine.core import CoreOptions, EngineCore, Sequence
 
     core = EngineCore(None, None, CoreOptions(max_queue=2), "v0")
 

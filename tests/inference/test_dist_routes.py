@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from rollouts.inference.launch import EngineProcess
+from rollouts.engine.launch import EngineProcess
 
 
 async def test_refusals_answer_success_false_and_sessions_pair_up(

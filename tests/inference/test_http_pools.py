@@ -12,8 +12,8 @@ from pathlib import Path
 import trio
 
 from rollouts.inference.http import HttpOptions, shard_sizes
-from rollouts.inference.protocol import FinishReason, SamplingParams
 from rollouts.inference.sglang import SGLangEngine
+from rollouts.wire.generation import FinishReason, SamplingParams
 
 LONG = SamplingParams(max_new_tokens=300, temperature=0.0, ignore_eos=True)
 

@@ -14,17 +14,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rollouts.config import LoraConfig, ModelConfig
+from rollouts.engine.adapters import AdapterError, ServedAdapters
+from rollouts.engine.launch import engine_server
+from rollouts.engine.weights import WeightLoadError
 from rollouts.inference.adapters import AdapterSlots
-from rollouts.inference.launch import engine_server
 from rollouts.inference.pool import EnginePool
-from rollouts.inference.protocol import (
-    AdapterLoader,
-    GenerateRequest,
-    SamplingParams,
-    adapter_name,
-)
-from rollouts.inference.server.adapters import AdapterError, ServedAdapters
-from rollouts.inference.server.weights import WeightLoadError
+from rollouts.inference.protocol import AdapterLoader, adapter_name
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.sglang_wire import batch_generate_body, generate_body
 from rollouts.inference.vllm import VLLMEngine
@@ -32,6 +27,7 @@ from rollouts.trainer.factories import create_pytorch_backend
 from rollouts.weights.check import probe_ids, tolerance_for, trainer_probe
 from rollouts.weights.disk import sync_weights_to_engines
 from rollouts.weights.files import publish_adapter, publish_weights
+from rollouts.wire.generation import GenerateRequest, SamplingParams
 from tests.training.backend_helpers import (
     make_batch,
     nll_loss,

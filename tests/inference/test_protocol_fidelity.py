@@ -10,10 +10,10 @@ import pytest
 import trio
 
 from rollouts.inference.http import HttpOptions
-from rollouts.inference.protocol import FinishReason, SamplingParams
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.versions import SyncBracket, completion_version
 from rollouts.inference.vllm import VLLMEngine, reports_weight_versions
+from rollouts.wire.generation import FinishReason, SamplingParams
 
 LONG = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
 

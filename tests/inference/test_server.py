@@ -13,11 +13,11 @@ import torch
 import trio
 
 from rollouts.inference.http import EngineRequestError
-from rollouts.inference.protocol import FinishReason, InferenceEngine, SamplingParams
+from rollouts.inference.protocol import InferenceEngine
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.vllm import VLLMEngine
-
-from .conftest import greedy_reference, teacher_forced_logprobs
+from rollouts.wire.generation import FinishReason, SamplingParams
+from tests.hf_reference import greedy_reference, teacher_forced_logprobs
 
 CLIENTS = [SGLangEngine, VLLMEngine]
 TEXTS = ["hello world", "2+2=", "The quick brown fox jumps", "a"]

@@ -11,13 +11,14 @@ import httpx
 import pytest
 import trio
 
+from rollouts.engine.launch import engine_server
 from rollouts.inference.http import EngineError
-from rollouts.inference.launch import engine_server
 from rollouts.inference.pool import EnginePool
-from rollouts.inference.protocol import SamplingParams, Sleeper
+from rollouts.inference.protocol import Sleeper
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.vllm import VLLMEngine
 from rollouts.weights.disk import DiskDelivery
+from rollouts.wire.generation import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 PROMPT = [5, 9, 2, 7]

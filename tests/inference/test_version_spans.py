@@ -16,11 +16,11 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
-from rollouts.inference.launch import EngineProcess, engine_server_sync
-from rollouts.inference.protocol import SamplingParams
+from rollouts.engine.launch import EngineProcess, engine_server_sync
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.sglang_wire import generate_body
 from rollouts.inference.vllm import VLLMEngine, completion_body
+from rollouts.wire.generation import SamplingParams
 
 LONG = SamplingParams(max_new_tokens=120, temperature=1.0, ignore_eos=True)
 

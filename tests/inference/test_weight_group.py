@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from rollouts.config import ConfigError, config_from_dict
+from rollouts.engine_kinds import ENGINE_KINDS
 from rollouts.inference.protocol import WeightGroupSpec
 from rollouts.inference.sglang_wire import distributed_update_body, init_group_body
 from rollouts.inference.vllm import transfer_init_info, transfer_update_info
 from rollouts.weights.distributed import rank_offsets
 from rollouts.weights.distributed_pool import choose_backend, distributed_sync_for
-from rollouts.weights.group import (
+from rollouts.wire.weight_group import (
     BucketBuffer,
     TensorSpec,
     flatten,
@@ -112,9 +113,10 @@ def test_weight_sync_config_is_checked_and_resolved() -> None:
 
 
 def test_auto_backend_is_nccl_only_between_distinct_gpus() -> None:
-    assert choose_backend("auto", False, "sglang", "cpu") == "gloo"  # trainer on CPU
-    assert choose_backend("auto", True, "sglang", "cpu") == "nccl"  # servers on their own GPUs
-    assert choose_backend("auto", True, "builtin", "cuda") == "gloo"  # the trainer's own GPU
-    assert choose_backend("auto", True, "builtin", "cuda:0") == "gloo"
-    assert choose_backend("auto", True, "builtin", "cuda:1") == "nccl"
-    assert choose_backend("gloo", True, "vllm", "cpu") == "gloo"  # as asked
+    sglang, builtin, vllm = (ENGINE_KINDS[name] for name in ("sglang", "builtin", "vllm"))
+    assert choose_backend("auto", False, sglang, "cpu") == "gloo"  # trainer on CPU
+    assert choose_backend("auto", True, sglang, "cpu") == "nccl"  # servers on their own GPUs
+    assert choose_backend("auto", True, builtin, "cuda") == "gloo"  # the trainer's own GPU
+    assert choose_backend("auto", True, builtin, "cuda:0") == "gloo"
+    assert choose_backend("auto", True, builtin, "cuda:1") == "nccl"
+    assert choose_backend("gloo", True, vllm, "cpu") == "gloo"  # as asked

@@ -8,11 +8,12 @@ import trio
 
 from rollouts.inference.http import EngineRequestError, HttpOptions
 from rollouts.inference.pool import EnginePool
-from rollouts.inference.protocol import SamplingParams
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.vllm import VLLMEngine
+from rollouts.wire.generation import SamplingParams
+from tests.hf_reference import greedy_reference
 
-from .conftest import API_KEY, greedy_reference
+from .conftest import API_KEY
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
 PROMPT = [40, 41, 42, 43, 44]

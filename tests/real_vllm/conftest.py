@@ -25,8 +25,8 @@ import httpx
 import pytest
 
 from rollouts.envs.tool_format import packaged_template
-from rollouts.inference.launch import free_port
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
+from rollouts.wire.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 420.0

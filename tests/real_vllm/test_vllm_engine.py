@@ -14,8 +14,7 @@ import pytest
 import torch
 import trio
 
-from rollouts.inference.launch import engine_server
-from rollouts.inference.protocol import FinishReason, SamplingParams
+from rollouts.engine.launch import engine_server
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.vllm import VLLMEngine
 from rollouts.trainer.factories import create_pytorch_backend
@@ -30,6 +29,7 @@ from rollouts.weights.check import (
 )
 from rollouts.weights.disk import sync_weights_to_engines
 from rollouts.weights.files import publish_weights
+from rollouts.wire.generation import FinishReason, SamplingParams
 from tests.real_vllm.conftest import VLLMServer
 from tests.training.backend_helpers import tiny_config
 

@@ -12,7 +12,6 @@ from rollouts.algorithms.advantages import compute_advantages
 from rollouts.config import AlgorithmConfig
 from rollouts.data.sft import encode
 from rollouts.envs import TextGameEnvironment
-from rollouts.inference.protocol import SamplingParams
 from rollouts.rewards.trajectory import (
     TrajectoryRewardSpec,
     default_trajectory_reward,
@@ -25,6 +24,7 @@ from rollouts.rewards.trajectory import (
 from rollouts.rollout.agent import generate_multi_turn
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.types import Sample, Status
+from rollouts.wire.generation import SamplingParams
 from tests.rollout.fakes import ScriptedEngine
 
 # the key is in the library (north), the quest room is the tower (library -> east)

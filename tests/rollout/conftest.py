@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from rollouts.inference.launch import EngineProcess, engine_server_sync
+from rollouts.engine.launch import EngineProcess, engine_server_sync
 
 
 @pytest.fixture(scope="session")

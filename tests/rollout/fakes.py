@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 import trio
 
-from rollouts.inference.protocol import Completion, EngineLoad, FinishReason, SamplingParams
+from rollouts.inference.protocol import EngineLoad
+from rollouts.wire.generation import Completion, FinishReason, SamplingParams
 
 
 class ScriptedEngine:

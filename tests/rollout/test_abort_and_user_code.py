@@ -14,10 +14,9 @@ import pytest
 import trio
 
 from rollouts.driver.evaluation import EvalSpec, evaluate
+from rollouts.engine.launch import EngineProcess
 from rollouts.envs.threads import ThreadRunner
 from rollouts.envs.tools import Tool, ToolCall, run_tool_call
-from rollouts.inference.launch import EngineProcess
-from rollouts.inference.protocol import FinishReason, SamplingParams
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.vllm import VLLMEngine
 from rollouts.rollout.agent import generate_multi_turn
@@ -25,6 +24,7 @@ from rollouts.rollout.generate import generate_single_turn
 from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.types import PromptItem, Sample, Status
+from rollouts.wire.generation import FinishReason, SamplingParams
 from tests.rollout.manager_cases import alternating_reward, make_buffer
 from tests.rollout.manager_cases import make_config as base_config
 

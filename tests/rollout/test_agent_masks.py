@@ -8,11 +8,11 @@ import pytest
 
 from rollouts.data.sft import TemplateError, encode
 from rollouts.envs import TextGameEnvironment, calculator_env
-from rollouts.inference.protocol import SamplingParams
 from rollouts.rollout.agent import generate_multi_turn
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.rollout.trajectory import trajectory_to_sample
 from rollouts.types import Sample, Status
+from rollouts.wire.generation import SamplingParams
 from tests.rollout.fakes import ScriptedEngine
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3*4"}}</tool_call>'

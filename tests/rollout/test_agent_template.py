@@ -22,15 +22,15 @@ from transformers import AutoTokenizer
 
 from rollouts.config import SamplingConfig
 from rollouts.data.sft import render
+from rollouts.engine.launch import EngineProcess, engine_server_sync
 from rollouts.envs.shop import shop_tool_specs
-from rollouts.inference.launch import EngineProcess, engine_server_sync
-from rollouts.inference.protocol import Completion, SamplingParams
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.models.tiny import TinyModelSpec, build_tiny_model
 from rollouts.rollout.agent import generate_multi_turn
 from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.types import Sample, Status
+from rollouts.wire.generation import Completion, SamplingParams
 from tests.rollout import manager_cases as cases
 
 # Qwen3's rule, on ChatML: assistant turns after the last user message carry the (empty)

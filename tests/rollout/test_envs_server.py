@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 import trio
 
+from rollouts.engine.launch import EngineProcess
 from rollouts.envs import ConversationEnvironment, ModelUser, TextGameEnvironment
-from rollouts.inference.launch import EngineProcess
-from rollouts.inference.protocol import Completion, SamplingParams
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.rewards.trajectory import TrajectoryRewardSpec, trajectory_reward
 from rollouts.rollout.agent import generate_multi_turn
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.types import Sample, Status
+from rollouts.wire.generation import Completion, SamplingParams
 
 
 class RecordingEngine:

@@ -15,21 +15,17 @@ import httpx
 import trio
 
 from rollouts.driver.evaluation import EvalSpec, evaluate
+from rollouts.engine.launch import EngineProcess
 from rollouts.inference.http import HttpOptions
-from rollouts.inference.launch import EngineProcess
 from rollouts.inference.pool import EnginePool
-from rollouts.inference.protocol import (
-    FinishReason,
-    GenerateRequest,
-    SamplingParams,
-    batches_requests,
-)
+from rollouts.inference.protocol import batches_requests
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.sglang_wire import batch_generate_body
 from rollouts.rollout.generate import generate_group_single_turn, generate_single_turn
 from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.types import PromptItem, Sample, Status
+from rollouts.wire.generation import FinishReason, GenerateRequest, SamplingParams
 from tests.rollout import manager_cases as cases
 
 

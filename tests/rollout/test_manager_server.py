@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from rollouts.inference.launch import EngineProcess
+from rollouts.engine.launch import EngineProcess
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.types import Status

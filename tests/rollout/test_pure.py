@@ -7,7 +7,6 @@ import functools
 
 import pytest
 
-from rollouts.inference.protocol import Completion, FinishReason, SamplingParams
 from rollouts.rollout import filters as F
 from rollouts.rollout.batch import (
     build_batch_metadata,
@@ -28,6 +27,7 @@ from rollouts.rollout.planning import (
     staleness_bound,
 )
 from rollouts.types import Sample, Status
+from rollouts.wire.generation import Completion, FinishReason, SamplingParams
 
 
 def done(reward=None, response=(5, 6), status=Status.COMPLETED, versions=("1",), g=0) -> Sample:

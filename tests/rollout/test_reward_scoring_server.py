@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from rollouts.driver.evaluation import EvalSpec, evaluate
-from rollouts.inference.launch import EngineProcess
+from rollouts.engine.launch import EngineProcess
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.types import PromptItem, Sample, Status

@@ -9,9 +9,8 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
-from rollouts.inference.launch import EngineProcess
-from rollouts.inference.protocol import SamplingParams
-from rollouts.inference.server.sampling import (
+from rollouts.engine.launch import EngineProcess
+from rollouts.engine.sampling import (
     CDF_BLOCK,
     BatchSampling,
     inverse_cdf,
@@ -22,6 +21,7 @@ from rollouts.inference.sglang_wire import sampling_body
 from rollouts.inference.vllm import completion_body
 from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.rollout.seeds import request_seed
+from rollouts.wire.generation import SamplingParams
 from tests.rollout import manager_cases as cases
 
 

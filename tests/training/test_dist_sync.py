@@ -11,16 +11,16 @@ import pytest
 import torch
 import trio
 
+from rollouts.engine.launch import engine_spec, spawn, wait_healthy_sync
 from rollouts.inference.http import HttpOptions
-from rollouts.inference.launch import EngineSpec, spawn, wait_healthy_sync
 from rollouts.inference.pool import EnginePool
-from rollouts.inference.protocol import SamplingParams
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.sglang_wire import distributed_update_body
 from rollouts.inference.sync import WeightSyncError
 from rollouts.weights.distributed import DistributedWeightSync, DistSyncOptions
 from rollouts.weights.distributed_pool import DistributedDelivery
-from rollouts.weights.group import broadcast_bucket, flatten, state_specs
+from rollouts.wire.generation import SamplingParams
+from rollouts.wire.weight_group import broadcast_bucket, flatten, state_specs
 from tests.training.backend_helpers import one_torch_thread  # noqa: F401 (autouse)
 from tests.training.test_weight_sync import _greedy, _train_to_memorise
 
@@ -54,7 +54,7 @@ async def _send_flattened(
 async def test_distributed_sync_into_one_then_two_engines_and_its_failures(
     tiny_model_dir: Path,
 ) -> None:
-    procs = [spawn(EngineSpec(model_dir=str(tiny_model_dir), weight_version="0")) for _ in "ab"]
+    procs = [spawn(engine_spec(str(tiny_model_dir), weight_version="0")) for _ in "ab"]
     try:
         backend, prompt, response = await trio.to_thread.run_sync(
             _train_to_memorise, tiny_model_dir

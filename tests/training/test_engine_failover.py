@@ -27,9 +27,9 @@ import trio
 from rollouts.config import config_from_dict
 from rollouts.driver.engines import open_engines
 from rollouts.inference.http import EngineUnavailable
-from rollouts.inference.protocol import SamplingParams
 from rollouts.inference.sync import SyncOptions
 from rollouts.weights.disk import DiskDelivery
+from rollouts.wire.generation import SamplingParams
 
 pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
 
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def server_pids(marker: str) -> list[int]:
-    """Pids of live `rollouts.inference.server` processes whose command line holds `marker`."""
+    """Pids of live `rollouts.engine` processes whose command line holds `marker`."""
     pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -47,7 +47,7 @@ def server_pids(marker: str) -> list[int]:
             state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if "rollouts.inference.server" in cmdline and marker in cmdline and state != "Z":
+        if "rollouts.engine" in cmdline and marker in cmdline and state != "Z":
             pids.append(int(proc.name))
     return pids
 
@@ -140,8 +140,8 @@ async def test_the_sync_stops_the_run_only_when_no_engine_is_left(tiny_model_dir
 PARENT = textwrap.dedent(
     """
     import sys, time
-    from rollouts.inference.launch import EngineSpec, start_engine_sync
-    proc = start_engine_sync(EngineSpec(model_dir=sys.argv[1], max_batch=2))
+    from rollouts.engine.launch import engine_spec, start_engine_sync
+    proc = start_engine_sync(engine_spec(sys.argv[1], max_batch=2))
     print(proc.process.pid, flush=True)
     time.sleep(600)
     """

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from rollouts.engine.launch import engine_spec, spawn
 from rollouts.inference.http import EngineUnavailable
-from rollouts.inference.launch import EngineSpec, free_port, spawn
 from rollouts.inference.readiness import wait_until_ready
 from rollouts.inference.sglang import SGLangEngine
+from rollouts.wire.ports import free_port
 
 from .test_train_e2e import ROOT, TRAIN, _config, _steps
 
@@ -56,7 +57,7 @@ def test_a_run_pointed_at_a_late_server_waits_then_trains(tmp_path: Path) -> Non
             time.sleep(0.1)
         assert base.is_file(), log.read_text()[-3000:]
         assert run.poll() is None, log.read_text()[-3000:]
-        server = spawn(EngineSpec(model_dir=str(base.parent), port=port, torch_threads=1))
+        server = spawn(engine_spec(str(base.parent), port=port, torch_threads=1))
         assert run.wait(timeout=240) == 0, log.read_text()[-3000:]
     finally:
         if run.poll() is None:

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rollouts.inference.server.weights import read_safetensors_dir
+from rollouts.engine.weights import read_safetensors_dir
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
 from rollouts.trainer.hf_files import INDEX_FILE, SINGLE_FILE, write_engine_files
 from rollouts.trainer.pytorch import engine_state_dict
@@ -97,13 +97,14 @@ def test_a_loaded_model_keeps_its_weights_when_the_files_are_rewritten_in_place(
     """A sync rewrites a version's files in place two versions later (`disk._recycle`); an
     engine started on that version (a restart) and the trainer's loads must not follow it:
     safetensors maps the files, so a mapped tensor would change under them."""
-    from rollouts.inference.server.app import ServeOptions, load_model
+    from rollouts.config.engine_options import EngineOptions
+    from rollouts.engine.app import load_model
     from rollouts.trainer.pytorch import load_hf_weights
 
     lm = _trained(model_dir)
     out = tmp_path / "v"
     write_engine_files(lm, AutoTokenizer.from_pretrained(model_dir), out, engine_state_dict(lm))
-    engine, _ = load_model(ServeOptions(model=str(out)))
+    engine, _ = load_model(EngineOptions(model=str(out)))
     loaded = load_hf_weights(out)
     before = {k: v.clone() for k, v in engine.state_dict().items()}
     with torch.no_grad():

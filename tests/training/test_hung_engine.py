@@ -12,9 +12,9 @@ from pathlib import Path
 import trio
 
 from rollouts.driver.engines import open_engines
-from rollouts.inference.protocol import GenerateRequest, SamplingParams
 from rollouts.inference.sync import SyncOptions
 from rollouts.weights.disk import DiskDelivery
+from rollouts.wire.generation import GenerateRequest, SamplingParams
 from tests.training.test_engine_failover import _config, server_pids
 
 STALL_S = 2.0

@@ -25,7 +25,7 @@ from rollouts.driver.placement import (
     why_unplaced,
 )
 from rollouts.driver.quick_start import quick_start_training
-from rollouts.inference.launch import EngineSpec, engine_process
+from rollouts.engine.launch import engine_process, engine_spec
 from rollouts.openmp import short_spin_waits
 from rollouts.trainer.core import TrainerCore
 from rollouts.types import Sample
@@ -203,9 +203,9 @@ async def test_an_engine_started_with_cpus_runs_only_there(tiny_model_dir: Path)
 
 
 def test_a_bad_cpus_flag_is_refused_with_its_name(tiny_model_dir: Path) -> None:
-    spec = EngineSpec(model_dir=str(tiny_model_dir))
+    spec = engine_spec(tiny_model_dir)
     for bad, says in (("1;2", "comma-separated"), ("4096", "may only use cores")):
-        cmd = [sys.executable, "-m", "rollouts.inference.server", "--model", spec.model_dir]
+        cmd = [sys.executable, "-m", "rollouts.engine", "--model", spec.options.model]
         out = subprocess.run(
             [*cmd, "--cpus", bad],
             capture_output=True,
@@ -216,7 +216,7 @@ def test_a_bad_cpus_flag_is_refused_with_its_name(tiny_model_dir: Path) -> None:
         assert "--cpus" in out.stderr and says in out.stderr, out.stderr
 
 
-def _child_pids(module: bytes = b"rollouts.inference.server") -> list[int]:
+def _child_pids(module: bytes = b"rollouts.engine") -> list[int]:
     """This process's children running `module` (engines by default)."""
     pids = []
     for entry in os.listdir("/proc"):

@@ -19,8 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from examples.self_correct import CHECK, self_correct
 from rollouts.data.chat_sums import prompt_row
-from rollouts.inference.launch import engine_server
-from rollouts.inference.protocol import SamplingParams
+from rollouts.engine.launch import engine_server
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.rollout.generate import generate_single_turn
 from rollouts.rollout.protocol import GenerateContext
@@ -35,6 +34,7 @@ from rollouts.weights.check import (
     probe_ids,
 )
 from rollouts.weights.disk import sync_weights_to_engines
+from rollouts.wire.generation import SamplingParams
 
 pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
 

@@ -12,7 +12,7 @@ import trio
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from rollouts.inference.launch import engine_server
+from rollouts.engine.launch import engine_server
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.sync import SyncOptions, WeightSyncError
 from rollouts.inference.vllm import VLLMEngine
@@ -108,10 +108,10 @@ async def test_a_bf16_engine_gets_bf16_files_and_serves_what_fp32_files_gave_it(
     import dataclasses
 
     from rollouts.config import EnginesConfig
-    from rollouts.config.rollout import BuiltinEnginesConfig
+    from rollouts.config.engine_options import EngineOptions
 
     fp32 = tiny_config(tied_model_dir)
-    engines = EnginesConfig(builtin=BuiltinEnginesConfig(dtype="bfloat16"))
+    engines = EnginesConfig(builtin=EngineOptions(dtype="bfloat16"))
     bf16 = dataclasses.replace(fp32, engines=engines)
     sizes, served = {}, {}
     ids = probe_ids(200, 16, seed=5)

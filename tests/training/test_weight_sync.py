@@ -11,15 +11,15 @@ import torch
 import trio
 
 from rollouts.data.sft import tokenize_conversation
+from rollouts.engine.launch import engine_server
 from rollouts.inference.http import HttpOptions
-from rollouts.inference.launch import engine_server
-from rollouts.inference.protocol import SamplingParams
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.sync import SyncOptions, WeightSyncError
 from rollouts.trainer.factories import create_pytorch_backend, load_tokenizer
 from rollouts.types import TrainBatch
 from rollouts.weights.disk import sync_weights_to_engines
 from rollouts.weights.files import publish_weights
+from rollouts.wire.generation import SamplingParams
 from tests.training.backend_helpers import (
     nll_loss,
     one_torch_thread,  # noqa: F401 (autouse)
@@ -151,7 +151,7 @@ def _perturbed(backend: object) -> dict[str, torch.Tensor]:
 def test_a_publish_rewrites_the_version_it_prunes_in_place(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    from rollouts.inference.server.weights import read_safetensors_dir
+    from rollouts.engine.weights import read_safetensors_dir
 
     backend = create_pytorch_backend(tiny_config(tiny_model_dir))
     root = tmp_path / "w"
