@@ -102,6 +102,29 @@ def test_the_rooms_table_names_each_rooms_own_modules() -> None:
     assert not missing, missing
 
 
+def _rooms_table() -> dict[str, set[str]]:
+    """architecture.md's rooms table: each row's folder and the module files it names."""
+    rows: dict[str, set[str]] = {}
+    for line in _text(ROOT / "docs" / "architecture.md").splitlines():
+        cells = line.split("|")
+        folder = re.fullmatch(r"\s*`(rollouts/[\w/]*)`\s*", cells[1]) if len(cells) > 3 else None
+        if folder is not None:
+            rows[folder.group(1)] = set(re.findall(r"`(\w+\.py)`", cells[3]))
+    return rows
+
+
+def test_the_rooms_table_names_every_module() -> None:
+    """The map is whole: every module of `rollouts/` is in the row of its own folder."""
+    rows = _rooms_table()
+    left_out = [
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "rollouts").rglob("*.py"))
+        if path.name not in ("__init__.py", "__main__.py")
+        and path.name not in rows.get(f"{path.parent.relative_to(ROOT)}/", set())
+    ]
+    assert not left_out, f"docs/architecture.md's rooms table leaves out {left_out}"
+
+
 def _resolves(key: str) -> bool:
     """`section.key[.key]` names a field of the Config tree."""
     node: object = Config
