@@ -8,7 +8,9 @@ writes OUT_DIR/comparable.json: every line of sft_metrics.jsonl and metrics.json
 timings (seconds, rates, engine load). `diff` compares two of them and prints every key that
 differs, with the largest absolute difference. The one figure that is not bit-equal between runs is
 `train/logprob_mismatch`: the built-in engine batches requests as they arrive, and a row's floats
-depend on its batch by ~1e-9; `diff` reports it apart and exits 1 only on other differences.
+depend on its batch (the demo's RL engine runs bf16: two runs of one commit differ by up to 1.1e-5
+in it); `diff` reports it apart, within BATCH_FLOATS, and exits 1 only on other differences:
+every other key (losses, rewards, eval, KL) must be equal.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BATCH_FLOATS = {"train/logprob_mismatch": 1e-6}
+BATCH_FLOATS = {"train/logprob_mismatch": 1e-4}
 FILES = ("sft_metrics.jsonl", "metrics.jsonl")
 
 
