@@ -35,7 +35,7 @@ from rollouts.gateway.session import Ending, Episode
 from rollouts.plugins import load_function
 from rollouts.rollout.generate import DONE_STATUSES
 from rollouts.rollout.protocol import GenerateContext
-from rollouts.rollout.trajectory import record_to_sample
+from rollouts.rollout.trajectory import record_to_sample, without_tokens
 from rollouts.types import Sample, Status
 
 
@@ -125,16 +125,7 @@ def assemble(
     if restarts:
         meta["restarts"] = restarts
     if episode.ending is Ending.DROPPED:  # restarted from its prompt by the manager
-        return dataclasses.replace(
-            sample,
-            tokens=(),
-            loss_mask=(),
-            response_length=0,
-            rollout_logprobs=(),
-            weight_versions=(),
-            status=Status.ABORTED,
-            metadata=meta,
-        )
+        return dataclasses.replace(without_tokens(sample), status=Status.ABORTED, metadata=meta)
     why = _failed(episode, answer, error)
     if why:
         raise RuntimeError(why) from error

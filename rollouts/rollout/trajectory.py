@@ -132,3 +132,16 @@ def record_to_sample(
         status=status,
         metadata=metadata,
     )
+
+
+def without_tokens(sample: Sample) -> Sample:
+    """`sample` with nothing generated: no tokens (the prompt's neither), mask, logprobs or
+    weight versions; its status, reward and metadata as they were."""
+    return dataclasses.replace(
+        sample,
+        tokens=(),
+        loss_mask=(),
+        response_length=0,
+        rollout_logprobs=(),
+        weight_versions=(),
+    )
