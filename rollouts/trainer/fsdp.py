@@ -39,7 +39,7 @@ from torch.distributed.fsdp import fully_shard
 from rollouts.config import Config
 from rollouts.trainer import building as f
 from rollouts.trainer import lora
-from rollouts.trainer.core import BackendSettings, TrainerCore
+from rollouts.trainer.core import TrainerCore
 from rollouts.trainer.dist import DistCollective, init_distributed
 from rollouts.trainer.hf_files import write_engine_files
 from rollouts.trainer.model import VALUE_HEAD_FILE, TokenLogprobModel, make_value_head
@@ -75,32 +75,17 @@ class FSDPBackend:
     """A model sharded over the torchrun ranks; see `TrainingBackend`."""
 
     def __init__(
-        self,
-        *,
-        model: TokenLogprobModel,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
-        settings: BackendSettings,
-        device: torch.device,
-        tokenizer: Any = None,
-        save_merged: bool = False,
+        self, *, core: TrainerCore, tokenizer: Any = None, save_merged: bool = False
     ) -> None:
-        self.model = model
-        self.hf = lora.hf_model(model.lm)  # the HF model: config, embeddings, save_pretrained
-        self.adapters = lora.is_lora(model.lm)  # LoRA: `model.lm` is a PEFT model
+        assert isinstance(core.collective, DistCollective), f"{core.collective=}: not the ranks'"
+        self.core = core
+        self.model = core.model  # sharded (`shard_model`)
+        self.hf = lora.hf_model(self.model.lm)  # the HF model: config, embeddings, save_pretrained
+        self.adapters = lora.is_lora(self.model.lm)  # LoRA: `model.lm` is a PEFT model
         self.save_merged = save_merged  # LoRA: checkpoints also hold the merged model/
         self.tokenizer = tokenizer
-        self.collective = DistCollective(model)
-        self.rank = self.collective.rank
-        self.world_size = self.collective.world_size
-        self.core = TrainerCore(
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            settings=settings,
-            device=device,
-            collective=self.collective,
-        )
+        self.rank = core.collective.rank
+        self.world_size = core.collective.world_size
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train")
 
     def _submit(self, fn: Callable[..., T], *args: Any) -> TrainFuture[T]:
@@ -114,22 +99,15 @@ class FSDPBackend:
 
     def optim_step(self) -> TrainFuture[Metrics]:
         """Clip the (global) gradient norm, step AdamW and the schedule, or skip if non-finite."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        max_norm = self.core.settings.max_grad_norm
-
-        def clip() -> torch.Tensor:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-        return self._submit(self.core.optim_step, clip)
+        return self._submit(self.core.optim_step)
 
     def compute_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
         """Logprobs of the whole batch on every rank (each computes its share, then gathers)."""
-        return self._submit(self.core.compute_logprobs, batch, self.collective.gather)
+        return self._submit(self.core.compute_logprobs, batch)
 
     def compute_values(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
         """Critic values of the whole batch on every rank, aligned like the logprobs."""
-        return self._submit(self.core.compute_values, batch, self.collective.gather)
+        return self._submit(self.core.compute_values, batch)
 
     @property
     def has_value_head(self) -> bool:
@@ -288,7 +266,7 @@ class FSDPBackend:
 
         def work() -> tuple[torch.Tensor, ...]:
             with lora.base_model_off(self.model.lm):
-                return self.core.compute_logprobs(batch, self.collective.gather)
+                return self.core.compute_logprobs(batch)
 
         return self._submit(work)
 
@@ -334,12 +312,12 @@ def create_fsdp_backend(
     optimizer = f.create_optimizer_with_head(model.lm.parameters(), model.value_head, config, lr)
     steps = config.training.rl_steps if total_steps is None else total_steps
     scheduler = f.create_warmup_cosine_scheduler(optimizer, config.optim, steps)
-    return FSDPBackend(
+    core = TrainerCore(
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
         settings=f.backend_settings(config, device, tokenizer.pad_token_id or 0),
         device=device,
-        tokenizer=tokenizer,
-        save_merged=m.lora.save_merged,
+        collective=DistCollective(model),
     )
+    return FSDPBackend(core=core, tokenizer=tokenizer, save_merged=m.lora.save_merged)

@@ -25,20 +25,14 @@ from typing import Any, TypeVar
 import torch
 
 from rollouts.trainer import lora
-from rollouts.trainer.core import BackendSettings, LocalCollective, TrainerCore
+from rollouts.trainer.core import LocalCollective, TrainerCore
 from rollouts.trainer.hf_files import write_engine_files
-from rollouts.trainer.model import VALUE_HEAD_FILE, TokenLogprobModel
+from rollouts.trainer.model import VALUE_HEAD_FILE
 from rollouts.trainer.protocol import Metrics
 from rollouts.types import LossFn, TrainBatch, TrainFuture
 
 T = TypeVar("T")
 MODEL_DIR = "model"
-
-
-def gather_local(out: dict[int, torch.Tensor], lengths: list[int]) -> tuple[torch.Tensor, ...]:
-    """One device: every sequence was computed here."""
-    assert len(out) == len(lengths), f"{len(out)=} != {len(lengths)=}"
-    return tuple(out[i] for i in range(len(lengths)))
 
 
 def save_hf(lm: Any, tokenizer: Any, path: Path, state_dict: dict[str, Any] | None) -> None:
@@ -119,33 +113,17 @@ class PyTorchBackend:
     world_size = 1
 
     def __init__(
-        self,
-        *,
-        lm: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
-        settings: BackendSettings,
-        device: torch.device,
-        tokenizer: Any = None,
-        value_head: torch.nn.Module | None = None,
-        save_merged: bool = False,
+        self, *, core: TrainerCore, tokenizer: Any = None, save_merged: bool = False
     ) -> None:
-        self.lm = lm  # an HF causal LM, or a PEFT model holding one (LoRA)
-        self.hf = lora.hf_model(lm)  # the HF model: config, embeddings, save_pretrained
-        self.adapters = lora.is_lora(lm)
+        assert isinstance(core.collective, LocalCollective), f"{core.collective=}: one device"
+        self.core = core
+        self.lm = core.model.lm  # an HF causal LM, or a PEFT model holding one (LoRA)
+        self.hf = lora.hf_model(self.lm)  # the HF model: config, embeddings, save_pretrained
+        self.adapters = lora.is_lora(self.lm)
         self.save_merged = save_merged  # LoRA: checkpoints also hold the merged model/
         self.tokenizer = tokenizer
-        self.device = device
-        self.value_head = value_head  # the critic (its params must be in `optimizer` too)
-        model = TokenLogprobModel(lm, settings.logprob_chunk_size, value_head)
-        self.core = TrainerCore(
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            settings=settings,
-            device=device,
-            collective=LocalCollective(),
-        )
+        self.device = core.device
+        self.value_head = core.model.value_head  # the critic (its params are in the optimizer)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train")
 
     def pin_thread(self, cores: Collection[int]) -> None:
@@ -164,21 +142,15 @@ class PyTorchBackend:
 
     def optim_step(self) -> TrainFuture[Metrics]:
         """Clip to `max_grad_norm`, step AdamW and the schedule (or skip a non-finite step)."""
-        params = [p for p in self.core.model.parameters() if p.requires_grad]
-        max_norm = self.core.settings.max_grad_norm
-
-        def clip() -> torch.Tensor:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm)
-
-        return self._submit(self.core.optim_step, clip)
+        return self._submit(self.core.optim_step)
 
     def compute_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
         """Per-sequence logprobs under the current weights (no grad)."""
-        return self._submit(self.core.compute_logprobs, batch, gather_local)
+        return self._submit(self.core.compute_logprobs, batch)
 
     def compute_values(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
         """Per-sequence critic values (no grad, CPU float32), aligned like the logprobs."""
-        return self._submit(self.core.compute_values, batch, gather_local)
+        return self._submit(self.core.compute_values, batch)
 
     def copy_weights(self) -> TrainFuture[dict[str, torch.Tensor]]:
         """A CPU copy of the full HF state dict, taken on the training thread in order after
@@ -314,7 +286,7 @@ class PyTorchBackend:
 
         def work() -> tuple[torch.Tensor, ...]:
             with lora.base_model_off(self.lm):
-                return self.core.compute_logprobs(batch, gather_local)
+                return self.core.compute_logprobs(batch)
 
         return self._submit(work)
 
