@@ -197,12 +197,10 @@ def bench_compile(model_dir: Path, args: argparse.Namespace) -> None:
 def inline_step_of(backend, batch: TrainBatch):
     """The same step on this thread (the backend's worker is idle between steps), so the
     profiler, which records the thread it runs on, sees the operators."""
-    params = [p for p in backend.lm.parameters() if p.requires_grad]
-    norm = backend.core.settings.max_grad_norm
 
     def step() -> None:
         backend.core.forward_backward(batch, nll_loss, False)
-        backend.core.optim_step(lambda: torch.nn.utils.clip_grad_norm_(params, norm))
+        backend.core.optim_step()  # clips the model's trainable parameters
 
     return step
 

@@ -77,24 +77,19 @@ def _clipped_terms(
     r = ratio.detach()
     clipped_high = ((adv > 0) & (r > 1.0 + eps_high)).float()
     clipped_low = ((adv < 0) & (r < 1.0 - eps_low)).float()
-    if c is None:
-        return PolicyTerms(
-            loss=l_clip,
-            ratio=r,
-            clipped=(l2 > l1).float(),
-            clipped_high=clipped_high,
-            clipped_low=clipped_low,
-            dual_clipped=_zeros(r),
-        )
-    l3 = -adv * c
-    loss = torch.where(adv < 0, torch.minimum(l3, l_clip), l_clip)
+    if c is None:  # no dual clip
+        loss, dual_clipped = l_clip, _zeros(r)
+    else:
+        l3 = -adv * c
+        loss = torch.where(adv < 0, torch.minimum(l3, l_clip), l_clip)
+        dual_clipped = ((l_clip > l3) & (adv < 0)).float()
     return PolicyTerms(
         loss=loss,
         ratio=r,
         clipped=(l2 > l1).float(),
         clipped_high=clipped_high,
         clipped_low=clipped_low,
-        dual_clipped=((l_clip > l3) & (adv < 0)).float(),
+        dual_clipped=dual_clipped,
     )
 
 

@@ -31,11 +31,21 @@ def _field(body: dict[str, Any], key: str) -> str:
     return value
 
 
-async def vllm_load(request: Request) -> Response:
-    """POST /v1/load_lora_adapter {"lora_name", "lora_path"}."""
+async def _load_request(request: Request) -> tuple[ServerState, str, str]:
+    """The server and the (lora_name, lora_path) of a load request (either API's)."""
     state = state_of(request)
     body = await json_body(request)
-    name, path = _field(body, "lora_name"), _field(body, "lora_path")
+    return state, _field(body, "lora_name"), _field(body, "lora_path")
+
+
+async def _unload_request(request: Request) -> tuple[ServerState, str]:
+    """The server and the lora_name of an unload request (either API's)."""
+    return state_of(request), _field(await json_body(request), "lora_name")
+
+
+async def vllm_load(request: Request) -> Response:
+    """POST /v1/load_lora_adapter {"lora_name", "lora_path"}."""
+    state, name, path = await _load_request(request)
     try:
         await state.load_adapter(name, path)
     except AdapterError as exc:
@@ -45,8 +55,7 @@ async def vllm_load(request: Request) -> Response:
 
 async def vllm_unload(request: Request) -> Response:
     """POST /v1/unload_lora_adapter {"lora_name"}."""
-    state = state_of(request)
-    name = _field(await json_body(request), "lora_name")
+    state, name = await _unload_request(request)
     try:
         await state.unload_adapter(name)
     except AdapterError as exc:
@@ -62,9 +71,7 @@ def _sglang_answer(state: ServerState, error: str | None, status: int = 200) -> 
 
 async def sglang_load(request: Request) -> Response:
     """POST /load_lora_adapter {"lora_name", "lora_path"}."""
-    state = state_of(request)
-    body = await json_body(request)
-    name, path = _field(body, "lora_name"), _field(body, "lora_path")
+    state, name, path = await _load_request(request)
     try:
         await state.load_adapter(name, path)
     except WeightPathForbidden as exc:
@@ -76,8 +83,7 @@ async def sglang_load(request: Request) -> Response:
 
 async def sglang_unload(request: Request) -> Response:
     """POST /unload_lora_adapter {"lora_name"}."""
-    state = state_of(request)
-    name = _field(await json_body(request), "lora_name")
+    state, name = await _unload_request(request)
     try:
         await state.unload_adapter(name)
     except AdapterError as exc:

@@ -6,6 +6,7 @@ Same paths, request fields and answers as SGLang (`srt/entrypoints/http_server.p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -66,23 +67,24 @@ async def destroy_weights_update_group(request: Request) -> Response:
     return answer(True, "Succeeded to destroy custom process group.")
 
 
-async def begin_weight_update(request: Request) -> Response:
-    """POST /begin_weight_update: open the session updates run in."""
-    await json_body(request, allow_empty=True)
+def _session_answer(step: Callable[[], None]) -> Response:
+    """The answer to opening or closing the update session: a refusal is a failure."""
     try:
-        dist_of(request).begin()
+        step()
     except UpdateRefused as exc:
         return answer(False, str(exc))
     return answer(True, "Success")
+
+
+async def begin_weight_update(request: Request) -> Response:
+    """POST /begin_weight_update: open the session updates run in."""
+    await json_body(request, allow_empty=True)
+    return _session_answer(dist_of(request).begin)
 
 
 async def end_weight_update(request: Request) -> Response:
     """POST /end_weight_update: close the session."""
-    try:
-        dist_of(request).end()
-    except UpdateRefused as exc:
-        return answer(False, str(exc))
-    return answer(True, "Success")
+    return _session_answer(dist_of(request).end)
 
 
 async def update_weights_from_distributed(request: Request) -> Response:

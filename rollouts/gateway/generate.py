@@ -35,6 +35,7 @@ from rollouts.gateway.session import Ending, Episode
 from rollouts.plugins import load_function
 from rollouts.rollout.generate import DONE_STATUSES
 from rollouts.rollout.protocol import GenerateContext
+from rollouts.rollout.trajectory import record_to_sample, without_tokens
 from rollouts.types import Sample, Status
 
 
@@ -124,24 +125,13 @@ def assemble(
     if restarts:
         meta["restarts"] = restarts
     if episode.ending is Ending.DROPPED:  # restarted from its prompt by the manager
-        return dataclasses.replace(
-            sample,
-            tokens=(),
-            loss_mask=(),
-            response_length=0,
-            rollout_logprobs=(),
-            weight_versions=(),
-            status=Status.ABORTED,
-            metadata=meta,
-        )
+        return dataclasses.replace(without_tokens(sample), status=Status.ABORTED, metadata=meta)
     why = _failed(episode, answer, error)
     if why:
         raise RuntimeError(why) from error
     if not episode.calls:  # a bound ended the episode before its first answer
         raise RuntimeError(f"the episode ended before any answer: {episode.reason}")
     truncated = episode.ending is Ending.TRUNCATED
-    start = episode.prompt_length
-    assert not any(episode.mask[:start]), "a prompt token is marked trained"
     meta.update(
         response_text=answer if isinstance(answer, str) else "",
         messages=episode.messages,
@@ -155,13 +145,10 @@ def assemble(
         sampled_tokens=sum(episode.mask),
         env_info={"tool_calls": episode.tool_calls},
     )
-    return dataclasses.replace(
+    return record_to_sample(
         sample,
-        tokens=tuple(episode.tokens),
-        loss_mask=tuple(episode.mask),
-        response_length=len(episode.tokens) - start,
-        rollout_logprobs=tuple(episode.logprobs[start:]),
-        weight_versions=tuple(episode.versions),
+        episode,
+        prompt_length=episode.prompt_length,
         status=Status.TRUNCATED if truncated else Status.COMPLETED,
         metadata=meta,
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-from typing import Any
+from typing import Any, TypedDict
 
 import httpx
 import trio
@@ -92,6 +92,14 @@ def error_message(response: httpx.Response) -> str:
             if key in body:
                 return str(body[key])
     return str(body)[:2000]
+
+
+class EngineHttpArgs(TypedDict, total=False):
+    """`EngineHttp`'s keyword arguments, which an engine client takes and hands on to it."""
+
+    api_key: str
+    options: HttpOptions | None
+    transport: httpx.AsyncBaseTransport | None
 
 
 class EngineHttp:

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
-import httpx
 import trio
 
 from rollouts.inference.adapters import AdapterSlots
-from rollouts.inference.http import EngineError, EngineHttp, EngineRequestError, HttpOptions
+from rollouts.inference.http import EngineError, EngineHttp, EngineHttpArgs, EngineRequestError
 from rollouts.inference.protocol import (
     EngineLoad,
     TensorSpecLike,
@@ -57,15 +56,8 @@ SGLANG_PAUSE = {"abort": "abort", "wait": "retract", "keep": "retract"}
 class SGLangEngine:
     """InferenceEngine over SGLang's native API (`/generate`, `/update_weights_from_disk`, ...)."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        api_key: str = "",
-        options: HttpOptions | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        self.http = EngineHttp(url, api_key=api_key, options=options, transport=transport)
+    def __init__(self, url: str, **http: Unpack[EngineHttpArgs]) -> None:
+        self.http = EngineHttp(url, **http)
         self.url = self.http.url
         self._paused = False  # between this client's pause and resume
         self.adapters = AdapterSlots()  # LoRA adapters loaded here; requests name the newest

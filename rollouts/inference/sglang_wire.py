@@ -15,10 +15,10 @@ from rollouts.inference.protocol import TensorSpecLike, WeightGroupSpec
 from rollouts.wire.generation import Completion, FinishReason, GenerateRequest, SamplingParams
 
 
-def sampling_body(sampling: SamplingParams) -> dict[str, Any]:
-    """SGLang `sampling_params` for one request (slime's choices for the text options)."""
-    body: dict[str, Any] = {
-        "max_new_tokens": sampling.max_new_tokens,
+def shared_sampling_fields(sampling: SamplingParams) -> dict[str, Any]:
+    """The sampling fields SGLang and vLLM name alike, with slime's choices for the text options;
+    the vLLM client sends them too, so both servers decode the same text."""
+    return {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
@@ -26,9 +26,17 @@ def sampling_body(sampling: SamplingParams) -> dict[str, Any]:
         "stop": list(sampling.stop),
         "stop_token_ids": list(sampling.stop_token_ids),
         "ignore_eos": sampling.ignore_eos,
-        "no_stop_trim": sampling.no_stop_trim,
         "skip_special_tokens": False,
         "spaces_between_special_tokens": False,
+    }
+
+
+def sampling_body(sampling: SamplingParams) -> dict[str, Any]:
+    """SGLang `sampling_params` for one request."""
+    body: dict[str, Any] = {
+        "max_new_tokens": sampling.max_new_tokens,
+        **shared_sampling_fields(sampling),
+        "no_stop_trim": sampling.no_stop_trim,
     }
     if sampling.seed is not None:
         body["sampling_seed"] = sampling.seed

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
-
-import httpx
+from typing import Any, Unpack
 
 from rollouts.inference.adapters import AdapterSlots
-from rollouts.inference.http import EngineError, EngineHttp, EngineRequestError, HttpOptions
+from rollouts.inference.http import EngineError, EngineHttp, EngineHttpArgs, EngineRequestError
 from rollouts.inference.protocol import EngineLoad, TensorSpecLike, WeightGroupSpec, adapter_name
+from rollouts.inference.sglang_wire import shared_sampling_fields
 from rollouts.inference.versions import SyncBracket, completion_version, span_versions
 from rollouts.wire.generation import (
     PAUSE_MODES,
@@ -49,16 +48,8 @@ def completion_body(
     body: dict[str, Any] = {
         "prompt": list(input_ids),
         "max_tokens": sampling.max_new_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k,
-        "min_p": sampling.min_p,
-        "stop": list(sampling.stop),
-        "stop_token_ids": list(sampling.stop_token_ids),
-        "ignore_eos": sampling.ignore_eos,
+        **shared_sampling_fields(sampling),  # as the SGLang client: the same decoded text
         "include_stop_str_in_output": sampling.no_stop_trim,
-        "skip_special_tokens": False,
-        "spaces_between_special_tokens": False,  # as the SGLang client: same decoded text
         "n": 1,
         "logprobs": 0,
         "return_token_ids": True,
@@ -176,15 +167,9 @@ class VLLMEngine:
     """InferenceEngine over vLLM's OpenAI-compatible API (dev mode for weights and pause)."""
 
     def __init__(
-        self,
-        url: str,
-        *,
-        api_key: str = "",
-        model: str | None = None,
-        options: HttpOptions | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
+        self, url: str, *, model: str | None = None, **http: Unpack[EngineHttpArgs]
     ) -> None:
-        self.http = EngineHttp(url, api_key=api_key, options=options, transport=transport)
+        self.http = EngineHttp(url, **http)
         self.url = self.http.url
         self.model = model  # the served model's name (None: not sent)
         self.adapters = AdapterSlots()  # LoRA adapters loaded here; requests name the newest

@@ -31,7 +31,7 @@ from rollouts.envs.threads import ThreadRunner
 from rollouts.envs.tool_format import with_tools
 from rollouts.rollout.generate import DONE_STATUSES, fail_sample
 from rollouts.rollout.protocol import GenerateContext
-from rollouts.rollout.trajectory import ChatRenderer
+from rollouts.rollout.trajectory import ChatRenderer, record_to_sample
 from rollouts.types import Sample, Status
 from rollouts.wire.generation import Completion, FinishReason
 
@@ -198,8 +198,6 @@ async def generate_multi_turn(sample: Sample, ctx: GenerateContext) -> Sample:
 def _to_sample(
     sample: Sample, traj: _Trajectory, prompt_len: int, status: Status, stop: str
 ) -> Sample:
-    assert len(traj.tokens) == len(traj.mask), f"{len(traj.tokens)=} != {len(traj.mask)=}"
-    assert not any(traj.mask[:prompt_len]), "a prompt token is marked trained"
     metadata: dict[str, Any] = {
         **sample.metadata,
         "messages": traj.messages,
@@ -211,13 +209,6 @@ def _to_sample(
         "env_info": traj.infos[-1] if traj.infos else {},
         "env_infos": traj.infos,
     }
-    return dataclasses.replace(
-        sample,
-        tokens=tuple(traj.tokens),
-        loss_mask=tuple(traj.mask),
-        response_length=len(traj.tokens) - prompt_len,
-        rollout_logprobs=tuple(traj.logprobs[prompt_len:]),
-        weight_versions=tuple(traj.versions),
-        status=status,
-        metadata=metadata,
+    return record_to_sample(
+        sample, traj, prompt_length=prompt_len, status=status, metadata=metadata
     )

@@ -26,6 +26,7 @@ from rollouts.rollout.generate import DONE_STATUSES, fail_sample, generate_group
 from rollouts.rollout.planning import RoundState
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.rollout.seeds import request_seed
+from rollouts.rollout.trajectory import without_tokens
 from rollouts.types import Sample, Status
 from rollouts.wire.generation import SamplingParams
 
@@ -67,16 +68,7 @@ class BatchRun:
 
 def reset_sample(sample: Sample) -> Sample:
     """A sample back to PENDING with nothing generated (restart from the prompt)."""
-    return dataclasses.replace(
-        sample,
-        tokens=(),
-        loss_mask=(),
-        response_length=0,
-        rollout_logprobs=(),
-        reward=None,
-        weight_versions=(),
-        status=Status.PENDING,
-    )
+    return dataclasses.replace(without_tokens(sample), reward=None, status=Status.PENDING)
 
 
 def is_unfinished(group: Sequence[Sample]) -> bool:

@@ -1,4 +1,5 @@
-"""Message trajectories and tokens: incremental rendering, and `trajectory_to_sample`.
+"""Message trajectories and tokens: incremental rendering, `trajectory_to_sample`, and the sample
+an episode's token record makes (`record_to_sample`, for the agent loop and the gateway alike).
 
 The agent loop keeps the model's sampled tokens exactly and appends only what the chat template
 adds around them, rendered one step at a time. `ChatRenderer` does that bookkeeping and fails
@@ -7,8 +8,9 @@ loudly (`TemplateError`) when a template rewrites text it has already rendered.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from rollouts.data.sft import TemplateError, encode, render, tokenize_conversation
 from rollouts.envs.tool_format import inline_tool_calls
@@ -95,4 +97,51 @@ def trajectory_to_sample(
         response_length=len(tokens) - prompt_len,
         status=status,
         metadata={"messages": msgs, **(metadata or {})},
+    )
+
+
+class TokenRecord(Protocol):
+    """An episode's tokens as generated, prompt first: the agent loop's trajectory and the
+    gateway's `Episode` each keep one."""
+
+    tokens: list[int]
+    mask: list[int]  # 1 on the model's sampled tokens, 0 on the prompt and on fixed text
+    logprobs: list[float]  # one per token (0.0 where not sampled)
+    versions: list[str]  # the policy versions that sampled it
+
+
+def record_to_sample(
+    sample: Sample,
+    record: TokenRecord,
+    *,
+    prompt_length: int,
+    status: Status,
+    metadata: Mapping[str, Any],
+) -> Sample:
+    """`sample` holding the episode `record`: every token, the loss mask, the logprobs of what
+    follows the prompt and the weight versions."""
+    assert len(record.tokens) == len(record.mask), f"{len(record.tokens)=} != {len(record.mask)=}"
+    assert not any(record.mask[:prompt_length]), "a prompt token is marked trained"
+    return dataclasses.replace(
+        sample,
+        tokens=tuple(record.tokens),
+        loss_mask=tuple(record.mask),
+        response_length=len(record.tokens) - prompt_length,
+        rollout_logprobs=tuple(record.logprobs[prompt_length:]),
+        weight_versions=tuple(record.versions),
+        status=status,
+        metadata=metadata,
+    )
+
+
+def without_tokens(sample: Sample) -> Sample:
+    """`sample` with nothing generated: no tokens (the prompt's neither), mask, logprobs or
+    weight versions; its status, reward and metadata as they were."""
+    return dataclasses.replace(
+        sample,
+        tokens=(),
+        loss_mask=(),
+        response_length=0,
+        rollout_logprobs=(),
+        weight_versions=(),
     )

@@ -3,7 +3,8 @@
 `TrainerCore` owns the wrapped model, optimizer and schedule, and does micro-batching, gradient
 accumulation, clipping, the non-finite guard and metrics. What differs between one device and
 several ranks (which sequences are local, how sums are reduced, how many micro-batches every
-rank must run) goes through a small `Collective`.
+rank must run, how logprobs are gathered and the gradient norm clipped) goes through a small
+`Collective`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import dataclasses
 import math
 import time
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -68,6 +69,10 @@ class Collective(Protocol):
     def sum(self, values: dict[str, float]) -> dict[str, float]: ...
     def max_int(self, value: int) -> int: ...
     def set_grad_sync(self, enabled: bool) -> None: ...
+    def gather(
+        self, out: dict[int, torch.Tensor], lengths: list[int]
+    ) -> tuple[torch.Tensor, ...]: ...
+    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor: ...
 
 
 class LocalCollective:
@@ -87,6 +92,15 @@ class LocalCollective:
 
     def set_grad_sync(self, enabled: bool) -> None:
         return None
+
+    def gather(self, out: dict[int, torch.Tensor], lengths: list[int]) -> tuple[torch.Tensor, ...]:
+        """Every sequence was computed here: in order."""
+        assert len(out) == len(lengths), f"{len(out)=} != {len(lengths)=}"
+        return tuple(out[i] for i in range(len(lengths)))
+
+    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip the gradients of `params` to `max_norm`; their norm before."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
 class TrainerCore:
@@ -233,9 +247,11 @@ class TrainerCore:
         out["fwd_bwd_s"] = time.perf_counter() - t0
         return out
 
-    def optim_step(self, clip: Callable[[], torch.Tensor]) -> Metrics:
-        """Clip and step; skip (and count) the step when the loss or the gradient is not finite."""
-        grad_norm = float(clip())
+    def optim_step(self) -> Metrics:
+        """Clip the (global) gradient norm to `max_grad_norm` and step; skip (and count) the step
+        when the loss or the gradient is not finite."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = float(self.collective.clip_grad_norm(params, self.settings.max_grad_norm))
         lr = float(self.optimizer.param_groups[0]["lr"])
         skipped = self._pending_nonfinite or not math.isfinite(grad_norm)
         self._pending_nonfinite = False
@@ -264,29 +280,25 @@ class TrainerCore:
             "optim_steps": float(self.steps_taken),
         }
 
-    def compute_logprobs(self, batch: TrainBatch, gather: Callable[..., Any]) -> tuple[Any, ...]:
+    def compute_logprobs(self, batch: TrainBatch) -> tuple[Any, ...]:
         """Logprobs of every sequence (local ones computed here, then gathered across ranks)."""
-        return self._per_token(batch, gather, values=False)
+        return self._per_token(batch, values=False)
 
-    def compute_values(self, batch: TrainBatch, gather: Callable[..., Any]) -> tuple[Any, ...]:
+    def compute_values(self, batch: TrainBatch) -> tuple[Any, ...]:
         """Critic values of every sequence, aligned like logprobs (`values[t]` = V(tokens < t))."""
-        return self._per_token(batch, gather, values=True)
+        return self._per_token(batch, values=True)
 
     @torch.no_grad()
-    def _per_token(
-        self, batch: TrainBatch, gather: Callable[..., Any], *, values: bool
-    ) -> tuple[Any, ...]:
+    def _per_token(self, batch: TrainBatch, *, values: bool) -> tuple[Any, ...]:
         self.model.eval()
         # the weight sync's content probe: the master weights' own precision, no autocast
         self._full_precision = bool(batch.metadata.get(FULL_PRECISION))
         try:
-            return self._per_token_of(batch, gather, values=values)
+            return self._per_token_of(batch, values=values)
         finally:
             self._full_precision = False
 
-    def _per_token_of(
-        self, batch: TrainBatch, gather: Callable[..., Any], *, values: bool
-    ) -> tuple[Any, ...]:
+    def _per_token_of(self, batch: TrainBatch, *, values: bool) -> tuple[Any, ...]:
         lengths = [int(x.shape[0]) for x in batch.input_ids]
         local_idx = self.collective.local_indices(lengths)
         local, plans = self._plans(batch)
@@ -300,4 +312,4 @@ class TrainerCore:
             lps, _, vals = self._run(mb, False, values)
             for i, t in zip(plans[k].indices, vals if values else lps, strict=True):
                 out[local_idx[i]] = t.float().cpu()
-        return gather(out, lengths)
+        return self.collective.gather(out, lengths)

@@ -1,6 +1,6 @@
 """The torchrun process group seen by a backend: joining it, and the collectives `TrainerCore`
-needs (each rank's share of a batch, sums and maxima over ranks, gathering logprobs, the FSDP2
-gradient-sync switch). gloo on CPU, nccl on GPU.
+needs (each rank's share of a batch, sums and maxima over ranks, gathering logprobs, the global
+gradient norm, the FSDP2 gradient-sync switch). gloo on CPU, nccl on GPU.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from rollouts.trainer.batching import shard_indices
 
@@ -50,6 +51,12 @@ class DistCollective:
         merged = {i: t for part in parts for i, t in part.items()}
         assert len(merged) == len(lengths), f"{len(merged)=} != {len(lengths)=}"
         return tuple(merged[i] for i in range(len(lengths)))
+
+    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip the sharded gradients of `params` to the global `max_norm`; the global norm
+        before, whole on every rank (FSDP2's is a DTensor)."""
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def init_distributed() -> torch.device:

@@ -24,8 +24,9 @@ from rollouts.trainer.building import (
     wants_value_head,
     warmup_cosine_factor,
 )
+from rollouts.trainer.core import LocalCollective, TrainerCore
 from rollouts.trainer.lora import apply_lora
-from rollouts.trainer.model import make_value_head, shared_prefix_problem
+from rollouts.trainer.model import TokenLogprobModel, make_value_head, shared_prefix_problem
 from rollouts.trainer.pytorch import PyTorchBackend
 
 __all__ = [
@@ -76,16 +77,16 @@ def create_pytorch_backend(
     steps = config.training.rl_steps if total_steps is None else total_steps
     scheduler = create_warmup_cosine_scheduler(optimizer, config.optim, steps)
     pad_id = tokenizer.pad_token_id or 0
-    return PyTorchBackend(
-        lm=lm,
+    settings = backend_settings(config, device, pad_id)
+    core = TrainerCore(
+        model=TokenLogprobModel(lm, settings.logprob_chunk_size, head),
         optimizer=optimizer,
         scheduler=scheduler,
-        settings=backend_settings(config, device, pad_id),
+        settings=settings,
         device=device,
-        tokenizer=tokenizer,
-        value_head=head,
-        save_merged=m.lora.save_merged,
+        collective=LocalCollective(),
     )
+    return PyTorchBackend(core=core, tokenizer=tokenizer, save_merged=m.lora.save_merged)
 
 
 def create_backend(config: Config, **kwargs: Any) -> Any:

@@ -18,11 +18,10 @@ every rank with the adapters off. A checkpoint holds `adapter/` (and `model/`, m
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,11 +38,10 @@ from torch.distributed.fsdp import fully_shard
 from rollouts.config import Config
 from rollouts.trainer import building as f
 from rollouts.trainer import lora
-from rollouts.trainer.core import BackendSettings, TrainerCore
+from rollouts.trainer.core import TrainerCore
 from rollouts.trainer.dist import DistCollective, init_distributed
 from rollouts.trainer.hf_files import write_engine_files
 from rollouts.trainer.model import VALUE_HEAD_FILE, TokenLogprobModel, make_value_head
-from rollouts.trainer.protocol import Metrics
 from rollouts.trainer.pytorch import (
     MODEL_DIR,
     engine_state_dict,
@@ -51,9 +49,9 @@ from rollouts.trainer.pytorch import (
     load_value_head,
     save_hf,
 )
-from rollouts.types import LossFn, TrainBatch, TrainFuture
+from rollouts.trainer.thread import TrainThread
+from rollouts.types import TrainBatch, TrainFuture
 
-T = TypeVar("T")
 PREFIX = "lm."  # the wrapper holds the HF model as `lm`
 HEAD_PREFIX = "value_head."  # ... and the critic head (when there is one) as `value_head`
 
@@ -75,61 +73,23 @@ class FSDPBackend:
     """A model sharded over the torchrun ranks; see `TrainingBackend`."""
 
     def __init__(
-        self,
-        *,
-        model: TokenLogprobModel,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
-        settings: BackendSettings,
-        device: torch.device,
-        tokenizer: Any = None,
-        save_merged: bool = False,
+        self, *, core: TrainerCore, tokenizer: Any = None, save_merged: bool = False
     ) -> None:
-        self.model = model
-        self.hf = lora.hf_model(model.lm)  # the HF model: config, embeddings, save_pretrained
-        self.adapters = lora.is_lora(model.lm)  # LoRA: `model.lm` is a PEFT model
+        assert isinstance(core.collective, DistCollective), f"{core.collective=}: not the ranks'"
+        self.core = core
+        self.model = core.model  # sharded (`shard_model`)
+        self.hf = lora.hf_model(self.model.lm)  # the HF model: config, embeddings, save_pretrained
+        self.adapters = lora.is_lora(self.model.lm)  # LoRA: `model.lm` is a PEFT model
         self.save_merged = save_merged  # LoRA: checkpoints also hold the merged model/
         self.tokenizer = tokenizer
-        self.collective = DistCollective(model)
-        self.rank = self.collective.rank
-        self.world_size = self.collective.world_size
-        self.core = TrainerCore(
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            settings=settings,
-            device=device,
-            collective=self.collective,
-        )
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train")
-
-    def _submit(self, fn: Callable[..., T], *args: Any) -> TrainFuture[T]:
-        return TrainFuture(self._executor.submit(fn, *args))
-
-    def forward_backward(
-        self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False
-    ) -> TrainFuture[Metrics]:
-        """Every rank passes the whole batch; each trains its share; metrics summed over ranks."""
-        return self._submit(self.core.forward_backward, batch, loss_fn, entropy)
-
-    def optim_step(self) -> TrainFuture[Metrics]:
-        """Clip the (global) gradient norm, step AdamW and the schedule, or skip if non-finite."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        max_norm = self.core.settings.max_grad_norm
-
-        def clip() -> torch.Tensor:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-        return self._submit(self.core.optim_step, clip)
-
-    def compute_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
-        """Logprobs of the whole batch on every rank (each computes its share, then gathers)."""
-        return self._submit(self.core.compute_logprobs, batch, self.collective.gather)
-
-    def compute_values(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
-        """Critic values of the whole batch on every rank, aligned like the logprobs."""
-        return self._submit(self.core.compute_values, batch, self.collective.gather)
+        self.rank = core.collective.rank
+        self.world_size = core.collective.world_size
+        self.thread = TrainThread(core)  # all model work, in order (`thread.py`)
+        # the training step, as the thread hands it on (the same on one device and on ranks)
+        self.forward_backward = self.thread.forward_backward
+        self.optim_step = self.thread.optim_step
+        self.compute_logprobs = self.thread.compute_logprobs
+        self.compute_values = self.thread.compute_values
 
     @property
     def has_value_head(self) -> bool:
@@ -152,18 +112,14 @@ class FSDPBackend:
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """The full HF state dict on CPU on rank 0 ({} elsewhere); every rank must call."""
-        return self._submit(self._full_state).result()
+        return self.thread.submit(self._full_state).result()
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Every rank passes the full HF state dict; each keeps its shard."""
-        self._submit(self._load_weights, weights).result()
+        self.thread.submit(self._load_weights, weights).result()
 
     def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        if self.adapters:
-            raise NotImplementedError(
-                "load_weights of a LoRA backend: its weights are a frozen base and an adapter "
-                "(load_checkpoint restores the adapter); a full state dict has no place here"
-            )
+        lora.refuse_full_weights(self.adapters)
         full = {PREFIX + k: v for k, v in weights.items()}
         options = StateDictOptions(full_state_dict=True, strict=not self.has_value_head)
         set_model_state_dict(self.model, full, options=options)
@@ -198,11 +154,11 @@ class FSDPBackend:
     def save_weights(self, path: Path) -> TrainFuture[None]:
         """HF files gathered and written by rank 0 (a tied LM head written out, as engines
         reload in place); every rank must call."""
-        return self._submit(self._save_hf, Path(path), True, self.core.settings.engine_dtype)
+        return self.thread.submit(self._save_hf, Path(path), True, self.core.settings.engine_dtype)
 
     def save_checkpoint(self, path: Path) -> TrainFuture[None]:
         """HF model (rank 0), optimizer (DCP, every rank), scheduler and counters (rank 0)."""
-        return self._submit(self._save_checkpoint, Path(path))
+        return self.thread.submit(self._save_checkpoint, Path(path))
 
     def _save_checkpoint(self, path: Path) -> None:
         if not self.adapters:
@@ -224,7 +180,7 @@ class FSDPBackend:
 
     def load_checkpoint(self, path: Path) -> TrainFuture[None]:
         """Restore what `save_checkpoint` wrote (the world size may differ)."""
-        return self._submit(self._load_checkpoint, Path(path))
+        return self.thread.submit(self._load_checkpoint, Path(path))
 
     def _load_checkpoint(self, path: Path) -> None:
         if self.adapters:
@@ -251,7 +207,7 @@ class FSDPBackend:
         """The adapter's PEFT directory in `path`, gathered and written by rank 0 (in order
         after the submitted work); its size in bytes (0 on other ranks). Every rank calls."""
         assert self.adapters, "save_adapter of a backend without LoRA"
-        return self._submit(self._save_adapter, Path(path))
+        return self.thread.submit(self._save_adapter, Path(path))
 
     def _save_adapter(self, path: Path) -> int:
         state, size = self._full_states()[0], 0
@@ -280,7 +236,7 @@ class FSDPBackend:
             base = lora.base_weights(lora.hf_names(state)) if self.rank == 0 else {}
             self._write_hf(Path(path), base, for_engine=True)
 
-        return self._submit(work)
+        return self.thread.submit(work)
 
     def compute_base_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
         """Logprobs of the base model (the adapters off) of the whole batch on every rank."""
@@ -288,9 +244,9 @@ class FSDPBackend:
 
         def work() -> tuple[torch.Tensor, ...]:
             with lora.base_model_off(self.model.lm):
-                return self.core.compute_logprobs(batch, self.collective.gather)
+                return self.core.compute_logprobs(batch)
 
-        return self._submit(work)
+        return self.thread.submit(work)
 
     def pin_thread(self, cores: Collection[int]) -> None:
         """Nothing to pin: torchrun places the ranks."""
@@ -303,7 +259,7 @@ class FSDPBackend:
     def release(self) -> None:
         """Finish queued work and stop the worker thread; stay in the process group (so another
         backend, e.g. RL after SFT or a reference model, can be built in the same run)."""
-        self._executor.shutdown(wait=True)
+        self.thread.shutdown()
 
     def close(self) -> None:
         """Finish queued work, then leave the process group (after a barrier)."""
@@ -334,12 +290,12 @@ def create_fsdp_backend(
     optimizer = f.create_optimizer_with_head(model.lm.parameters(), model.value_head, config, lr)
     steps = config.training.rl_steps if total_steps is None else total_steps
     scheduler = f.create_warmup_cosine_scheduler(optimizer, config.optim, steps)
-    return FSDPBackend(
+    core = TrainerCore(
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
         settings=f.backend_settings(config, device, tokenizer.pad_token_id or 0),
         device=device,
-        tokenizer=tokenizer,
-        save_merged=m.lora.save_merged,
+        collective=DistCollective(model),
     )
+    return FSDPBackend(core=core, tokenizer=tokenizer, save_merged=m.lora.save_merged)
