@@ -18,10 +18,11 @@ every rank with the adapters off. A checkpoint holds `adapter/` (and `model/`, m
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,7 @@ from rollouts.trainer.core import TrainerCore
 from rollouts.trainer.dist import DistCollective, init_distributed
 from rollouts.trainer.hf_files import write_engine_files
 from rollouts.trainer.model import VALUE_HEAD_FILE, TokenLogprobModel, make_value_head
+from rollouts.trainer.protocol import Metrics
 from rollouts.trainer.pytorch import (
     MODEL_DIR,
     engine_state_dict,
@@ -49,9 +51,9 @@ from rollouts.trainer.pytorch import (
     load_value_head,
     save_hf,
 )
-from rollouts.trainer.thread import TrainThread
-from rollouts.types import TrainBatch, TrainFuture
+from rollouts.types import LossFn, TrainBatch, TrainFuture
 
+T = TypeVar("T")
 PREFIX = "lm."  # the wrapper holds the HF model as `lm`
 HEAD_PREFIX = "value_head."  # ... and the critic head (when there is one) as `value_head`
 
@@ -84,12 +86,28 @@ class FSDPBackend:
         self.tokenizer = tokenizer
         self.rank = core.collective.rank
         self.world_size = core.collective.world_size
-        self.thread = TrainThread(core)  # all model work, in order (`thread.py`)
-        # the training step, as the thread hands it on (the same on one device and on ranks)
-        self.forward_backward = self.thread.forward_backward
-        self.optim_step = self.thread.optim_step
-        self.compute_logprobs = self.thread.compute_logprobs
-        self.compute_values = self.thread.compute_values
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train")
+
+    def _submit(self, fn: Callable[..., T], *args: Any) -> TrainFuture[T]:
+        return TrainFuture(self._executor.submit(fn, *args))
+
+    def forward_backward(
+        self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False
+    ) -> TrainFuture[Metrics]:
+        """Every rank passes the whole batch; each trains its share; metrics summed over ranks."""
+        return self._submit(self.core.forward_backward, batch, loss_fn, entropy)
+
+    def optim_step(self) -> TrainFuture[Metrics]:
+        """Clip the (global) gradient norm, step AdamW and the schedule, or skip if non-finite."""
+        return self._submit(self.core.optim_step)
+
+    def compute_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
+        """Logprobs of the whole batch on every rank (each computes its share, then gathers)."""
+        return self._submit(self.core.compute_logprobs, batch)
+
+    def compute_values(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
+        """Critic values of the whole batch on every rank, aligned like the logprobs."""
+        return self._submit(self.core.compute_values, batch)
 
     @property
     def has_value_head(self) -> bool:
@@ -112,14 +130,18 @@ class FSDPBackend:
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """The full HF state dict on CPU on rank 0 ({} elsewhere); every rank must call."""
-        return self.thread.submit(self._full_state).result()
+        return self._submit(self._full_state).result()
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Every rank passes the full HF state dict; each keeps its shard."""
-        self.thread.submit(self._load_weights, weights).result()
+        self._submit(self._load_weights, weights).result()
 
     def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        lora.refuse_full_weights(self.adapters)
+        if self.adapters:
+            raise NotImplementedError(
+                "load_weights of a LoRA backend: its weights are a frozen base and an adapter "
+                "(load_checkpoint restores the adapter); a full state dict has no place here"
+            )
         full = {PREFIX + k: v for k, v in weights.items()}
         options = StateDictOptions(full_state_dict=True, strict=not self.has_value_head)
         set_model_state_dict(self.model, full, options=options)
@@ -154,11 +176,11 @@ class FSDPBackend:
     def save_weights(self, path: Path) -> TrainFuture[None]:
         """HF files gathered and written by rank 0 (a tied LM head written out, as engines
         reload in place); every rank must call."""
-        return self.thread.submit(self._save_hf, Path(path), True, self.core.settings.engine_dtype)
+        return self._submit(self._save_hf, Path(path), True, self.core.settings.engine_dtype)
 
     def save_checkpoint(self, path: Path) -> TrainFuture[None]:
         """HF model (rank 0), optimizer (DCP, every rank), scheduler and counters (rank 0)."""
-        return self.thread.submit(self._save_checkpoint, Path(path))
+        return self._submit(self._save_checkpoint, Path(path))
 
     def _save_checkpoint(self, path: Path) -> None:
         if not self.adapters:
@@ -180,7 +202,7 @@ class FSDPBackend:
 
     def load_checkpoint(self, path: Path) -> TrainFuture[None]:
         """Restore what `save_checkpoint` wrote (the world size may differ)."""
-        return self.thread.submit(self._load_checkpoint, Path(path))
+        return self._submit(self._load_checkpoint, Path(path))
 
     def _load_checkpoint(self, path: Path) -> None:
         if self.adapters:
@@ -207,7 +229,7 @@ class FSDPBackend:
         """The adapter's PEFT directory in `path`, gathered and written by rank 0 (in order
         after the submitted work); its size in bytes (0 on other ranks). Every rank calls."""
         assert self.adapters, "save_adapter of a backend without LoRA"
-        return self.thread.submit(self._save_adapter, Path(path))
+        return self._submit(self._save_adapter, Path(path))
 
     def _save_adapter(self, path: Path) -> int:
         state, size = self._full_states()[0], 0
@@ -236,7 +258,7 @@ class FSDPBackend:
             base = lora.base_weights(lora.hf_names(state)) if self.rank == 0 else {}
             self._write_hf(Path(path), base, for_engine=True)
 
-        return self.thread.submit(work)
+        return self._submit(work)
 
     def compute_base_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
         """Logprobs of the base model (the adapters off) of the whole batch on every rank."""
@@ -246,7 +268,7 @@ class FSDPBackend:
             with lora.base_model_off(self.model.lm):
                 return self.core.compute_logprobs(batch)
 
-        return self.thread.submit(work)
+        return self._submit(work)
 
     def pin_thread(self, cores: Collection[int]) -> None:
         """Nothing to pin: torchrun places the ranks."""
@@ -259,7 +281,7 @@ class FSDPBackend:
     def release(self) -> None:
         """Finish queued work and stop the worker thread; stay in the process group (so another
         backend, e.g. RL after SFT or a reference model, can be built in the same run)."""
-        self.thread.shutdown()
+        self._executor.shutdown(wait=True)
 
     def close(self) -> None:
         """Finish queued work, then leave the process group (after a barrier)."""

@@ -87,16 +87,6 @@ def is_lora(lm: nn.Module) -> bool:
     return peft is not None and isinstance(lm, peft.PeftModel)
 
 
-def refuse_full_weights(adapters: bool) -> None:
-    """`load_weights` of a backend that trains LoRA adapters is an error: its weights are a
-    frozen base and an adapter, with no place for a full state dict."""
-    if adapters:
-        raise NotImplementedError(
-            "load_weights of a LoRA backend: its weights are a frozen base and an adapter "
-            "(load_checkpoint restores the adapter); a full state dict has no place here"
-        )
-
-
 def hf_model(lm: nn.Module) -> nn.Module:
     """The HF model under `lm` (its config, embeddings, `save_pretrained`); `lm` itself when it
     has no adapters."""

@@ -14,12 +14,13 @@ adapter's own files and the base model's logprobs (the adapters off: the free re
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import warnings
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -27,9 +28,10 @@ from rollouts.trainer import lora
 from rollouts.trainer.core import LocalCollective, TrainerCore
 from rollouts.trainer.hf_files import write_engine_files
 from rollouts.trainer.model import VALUE_HEAD_FILE
-from rollouts.trainer.thread import TrainThread
-from rollouts.types import TrainBatch, TrainFuture
+from rollouts.trainer.protocol import Metrics
+from rollouts.types import LossFn, TrainBatch, TrainFuture
 
+T = TypeVar("T")
 MODEL_DIR = "model"
 
 
@@ -122,23 +124,39 @@ class PyTorchBackend:
         self.tokenizer = tokenizer
         self.device = core.device
         self.value_head = core.model.value_head  # the critic (its params are in the optimizer)
-        self.thread = TrainThread(core)  # all model work, in order (`thread.py`)
-        # the training step, as the thread hands it on (the same on one device and on ranks)
-        self.forward_backward = self.thread.forward_backward
-        self.optim_step = self.thread.optim_step
-        self.compute_logprobs = self.thread.compute_logprobs
-        self.compute_values = self.thread.compute_values
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train")
 
     def pin_thread(self, cores: Collection[int]) -> None:
         """Run the training thread, and the torch threads it starts, on `cores` (Linux); call it
         before any other work (`training/placement.py`)."""
-        self.thread.submit(os.sched_setaffinity, 0, set(cores)).result()
+        self._submit(os.sched_setaffinity, 0, set(cores)).result()
+
+    def _submit(self, fn: Callable[..., T], *args: Any) -> TrainFuture[T]:
+        return TrainFuture(self._executor.submit(fn, *args))
+
+    def forward_backward(
+        self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False
+    ) -> TrainFuture[Metrics]:
+        """Accumulate gradients of `loss_fn` over `batch`; see `TrainingBackend`."""
+        return self._submit(self.core.forward_backward, batch, loss_fn, entropy)
+
+    def optim_step(self) -> TrainFuture[Metrics]:
+        """Clip to `max_grad_norm`, step AdamW and the schedule (or skip a non-finite step)."""
+        return self._submit(self.core.optim_step)
+
+    def compute_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
+        """Per-sequence logprobs under the current weights (no grad)."""
+        return self._submit(self.core.compute_logprobs, batch)
+
+    def compute_values(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
+        """Per-sequence critic values (no grad, CPU float32), aligned like the logprobs."""
+        return self._submit(self.core.compute_values, batch)
 
     def copy_weights(self) -> TrainFuture[dict[str, torch.Tensor]]:
         """A CPU copy of the full HF state dict, taken on the training thread in order after
         the work submitted before it."""
 
-        return self.thread.submit(self._full_state_dict)
+        return self._submit(self._full_state_dict)
 
     def _full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """CPU copies of the HF state dict (with LoRA: base + adapter, merged); floating
@@ -157,14 +175,18 @@ class PyTorchBackend:
 
     def snapshot_weights(self) -> dict[str, torch.Tensor]:
         """This step's weights for `write_weights`: a CPU copy in the engines' dtype."""
-        return self.thread.submit(self._full_state_dict, self.core.settings.engine_dtype).result()
+        return self._submit(self._full_state_dict, self.core.settings.engine_dtype).result()
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy `weights` into the model in place (optimizer references stay valid)."""
-        self.thread.submit(self._load_weights, weights).result()
+        self._submit(self._load_weights, weights).result()
 
     def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        lora.refuse_full_weights(self.adapters)
+        if self.adapters:
+            raise NotImplementedError(
+                "load_weights of a LoRA backend: its weights are a frozen base and an adapter "
+                "(load_checkpoint restores the adapter); a full state dict has no place here"
+            )
         missing, unexpected = self.lm.load_state_dict(dict(weights), strict=False)
         tied = set(getattr(self.lm, "_tied_weights_keys", None) or {})
         missing = [k for k in missing if k not in tied]
@@ -174,7 +196,7 @@ class PyTorchBackend:
     def save_weights(self, path: Path) -> TrainFuture[None]:
         """HF safetensors + config + tokenizer in `path`, for engines to reload: written from
         the live parameters on the training thread (no copy of the model first)."""
-        return self.thread.submit(lambda: self._save_full(Path(path), self._live_state_dict()))
+        return self._submit(lambda: self._save_full(Path(path), self._live_state_dict()))
 
     def _live_state_dict(self) -> dict[str, torch.Tensor]:
         """The HF state dict as the engines get it: the parameters themselves (with LoRA: base
@@ -195,7 +217,7 @@ class PyTorchBackend:
 
     def save_checkpoint(self, path: Path) -> TrainFuture[None]:
         """Model, tokenizer, optimizer, scheduler and counters into directory `path`."""
-        return self.thread.submit(self._save_checkpoint, Path(path))
+        return self._submit(self._save_checkpoint, Path(path))
 
     def _save_checkpoint(self, path: Path) -> None:
         if self.adapters:
@@ -212,7 +234,7 @@ class PyTorchBackend:
 
     def load_checkpoint(self, path: Path) -> TrainFuture[None]:
         """Restore model, optimizer, scheduler and counters from `path`."""
-        return self.thread.submit(self._load_checkpoint, Path(path))
+        return self._submit(self._load_checkpoint, Path(path))
 
     def _load_checkpoint(self, path: Path) -> None:
         if self.adapters:
@@ -251,14 +273,12 @@ class PyTorchBackend:
         """The adapter's PEFT directory in `path` (in order after the submitted work); its
         size in bytes."""
         assert self.adapters, "save_adapter of a backend without LoRA"
-        return self.thread.submit(lora.save_adapter, self.lm, self.tokenizer, Path(path))
+        return self._submit(lora.save_adapter, self.lm, self.tokenizer, Path(path))
 
     def save_base_weights(self, path: Path) -> TrainFuture[None]:
         """The frozen base model as engine weight files in `path` (a tied head written out)."""
         assert self.adapters, "save_base_weights of a backend without LoRA"
-        return self.thread.submit(
-            lambda: self._save_full(Path(path), lora.base_state_dict(self.lm))
-        )
+        return self._submit(lambda: self._save_full(Path(path), lora.base_state_dict(self.lm)))
 
     def compute_base_logprobs(self, batch: TrainBatch) -> TrainFuture[tuple[torch.Tensor, ...]]:
         """Per-sequence logprobs of the base model: the same weights, the adapters off."""
@@ -268,7 +288,7 @@ class PyTorchBackend:
             with lora.base_model_off(self.lm):
                 return self.core.compute_logprobs(batch)
 
-        return self.thread.submit(work)
+        return self._submit(work)
 
     def barrier(self) -> None:
         """One device: nothing to wait for."""
@@ -276,4 +296,4 @@ class PyTorchBackend:
 
     def close(self) -> None:
         """Finish queued work and stop the worker thread."""
-        self.thread.shutdown()
+        self._executor.shutdown(wait=True)
