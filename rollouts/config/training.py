@@ -185,6 +185,9 @@ class LoggingConfig(_Section):
     wandb_project: str = "rollouts"
     wandb_mode: WandbMode = "offline"
     rollouts_per_step: int = 4  # samples written to rollouts.jsonl per step
+    # the PNGs in RUN/plots at the end of the run (about a second of CPU: matplotlib's import and
+    # seven figures); `rollouts plot RUN` writes them later from metrics.jsonl
+    plots: bool = True
 
     def problems(self) -> list[str]:
         p: list[str] = []

@@ -97,7 +97,7 @@ async def _main(
         return 130
     phase = "rl" if mode in ("rl", "sft+rl") else "sft"
     last = find_latest_checkpoint(checkpoint_root(config, run_dir, phase))
-    finish_run(run_dir, time.monotonic() - started, last)
+    finish_run(run_dir, time.monotonic() - started, last, plots=config.logging.plots)
     return 0
 
 

@@ -182,9 +182,15 @@ def write_plots(run_dir: Path) -> tuple[list[Path], str]:
         return [], f"{err.name or 'matplotlib'} is not installed: pip install -e .[plot]"
 
 
-def finish_run(run_dir: Path, wall_s: float, checkpoint: Path | None) -> list[str]:
-    """Write the plots and print the summary of the run in `run_dir`; return the lines."""
-    plots, why = write_plots(run_dir)
+def finish_run(
+    run_dir: Path, wall_s: float, checkpoint: Path | None, *, plots: bool = True
+) -> list[str]:
+    """Write the plots (unless `plots` is off) and print the summary of the run in `run_dir`;
+    return the lines."""
+    if plots:
+        written, why = write_plots(run_dir)
+    else:
+        written, why = [], f"logging.plots = false; `rollouts plot {run_dir}` writes them"
     phases = []
     sft_rows = _rows(run_dir / "sft_metrics.jsonl")
     sft = summarize_phase("SFT", sft_rows, "sft/eval_loss", higher_is_better=False)
@@ -196,7 +202,7 @@ def finish_run(run_dir: Path, wall_s: float, checkpoint: Path | None) -> list[st
         phases.append((rl, "held-out accuracy"))
     best = read_best(checkpoint.parent) if checkpoint is not None else None
     failures = failure_summary(rl_rows)
-    lines = summary_lines(run_dir, phases, wall_s, checkpoint, plots, why, best, failures)
+    lines = summary_lines(run_dir, phases, wall_s, checkpoint, written, why, best, failures)
     print("[train] ---- summary ----", flush=True)
     for line in lines:
         print(f"[train] {line}", flush=True)

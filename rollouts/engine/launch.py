@@ -33,6 +33,7 @@ import trio
 from rollouts.config.engine_options import EngineOptions, command_line
 from rollouts.openmp import short_spin_waits
 from rollouts.wire.ports import free_port
+from rollouts.wire.tls import tls_context
 
 HEALTH_POLL_S = 0.1
 STOP_GRACE_S = 5.0
@@ -142,7 +143,7 @@ def _exited(proc: EngineProcess) -> EngineStartError | None:
 def wait_healthy_sync(proc: EngineProcess, timeout_s: float) -> None:
     """Block until GET /health is 200; EngineStartError if the process dies or time runs out."""
     deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=2.0) as client:
+    with httpx.Client(timeout=2.0, verify=tls_context()) as client:
         while time.monotonic() < deadline:
             if (err := _exited(proc)) is not None:
                 raise err
@@ -156,7 +157,7 @@ def wait_healthy_sync(proc: EngineProcess, timeout_s: float) -> None:
 
 async def wait_healthy(proc: EngineProcess, timeout_s: float) -> None:
     """Async `wait_healthy_sync`."""
-    async with httpx.AsyncClient(timeout=2.0) as client:
+    async with httpx.AsyncClient(timeout=2.0, verify=tls_context()) as client:
         with trio.move_on_after(timeout_s):
             while True:
                 if (err := _exited(proc)) is not None:

@@ -19,6 +19,8 @@ from typing import Any, TypedDict
 import httpx
 import trio
 
+from rollouts.wire.tls import tls_context
+
 
 class EngineError(RuntimeError):
     """An engine call failed."""
@@ -128,6 +130,7 @@ class EngineHttp:
                     max_keepalive_connections=connections,
                     keepalive_expiry=KEEPALIVE_S,
                 ),
+                verify=tls_context(),
                 transport=transport,
             )
 

@@ -82,3 +82,13 @@ def test_finish_run_without_rl_metrics_says_why_no_plots(tmp_path: Path) -> None
     lines = finish_run(tmp_path, 3.0, None)
     assert lines[0] == "SFT: 4 steps"
     assert lines[-1] == "plots:      none (no RL metrics)"
+
+
+def test_plots_off_writes_none_and_says_how_to_get_them(tmp_path: Path) -> None:
+    rows = [{"step": 1, "reward/mean": 0.5, "eval/accuracy": 0.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = finish_run(tmp_path, 3.0, None, plots=False)
+    assert lines[-1] == (
+        f"plots:      none (logging.plots = false; `rollouts plot {tmp_path}` writes them)"
+    )
+    assert not (tmp_path / "plots").exists()

@@ -59,7 +59,7 @@ def _config(tmp: Path, **sections: dict) -> Path:
         "rollout.sampling": {"max_new_tokens": 8},
         "engines.builtin": {"max_batch": 16},
         "checkpoint": {"every": 1, "keep_last": 2},
-        "logging": {"rollouts_per_step": 100},
+        "logging": {"rollouts_per_step": 100, "plots": False},  # (test_summary checks them)
     }
     return write_config(tmp / "config.toml", base, sections)
 
