@@ -8,13 +8,12 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # Test files run in parallel on up to ROLLOUTS_TEST_WORKERS processes (default: the cores, at most
 # 4; 1 = one process). Most tests wait on servers and child processes, so on the 2-core CI box two
 # workers took the suite from 17m00s to 10m20s. A file's tests stay in one worker (its module
-# fixtures are built once), and so do the files that share a server fixture (tests/conftest.py's
-# SHARED: its session fixture is built once); the files with `slow` tests go first, in that order
-# (--no-loadscope-reorder). An explicit -n or -p no:xdist in the arguments wins.
+# fixtures are built once); the files with `slow` tests go first (tests/conftest.py), in that
+# order (--no-loadscope-reorder). An explicit -n or -p no:xdist in the arguments wins.
 workers="${ROLLOUTS_TEST_WORKERS:-$(python -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
 parallel=()
 if [ "$workers" -gt 1 ] && [[ " $* " != *" -n "* && " $* " != *" -n="* && " $* " != *"no:xdist"* ]]; then
-  parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
+  parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 fi
 set +e
 python -m pytest "${parallel[@]}" "$@"

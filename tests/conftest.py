@@ -4,7 +4,6 @@ run in."""
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -12,60 +11,14 @@ import pytest
 
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
 
-# Session fixtures that start servers or runs (each worker built its own: the inference servers,
-# the fault servers and the rollout server twice, 6 engine starts of 4 s of CPU each): the files
-# that use one go to one worker, as one work unit (`--dist loadgroup` in scripts/test.sh)
-SHARED = {
-    ("inference", "servers"),
-    ("engine", "fault_servers"),
-    ("rollout", "server"),
-    ("gateway", "server"),
-    ("training", "finished_run"),
-}
 
-
-def _shared_fixtures(item: pytest.Item) -> set[tuple[str, str]]:
-    """The SHARED fixtures `item` uses (its whole closure), named by their conftest's folder."""
-    info = getattr(item, "_fixtureinfo", None)
-    found = set()
-    for name in getattr(item, "fixturenames", ()):
-        for fixture in info.name2fixturedefs.get(name, ()) if info else ():
-            where = Path(inspect.getsourcefile(fixture.func) or "")
-            if where.name == "conftest.py" and (where.parent.name, name) in SHARED:
-                found.add((where.parent.name, name))
-    return found
-
-
-def _groups(items: list[pytest.Item]) -> dict[Path, str]:
-    """Each file's work unit: its own path, or the first of its files' that shares a fixture
-    with it (transitively)."""
-    owner: dict[Path, Path] = {}
-
-    def root(path: Path) -> Path:
-        while owner.setdefault(path, path) != path:
-            path = owner[path]
-        return path
-
-    first_user: dict[tuple[str, str], Path] = {}
-    for item in items:
-        for fixture in _shared_fixtures(item):
-            user = first_user.setdefault(fixture, item.path)
-            owner[root(item.path)] = root(user)
-    return {item.path: str(root(item.path)) for item in items}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (its hook adds them to nodeids)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files with a `slow` test run first, the others keep their order. With `--dist loadgroup`
-    and `--no-loadscope-reorder` (scripts/test.sh) a worker takes the next work unit (a file,
-    or the files that share a server fixture: SHARED) when it is free, so the minute-long
-    end-to-end files start early and the second-long ones fill the end: xdist's own order (most
-    tests first) left the 2-minute chaos run to start last."""
+    """Files with a `slow` test run first, the others keep their order. With `--dist loadfile`
+    and `--no-loadscope-reorder` (scripts/test.sh) a worker takes the next file when it is
+    free, so the minute-long end-to-end files start early and the second-long ones fill the end:
+    xdist's own order (most tests first) left the 2-minute chaos run to start last."""
     slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: item.path not in slow)  # stable: collection order otherwise
-    groups = _groups(items)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(groups[item.path]))
 
 
 @pytest.fixture(scope="session")
