@@ -45,7 +45,7 @@ def _config(tmp: Path, model: Path, urls: list[str], mode: str, **sections: dict
         "rollout.sampling": {"max_new_tokens": 16, "temperature": 1.0},
         "engines": {"kind": "vllm", "urls": urls, "startup_timeout_s": 60.0},
         "checkpoint": {"every": 0, "keep_last": 1},
-        "logging": {"plots": False},  # a second of CPU a run; tests/training/test_summary.py
+        "logging": {"plots": False},  # a second of CPU a run (tests/training check the plots)
     }
     return write_config(tmp / "config.toml", base, sections)
 

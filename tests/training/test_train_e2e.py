@@ -59,7 +59,8 @@ def _config(tmp: Path, **sections: dict) -> Path:
         "rollout.sampling": {"max_new_tokens": 8},
         "engines.builtin": {"max_batch": 16},
         "checkpoint": {"every": 1, "keep_last": 2},
-        "logging": {"rollouts_per_step": 100, "plots": False},  # (test_summary checks them)
+        # plots off: a second of CPU a run; test_real_model checks the driver writes them
+        "logging": {"rollouts_per_step": 100, "plots": False},
     }
     return write_config(tmp / "config.toml", base, sections)
 
@@ -177,6 +178,8 @@ def test_sft_then_rl_end_to_end(finished_run: FinishedRun) -> None:
     assert last["policy/version"] == 3.0
     assert "held-out accuracy before RL" in done.stdout
     assert "held-out accuracy after RL" in done.stdout
+    assert "plots:      none (logging.plots = false; `rollouts plot" in done.stdout
+    assert not (run / "plots").exists()
     rl_root = run / "checkpoints" / "rl"
     ckpts = sorted(p.name for p in rl_root.iterdir() if p.name.startswith("step_"))
     assert ckpts == ["step_000002", "step_000003"]  # keep_last = 2
