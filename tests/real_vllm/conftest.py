@@ -1,35 +1,113 @@
-"""Real vLLM servers (vLLM's own CPU build) on 127.0.0.1, started together once per test run
-(`tests/real_vllm/servers.py`: which four, and how CI starts them early for the run to adopt).
+"""Real vLLM servers (vLLM's own CPU build) on 127.0.0.1, started together once per test run.
 
 `scripts/test_vllm.sh` builds the vLLM environment and sets ROLLOUTS_VLLM_PYTHON; without it these
-tests are skipped (the plain suite, `scripts/test.sh`, has no vLLM).
+tests are skipped (the plain suite, `scripts/test.sh`, has no vLLM). Four servers start at once:
+"tiny" and "tiny2" (the demo's model shape: head_dim 32, untied; the pool of two), "tied" (the
+same shape with a tied LM head) and "smollm2" (the packaged SmolLM2-135M-Instruct, tied; with
+LoRA on: `--enable-lora`, adapters loaded at run time, as the LoRA runs need it; the hermes
+tool parser and the packaged template that shows SmolLM2 the tools, for the OpenAI agent
+example). `-O0`
+skips vLLM's compile: start-up is then Python imports and a warm-up (tens of seconds each);
+"tiny2" runs at vLLM's default level (compiled, as users run it), where seeded requests crashed
+the CPU engine with chunked prefill on.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.real_vllm.servers import (
-    START_TIMEOUT_S,
-    VLLMServer,
-    adopt_all,
-    make_model_dirs,
-    start_all,
+from rollouts.envs.tool_format import packaged_template
+from rollouts.models.tiny import TinyModelSpec, make_tiny_model
+from rollouts.wire.ports import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 420.0
+DEMO_SHAPE = dict(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=256)
+# LoRA adapters loaded at run time (/v1/load_lora_adapter): the served one and the one before
+LORA_ARGS = ("--enable-lora", "--max-lora-rank", "16", "--max-loras", "2")
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+# OpenAI tool calls read back from `<tool_call>{json}</tool_call>` (the gateway's format too), and
+# SmolLM2's template with the tools in the system message as the agent loop writes them (its own
+# template drops `tools`): vLLM builds the prompt the loop and the gateway build
+TOOL_ARGS = (
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+    "--chat-template",
+    str(packaged_template("smollm2_tools")),
 )
 
 
-def _started_earlier() -> Path | None:
-    """The servers.json of servers started before this run (ROLLOUTS_VLLM_SERVERS), if any."""
-    state = os.environ.get("ROLLOUTS_VLLM_SERVERS", "")
-    if not state:
-        return None
-    assert Path(state).is_file(), f"ROLLOUTS_VLLM_SERVERS={state}: no such file"
-    return Path(state)
+class VLLMServer:
+    """One `scripts/serve_vllm.sh` process group and where it answers."""
+
+    def __init__(
+        self,
+        name: str,
+        model: Path,
+        core: int,
+        log_dir: Path,
+        args: tuple[str, ...] = ("-O0",),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        assert (model / "config.json").is_file(), f"{model}: not an HF model directory"
+        self.name, self.model = name, model
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log_dir / f"vllm-{name}.log"
+        env = (
+            os.environ
+            | {
+                "VLLM_VENV": str(Path(os.environ["ROLLOUTS_VLLM_PYTHON"]).parents[1]),
+                "VLLM_CPU_OMP_THREADS_BIND": str(core),
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "MAX_MODEL_LEN": "2048",  # room for requests long enough to abort mid-way
+            }
+            | (env or {})
+        )
+        env.pop("OMP_NUM_THREADS", None)  # vLLM sets its own (one per bound core)
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(
+                ["bash", str(ROOT / "scripts/serve_vllm.sh"), str(model), str(self.port), *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM {self.name} exited {self.proc.returncode}:\n{self.tail()}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vLLM {self.name} not ready in {START_TIMEOUT_S}s:\n{self.tail()}")
+
+    def tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
 
 
 @pytest.fixture(scope="session")
@@ -42,36 +120,37 @@ def vllm_python() -> str:
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> dict[str, Path]:
-    if (state := _started_earlier()) is not None:
-        return {name: server.model for name, server in adopt_all(state).items()}
-    return make_model_dirs(tmp_path_factory.mktemp("vllm-models"), smollm2_dir)
+    root = tmp_path_factory.mktemp("vllm-models")
+    tiny = make_tiny_model(root / "tiny", TinyModelSpec(**DEMO_SHAPE, max_position_embeddings=2048))
+    tied = make_tiny_model(
+        root / "tied",
+        TinyModelSpec(**DEMO_SHAPE, max_position_embeddings=2048, tie_embeddings=True),
+    )
+    return {"tiny": tiny, "tiny2": tiny, "tied": tied, "smollm2": smollm2_dir}
 
 
 @pytest.fixture(scope="session")
 def vllm(
     vllm_python: str, model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, VLLMServer]]:
-    """The four servers: adopted (started earlier, at low priority) or started here."""
+    """The four servers, started in parallel (workers on cores 0 and 1 alternately)."""
+    logs = tmp_path_factory.mktemp("vllm-logs")
     started = time.monotonic()
-    servers: dict[str, VLLMServer] = {}
-    how = "started here"
+    servers = {
+        name: VLLMServer(name, model_dirs[name], core=i % 2, log_dir=logs, args=args, env=env)
+        for i, (name, args, env) in enumerate(
+            (
+                ("tiny", ("-O0",), None),
+                ("tiny2", (), None),
+                ("tied", ("-O0",), None),
+                ("smollm2", ("-O0", *LORA_ARGS, *TOOL_ARGS), LORA_ENV),
+            )
+        )
+    }
     try:
-        if (state := _started_earlier()) is not None:
-            servers = adopt_all(state)
-            try:
-                for server in servers.values():
-                    server.raise_priority()
-                how = "started earlier"
-            except PermissionError as e:  # a niced server would lose every core to the tests
-                print(f"\n[vllm] cannot raise the early servers' priority ({e}): starting anew")
-                for server in servers.values():
-                    server.stop()
-                servers = {}
-        if not servers:
-            servers = start_all(model_dirs, tmp_path_factory.mktemp("vllm-logs"))
         for server in servers.values():
             server.wait_ready(started + START_TIMEOUT_S)
-        print(f"\n[vllm] 4 servers ({how}) ready in {time.monotonic() - started:.0f}s", flush=True)
+        print(f"\n[vllm] 4 servers ready in {time.monotonic() - started:.0f}s", flush=True)
         yield servers
     finally:
         for server in servers.values():

@@ -30,7 +30,7 @@ from rollouts.weights.check import (
 from rollouts.weights.disk import sync_weights_to_engines
 from rollouts.weights.files import publish_weights
 from rollouts.wire.generation import FinishReason, SamplingParams
-from tests.real_vllm.servers import VLLMServer
+from tests.real_vllm.conftest import VLLMServer
 from tests.training.backend_helpers import tiny_config
 
 FP32_MATCH = 1e-4  # engine vs trainer logprobs on the same weights, fp32

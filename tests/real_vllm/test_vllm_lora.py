@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.real_vllm.servers import VLLMServer
+from tests.real_vllm.conftest import VLLMServer
 from tests.real_vllm.test_vllm_training import FP32_MATCH, _config, _steps, _train
 
 LORA = {

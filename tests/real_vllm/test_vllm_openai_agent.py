@@ -17,7 +17,7 @@ from examples.openai_agent import CALCULATOR, solve
 from rollouts.data.sft import encode
 from rollouts.envs.shop import shop_tool_specs
 from rollouts.envs.tool_format import ToolSpec, render_with_tools
-from tests.real_vllm.servers import VLLMServer
+from tests.real_vllm.conftest import VLLMServer
 
 
 async def test_the_example_agent_runs_on_vllms_own_server(vllm: dict[str, VLLMServer]) -> None:

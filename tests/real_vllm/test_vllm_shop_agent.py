@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from rollouts.envs.shop_data import write_shop_datasets
-from tests.real_vllm.servers import VLLMServer
+from tests.real_vllm.conftest import VLLMServer
 from tests.real_vllm.test_vllm_training import FP32_MATCH, _config, _steps, _train
 
 # the agent config's settings scaled down to cost little (the CI job's budget): one group of 4

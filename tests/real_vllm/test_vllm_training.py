@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.real_vllm.servers import VLLMServer
+from tests.real_vllm.conftest import VLLMServer
 from tests.toml_config import write_config
 
 ROOT = Path(__file__).resolve().parents[2]
