@@ -4,8 +4,8 @@ suite starts about 108 engines, half its CPU).
     python scripts/bench_engine_start.py [--model DIR] [--forks 3]
 
 Prints, in one process and one run:
-- fresh: `python -m rollouts.engine` started as the launcher starts it, timed to its first
-  200 from /health, and the CPU seconds the process used;
+- fresh: an engine started by the launcher (`rollouts.engine.launch.spawn`), timed to its
+  first 200 from /health, and the CPU seconds the process used;
 - preload: importing what the engine imports (torch, transformers' Llama, the engine's app) in
   this process once, as a forkserver would;
 - forked: an engine forked from this preloaded process (`rollouts.engine.cli.run` in the child),
@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -47,17 +45,17 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def fresh(model: Path) -> tuple[float, float]:
-    port = free_port()
+def fresh(model: Path, log_dir: Path) -> tuple[float, float]:
+    """An engine started by the launcher (`spawn`: the die-with-parent shim, then exec)."""
+    from rollouts.engine.launch import engine_spec, spawn, wait_healthy_sync
+
     started = time.monotonic()
-    cmd = [sys.executable, "-m", "rollouts.engine", "--model", str(model), "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = spawn(engine_spec(model, log_path=str(log_dir / "fresh.log")))
     try:
-        ready = wait_healthy(f"http://127.0.0.1:{port}", started)
-        return ready, process_cpu_s(proc.pid)
+        wait_healthy_sync(proc, timeout_s=120.0)
+        return time.monotonic() - started, process_cpu_s(proc.process.pid)
     finally:
         proc.kill()
-        proc.wait()
 
 
 def preload() -> tuple[float, float]:
@@ -107,7 +105,7 @@ def main() -> int:
             from rollouts.models.tiny import TinyModelSpec, make_tiny_model
 
             model = make_tiny_model(Path(tmp) / "tiny", TinyModelSpec())
-        fresh_wall, cpu = fresh(model)
+        fresh_wall, cpu = fresh(model, Path(tmp))
         print(f"fresh:   ready in {fresh_wall:.2f} s, CPU {cpu:.2f} s")
         print(f"preload: {wall:.2f} s, CPU {pre:.2f} s (once per preloaded parent)")
         cpus = []
