@@ -1,32 +1,25 @@
-"""What a built-in engine's start costs, and what a preloaded parent would save (issue 46: the main
-suite starts about 108 engines, half its CPU).
+"""What a built-in engine's start costs, fresh and from the engine forkserver (issue 46: the
+main suite starts about a hundred engines).
 
-    python scripts/bench_engine_start.py [--model DIR] [--forks 3]
+    OMP_NUM_THREADS=1 python scripts/bench_engine_start.py [--model DIR] [--forks 3]
 
 Prints, in one process and one run:
-- fresh: an engine started by the launcher (`rollouts.engine.launch.spawn`), timed to its
-  first 200 from /health, and the CPU seconds the process used;
-- preload: importing what the engine imports (torch, transformers' Llama, the engine's app) in
-  this process once, as a forkserver would;
-- forked: an engine forked from this preloaded process (`rollouts.engine.cli.run` in the child),
-  timed the same way; then the ratio of the two CPU costs.
-
-A measurement for a design not built yet: the child here is a bare fork (its output discarded; no
-process group, no death signal, no exit status for the launcher).
-"""
+- fresh: an engine started by the launcher (`rollouts.engine.launch.spawn`: the die-with-parent
+  shim, then exec), timed to its first 200 from /health, and the CPU seconds the process used;
+- preload: the CPU the forkserver (`rollouts/engine/forkserver.py`) spent on its imports, once;
+- forked: an engine the same launcher asks of that forkserver, timed the same way; then the
+  ratio of the two CPU costs. (The forkserver needs one thread: OMP_NUM_THREADS=1 keeps numpy's
+  OpenBLAS pool from starting.)"""
 
 from __future__ import annotations
 
 import argparse
 import os
-import resource
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-
-from rollouts.wire.ports import free_port
 
 
 def wait_healthy(url: str, started: float, timeout_s: float = 120.0) -> float:
@@ -58,39 +51,19 @@ def fresh(model: Path, log_dir: Path) -> tuple[float, float]:
         proc.kill()
 
 
-def preload() -> tuple[float, float]:
-    started, before = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
-    import torch  # noqa: F401
-    import trio  # noqa: F401
-    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: F401
+def forked(model: Path, log_dir: Path) -> tuple[float, float]:
+    """An engine the launcher asks of the forkserver (main sets `$ROLLOUTS_ENGINE_FORKSERVER`)."""
+    from rollouts.engine.forkserver import ForkedProcess
+    from rollouts.engine.launch import engine_spec, spawn, wait_healthy_sync
 
-    import rollouts.engine.app
-    import rollouts.engine.cli  # noqa: F401
-
-    after = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-    return time.monotonic() - started, cpu
-
-
-def forked(model: Path) -> tuple[float, float]:
-    from rollouts.engine import cli
-
-    port = free_port()
     started = time.monotonic()
-    pid = os.fork()
-    if pid == 0:  # the child: the engine, its output discarded
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
-        parser = argparse.ArgumentParser()
-        cli.add_arguments(parser)
-        os._exit(cli.run(parser.parse_args(["--model", str(model), "--port", str(port)])))
+    proc = spawn(engine_spec(model, log_path=str(log_dir / "forked.log")))
+    assert isinstance(proc.process, ForkedProcess), "the forkserver refused (see its log)"
     try:
-        ready = wait_healthy(f"http://127.0.0.1:{port}", started)
-        return ready, process_cpu_s(pid)
+        wait_healthy_sync(proc, timeout_s=120.0)
+        return time.monotonic() - started, process_cpu_s(proc.process.pid)
     finally:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
+        proc.kill()
 
 
 def main() -> int:
@@ -98,7 +71,9 @@ def main() -> int:
     parser.add_argument("--model", type=Path, default=None, help="default: a tiny model built here")
     parser.add_argument("--forks", type=int, default=3)
     args = parser.parse_args()
-    wall, pre = preload()  # first: nothing heavy is imported yet
+    from rollouts.engine.forkserver import ENV_VAR, start_server
+    from rollouts.engine.launch import engine_env
+
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
@@ -107,12 +82,17 @@ def main() -> int:
             model = make_tiny_model(Path(tmp) / "tiny", TinyModelSpec())
         fresh_wall, cpu = fresh(model, Path(tmp))
         print(f"fresh:   ready in {fresh_wall:.2f} s, CPU {cpu:.2f} s")
-        print(f"preload: {wall:.2f} s, CPU {pre:.2f} s (once per preloaded parent)")
+        sock = Path(tmp) / "engines.sock"
+        server = start_server(str(sock), engine_env(), str(Path(tmp) / "forkserver.log"))
+        os.environ[ENV_VAR] = str(sock)
         cpus = []
-        for _ in range(args.forks):
-            wall, fork_cpu = forked(model)
+        for i in range(args.forks):
+            wall, fork_cpu = forked(model, Path(tmp))
             cpus.append(fork_cpu)
+            if i == 0:
+                print(f"preload: CPU {process_cpu_s(server.pid):.2f} s (the forkserver, once)")
             print(f"forked:  ready in {wall:.2f} s, CPU {fork_cpu:.2f} s")
+        server.terminate()
         mean = sum(cpus) / len(cpus)
         print(
             f"fresh / forked CPU: {cpu / mean:.1f}x (the preload pays for itself from the 2nd fork)"

@@ -1,15 +1,51 @@
 """Shared fixtures: a tiny real model and tokenizer, built once per session on local disk (and
-loaded in the test process per module, for reference outputs); and the order the test files
-run in."""
+loaded in the test process per module, for reference outputs); the order the test files run in;
+and one engine forkserver for the session."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
+
+FORKSERVER = pytest.StashKey[tuple[subprocess.Popen, str]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Built-in engines are forked from one preloaded process (`rollouts/engine/forkserver.py`):
+    the suite starts about a hundred, each 3-4 CPU-seconds of imports as a fresh process. Started
+    by the controller only: xdist's workers, and every process the tests start, inherit
+    `$ROLLOUTS_ENGINE_FORKSERVER`. `ROLLOUTS_TEST_FORKSERVER=0` starts engines fresh instead."""
+    from rollouts.engine.forkserver import ENV_VAR, start_server
+    from rollouts.engine.launch import engine_env
+
+    if hasattr(config, "workerinput") or ENV_VAR in os.environ:
+        return
+    if os.environ.get("ROLLOUTS_TEST_FORKSERVER", "1") == "0":
+        return
+    tmp = tempfile.mkdtemp(prefix="rollouts-fs-")
+    server = start_server(f"{tmp}/engines.sock", engine_env(), f"{tmp}/forkserver.log")
+    config.stash[FORKSERVER] = (server, tmp)
+    os.environ[ENV_VAR] = f"{tmp}/engines.sock"
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from rollouts.engine.forkserver import ENV_VAR
+
+    if (started := config.stash.get(FORKSERVER, None)) is None:
+        return
+    server, tmp = started
+    os.environ.pop(ENV_VAR, None)
+    server.terminate()
+    server.wait(timeout=10)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -25,6 +25,7 @@ from rollouts.driver.placement import (
     why_unplaced,
 )
 from rollouts.driver.quick_start import quick_start_training
+from rollouts.engine.forkserver import ENV_VAR
 from rollouts.engine.launch import engine_process, engine_spec
 from rollouts.openmp import short_spin_waits
 from rollouts.trainer.core import TrainerCore
@@ -240,6 +241,7 @@ def test_an_async_run_keeps_training_driver_and_engine_apart(
     """ "off": the training thread of this process; "auto": the trainer process's threads (its
     training thread on the trainer's cores, its socket reader and weight writer on the driver's)."""
     seen: dict[str, set[frozenset[int]]] = {k: set() for k in ("train", "driver", "engine")}
+    monkeypatch.delenv(ENV_VAR, raising=False)  # the run's engines: this process's children
     others = set(_child_pids())  # engines of module-scoped fixtures: not this run's
     real_fb = TrainerCore.forward_backward
 
@@ -296,6 +298,7 @@ def test_a_colocated_sync_run_gives_each_phase_every_core(
     import torch
 
     seen: dict[str, set] = {"train_threads": set(), "train_cores": set(), "engine": set()}
+    monkeypatch.delenv(ENV_VAR, raising=False)  # the run's engines: this process's children
     others = set(_child_pids())  # engines of module-scoped fixtures: not this run's
     real_fb = TrainerCore.forward_backward
 
