@@ -33,6 +33,8 @@ from typing import Any
 from openai import AsyncOpenAI
 
 MAX_TURNS = 4
+MAX_TOKENS = 256  # a reply's bound (a server's own default can be its whole context; a training
+# run's gateway gives each call the smaller of this and the run's rollout.sampling.max_new_tokens)
 CALCULATOR = {
     "type": "function",
     "function": {
@@ -97,7 +99,7 @@ async def solve(
         model = (await client.models.list()).data[0].id
         for _ in range(MAX_TURNS):
             response = await client.chat.completions.create(
-                model=model, messages=messages, tools=[CALCULATOR]
+                model=model, messages=messages, tools=[CALCULATOR], max_tokens=MAX_TOKENS
             )
             message = response.choices[0].message
             messages.append(message.model_dump(exclude_none=True))
