@@ -22,7 +22,8 @@ def pytest_configure(config: pytest.Config) -> None:
     """Built-in engines are forked from one preloaded process (`rollouts/engine/forkserver.py`):
     the suite starts about a hundred, each 3-4 CPU-seconds of imports as a fresh process. Started
     by the controller only: xdist's workers, and every process the tests start, inherit
-    `$ROLLOUTS_ENGINE_FORKSERVER`. `ROLLOUTS_TEST_FORKSERVER=0` starts engines fresh instead."""
+    `$ROLLOUTS_ENGINE_FORKSERVER`. `ROLLOUTS_TEST_FORKSERVER=0` starts engines fresh instead, as
+    does an `OMP_NUM_THREADS` other than 1 (scripts/test.sh sets 1)."""
     from rollouts.engine.forkserver import ENV_VAR, start_server
     from rollouts.engine.launch import engine_env
 
@@ -30,6 +31,8 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     if os.environ.get("ROLLOUTS_TEST_FORKSERVER", "1") == "0":
         return
+    if os.environ.get("OMP_NUM_THREADS") != "1":
+        return  # numpy's OpenBLAS pool would be a second thread: the server would not serve
     tmp = tempfile.mkdtemp(prefix="rollouts-fs-")
     server = start_server(f"{tmp}/engines.sock", engine_env(), f"{tmp}/forkserver.log")
     config.stash[FORKSERVER] = (server, tmp)

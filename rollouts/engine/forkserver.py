@@ -63,6 +63,9 @@ REPLY_TIMEOUT_S = 60.0  # the first request waits for the server's imports
 PR_SET_PDEATHSIG = 1
 
 
+_UNREACHED: set[str] = set()  # servers this process could not reach (warned once each)
+
+
 class Refused(RuntimeError):
     """The server will not fork this engine (the launcher starts a fresh process)."""
 
@@ -158,9 +161,15 @@ def fork_engine(
             raise Refused(answer["refused"])
         os.set_inheritable(fds[0], False)
         return ForkedProcess(list(argv), conn, int(answer["pid"]), fds[0])
-    except (OSError, Refused, ValueError, KeyError, IndexError) as exc:
+    except (OSError, ValueError, KeyError, IndexError) as exc:  # no server there: say so once
         conn.close()
-        log.info("forkserver %s: %s; starting a fresh process", path, exc)
+        if path not in _UNREACHED:
+            _UNREACHED.add(path)
+            log.warning("engine forkserver %s: %s; engines start fresh", path, exc)
+        return None
+    except Refused as exc:  # this request only (its log says why too)
+        conn.close()
+        log.info("engine forkserver %s: %s; starting a fresh process", path, exc)
         return None
 
 
@@ -171,9 +180,9 @@ def start_server(path: str, env: Mapping[str, str], log_path: str) -> subprocess
     from rollouts.engine.launch import dies_with_parent
 
     cmd = [sys.executable, "-m", "rollouts.engine.forkserver", path, "-" * ARGV_ROOM]
-    with open(log_path, "ab") as log:
+    with open(log_path, "ab") as out:
         server = subprocess.Popen(
-            dies_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT, env=dict(env)
+            dies_with_parent(cmd), stdout=out, stderr=subprocess.STDOUT, env=dict(env)
         )
     deadline = time.monotonic() + LISTEN_TIMEOUT_S
     while not os.path.exists(path) and server.poll() is None and time.monotonic() < deadline:

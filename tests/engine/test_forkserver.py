@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rollouts.engine.forkserver import ENV_VAR, ForkedProcess, start_server
+from rollouts.engine.forkserver import ENV_VAR, ForkedProcess, fork_engine, start_server
 from rollouts.engine.launch import (
     EngineProcess,
     EngineStartError,
@@ -151,3 +151,16 @@ def test_a_forked_engine_dies_with_its_launcher(tiny_model_dir: Path, forked: Pa
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.05)  # killed by the forkserver, then reaped by it
     assert not Path(f"/proc/{pid}").exists()
+
+
+def test_a_server_that_is_not_there_is_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    argv = [sys.executable, "-m", "rollouts.engine", "--model", "m"]
+    missing = str(tmp_path / "no-server.sock")
+    with caplog.at_level("WARNING", logger="rollouts.engine.forkserver"):
+        for _ in range(2):
+            assert fork_engine(argv, dict(os.environ), str(tmp_path / "log"), missing) is None
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith(f"engine forkserver {missing}: "), said
+    assert said[0].endswith("engines start fresh"), said
