@@ -1,15 +1,18 @@
 """Real vLLM servers (vLLM's own CPU build) on 127.0.0.1, started together once per test run.
 
 `scripts/test_vllm.sh` builds the vLLM environment and sets ROLLOUTS_VLLM_PYTHON; without it these
-tests are skipped (the plain suite, `scripts/test.sh`, has no vLLM). Four servers start at once:
-"tiny" and "tiny2" (the demo's model shape: head_dim 32, untied; the pool of two), "tied" (the
-same shape with a tied LM head) and "smollm2" (the packaged SmolLM2-135M-Instruct, tied; with
-LoRA on: `--enable-lora`, adapters loaded at run time, as the LoRA runs need it; the hermes
-tool parser and the packaged template that shows SmolLM2 the tools, for the OpenAI agent
-example). `-O0`
-skips vLLM's compile: start-up is then Python imports and a warm-up (tens of seconds each);
-"tiny2" runs at vLLM's default level (compiled, as users run it), where seeded requests crashed
-the CPU engine with chunked prefill on.
+tests are skipped (the plain suite, `scripts/test.sh`, has no vLLM). Four servers: "tiny" and
+"tiny2" (the demo's model shape: head_dim 32, untied; the pool of two), "tied" (the same shape with
+a tied LM head) and "smollm2" (the packaged SmolLM2-135M-Instruct, tied; with LoRA on:
+`--enable-lora`, adapters loaded at run time, as the LoRA runs need it; the hermes tool parser and
+the packaged template that shows SmolLM2 the tools, for the OpenAI agent example). `-O0` skips
+vLLM's compile: start-up is then Python imports and a warm-up (tens of seconds each); "tiny2" runs
+at vLLM's default level (compiled, as users run it), where seeded requests crashed the CPU engine
+with chunked prefill on.
+
+A run starts only the servers its tests use: the tests on "smollm2" are marked `smollm2`, every
+other one uses the three tiny servers. `scripts/test_vllm.sh` runs the two sets as two pytest
+processes side by side (most of the job's time is SmolLM2's, on one server).
 """
 
 from __future__ import annotations
@@ -129,28 +132,56 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> d
     return {"tiny": tiny, "tiny2": tiny, "tied": tied, "smollm2": smollm2_dir}
 
 
+# name -> (the core its worker is bound to, vLLM arguments, environment); in starting order
+SERVERS: dict[str, tuple[int, tuple[str, ...], dict[str, str] | None]] = {
+    "tiny": (0, ("-O0",), None),
+    "tiny2": (1, (), None),
+    "tied": (0, ("-O0",), None),
+    "smollm2": (1, ("-O0", *LORA_ARGS, *TOOL_ARGS), LORA_ENV),
+}
+TINY_SERVERS = ("tiny", "tiny2", "tied")
+
+
+class Servers(dict[str, VLLMServer]):
+    """The servers this run started, by name."""
+
+    def __missing__(self, name: str) -> VLLMServer:
+        raise KeyError(
+            f"vLLM server {name!r} was not started in this run: a test on 'smollm2' is marked "
+            "@pytest.mark.smollm2 (tests/real_vllm/conftest.py starts the servers the run's "
+            "tests use), any other test uses the tiny servers"
+        )
+
+
+def servers_used(items: list[pytest.Item]) -> list[str]:
+    """The servers the collected tests use: "smollm2" for the marked ones, the tiny three for
+    the rest (in SERVERS' order)."""
+    marked = {
+        it.get_closest_marker("smollm2") is not None for it in items if "vllm" in it.fixturenames
+    }
+    names = (*(TINY_SERVERS if False in marked else ()), *(("smollm2",) if True in marked else ()))
+    return [name for name in SERVERS if name in names]
+
+
 @pytest.fixture(scope="session")
 def vllm(
-    vllm_python: str, model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, VLLMServer]]:
-    """The four servers, started in parallel (workers on cores 0 and 1 alternately)."""
+    request: pytest.FixtureRequest,
+    vllm_python: str,
+    model_dirs: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Servers]:
+    """The servers the run's tests use, started in parallel (workers bound to cores 0 and 1)."""
     logs = tmp_path_factory.mktemp("vllm-logs")
     started = time.monotonic()
-    servers = {
-        name: VLLMServer(name, model_dirs[name], core=i % 2, log_dir=logs, args=args, env=env)
-        for i, (name, args, env) in enumerate(
-            (
-                ("tiny", ("-O0",), None),
-                ("tiny2", (), None),
-                ("tied", ("-O0",), None),
-                ("smollm2", ("-O0", *LORA_ARGS, *TOOL_ARGS), LORA_ENV),
-            )
-        )
-    }
+    servers = Servers()
     try:
+        for name in servers_used(request.session.items):
+            core, args, env = SERVERS[name]
+            servers[name] = VLLMServer(name, model_dirs[name], core, logs, args, env)
         for server in servers.values():
             server.wait_ready(started + START_TIMEOUT_S)
-        print(f"\n[vllm] 4 servers ready in {time.monotonic() - started:.0f}s", flush=True)
+        took = time.monotonic() - started
+        print(f"\n[vllm] {', '.join(servers)} ready in {took:.0f}s", flush=True)
         yield servers
     finally:
         for server in servers.values():

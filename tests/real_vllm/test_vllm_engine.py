@@ -33,6 +33,7 @@ from rollouts.wire.generation import FinishReason, SamplingParams
 from tests.real_vllm.conftest import VLLMServer
 from tests.training.backend_helpers import tiny_config
 
+SMOLLM2 = pytest.mark.smollm2  # on the "smollm2" server (conftest.py)
 FP32_MATCH = 1e-4  # engine vs trainer logprobs on the same weights, fp32
 # long enough to act on mid-way: ~5 s on SmolLM2 (one core, -O0). Not the tiny model: its
 # batch-of-one decode steps are so short that the box stalls (timers of other processes too)
@@ -71,9 +72,22 @@ class Trainer:
         return publish_weights(self.backend, root, version)
 
 
+class Trainers(dict[str, Trainer]):
+    """A trainer per model, built when a test first asks for it (a run of the tiny servers'
+    tests never loads SmolLM2)."""
+
+    def __init__(self, model_dirs: dict[str, Path]) -> None:
+        super().__init__()
+        self.model_dirs = model_dirs
+
+    def __missing__(self, name: str) -> Trainer:
+        self[name] = Trainer(self.model_dirs[name])
+        return self[name]
+
+
 @pytest.fixture(scope="module")
-def trainers(model_dirs: dict[str, Path]) -> Iterator[dict[str, Trainer]]:
-    made = {name: Trainer(model_dirs[name]) for name in ("tiny", "tied", "smollm2")}
+def trainers(model_dirs: dict[str, Path]) -> Iterator[Trainers]:
+    made = Trainers(model_dirs)
     yield made
     for trainer in made.values():
         trainer.backend.close()
@@ -92,7 +106,7 @@ def _prompt(trainer: Trainer, seed: int = 0) -> list[int]:
     return list(probe_ids(trainer.vocab, 12, seed))
 
 
-@pytest.mark.parametrize("name", ["tiny", "smollm2"])
+@pytest.mark.parametrize("name", ["tiny", pytest.param("smollm2", marks=SMOLLM2)])
 async def test_generate_logprobs_equal_the_trainers(
     vllm: dict[str, VLLMServer], trainers: dict[str, Trainer], name: str, tmp_path: Path
 ) -> None:
@@ -169,6 +183,7 @@ async def _mid_way() -> None:
     await trio.sleep(1.0)
 
 
+@SMOLLM2
 async def test_abort_by_request_id_returns_the_partial_output(
     vllm: dict[str, VLLMServer], trainers: dict[str, Trainer], tmp_path: Path
 ) -> None:
@@ -188,6 +203,7 @@ async def test_abort_by_request_id_returns_the_partial_output(
     assert kept[0].finish_reason == FinishReason.LENGTH  # another group's request ran on
 
 
+@SMOLLM2
 @pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
 async def test_pause_with_a_request_running(
     vllm: dict[str, VLLMServer], trainers: dict[str, Trainer], mode: str, tmp_path: Path
@@ -217,7 +233,7 @@ async def test_pause_with_a_request_running(
     assert largest_gap(expected, done.logprobs)[0] < FP32_MATCH
 
 
-@pytest.mark.parametrize("name", ["tiny", "tied", "smollm2"])
+@pytest.mark.parametrize("name", ["tiny", "tied", pytest.param("smollm2", marks=SMOLLM2)])
 async def test_disk_sync_serves_the_trainers_weights(
     vllm: dict[str, VLLMServer], trainers: dict[str, Trainer], name: str, tmp_path: Path
 ) -> None:
@@ -240,7 +256,7 @@ async def test_disk_sync_serves_the_trainers_weights(
     assert out.weight_version == "1"
 
 
-@pytest.mark.parametrize("name", ["tied", "smollm2"])
+@pytest.mark.parametrize("name", ["tied", pytest.param("smollm2", marks=SMOLLM2)])
 async def test_content_check_catches_a_stale_tied_head(
     vllm: dict[str, VLLMServer], trainers: dict[str, Trainer], name: str, tmp_path: Path
 ) -> None:
@@ -263,6 +279,7 @@ async def test_content_check_catches_a_stale_tied_head(
     await engine.aclose()
 
 
+@SMOLLM2
 async def test_partial_rollout_aborted_by_a_sync_continues_on_the_new_weights(
     vllm: dict[str, VLLMServer], trainers: dict[str, Trainer], tmp_path: Path
 ) -> None:

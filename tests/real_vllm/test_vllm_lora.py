@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.real_vllm.conftest import VLLMServer
 from tests.real_vllm.test_vllm_training import FP32_MATCH, _config, _steps, _train
 
@@ -14,6 +16,8 @@ LORA = {
     "algorithm__kl": {"coef": 0.05},
     "rollout": {"batch_size": 2, "n_samples_per_prompt": 4},
 }
+
+pytestmark = pytest.mark.smollm2  # on the "smollm2" server (conftest.py)
 
 
 def test_lora_rl_on_smollm2_syncs_the_adapter_alone(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 from transformers import AutoTokenizer
 
 from examples.openai_agent import CALCULATOR, solve
@@ -18,6 +19,8 @@ from rollouts.data.sft import encode
 from rollouts.envs.shop import shop_tool_specs
 from rollouts.envs.tool_format import ToolSpec, render_with_tools
 from tests.real_vllm.conftest import VLLMServer
+
+pytestmark = pytest.mark.smollm2  # on the "smollm2" server (conftest.py)
 
 
 async def test_the_example_agent_runs_on_vllms_own_server(vllm: dict[str, VLLMServer]) -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from rollouts.envs.shop_data import write_shop_datasets
 from tests.real_vllm.conftest import VLLMServer
 from tests.real_vllm.test_vllm_training import FP32_MATCH, _config, _steps, _train
@@ -46,6 +48,8 @@ SHOP = {
     "weight_sync": {"lora": "adapter"},
 }
 SHOWN = ("agent/turns_mean", "agent/tool_calls", "agent/invalid_calls", "train/logprob_mismatch")
+
+pytestmark = pytest.mark.smollm2  # on the "smollm2" server (conftest.py)
 
 
 def test_the_shop_agent_trains_on_vllm_on_policy(

@@ -94,7 +94,7 @@ def test_rl_on_a_pool_of_two_vllm_servers(
             assert row["train/logprob_mismatch"] < FP32_MATCH, row["step"]
 
 
-@pytest.mark.parametrize("name", ["tied", "smollm2"])
+@pytest.mark.parametrize("name", ["tied", pytest.param("smollm2", marks=pytest.mark.smollm2)])
 def test_sync_mode_on_a_tied_model_stays_on_policy(
     vllm: dict[str, VLLMServer], model_dirs: dict[str, Path], tmp_path: Path, name: str
 ) -> None:
