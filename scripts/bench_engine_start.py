@@ -6,7 +6,7 @@ main suite starts about a hundred engines).
 Prints, in one process and one run:
 - fresh: an engine started by the launcher (`rollouts.engine.launch.spawn`: the die-with-parent
   shim, then exec), timed to its first 200 from /health, and the CPU seconds the process used;
-- preload: the CPU the forkserver (`rollouts/engine/forkserver.py`) spent on its imports, once;
+- preload: the CPU the forkserver (`rollouts/forkserver/`) spent on its imports, once;
 - forked: an engine the same launcher asks of that forkserver, timed the same way; then the
   ratio of the two CPU costs. (The forkserver needs one thread: OMP_NUM_THREADS=1 keeps numpy's
   OpenBLAS pool from starting.)"""
@@ -52,9 +52,9 @@ def fresh(model: Path, log_dir: Path) -> tuple[float, float]:
 
 
 def forked(model: Path, log_dir: Path) -> tuple[float, float]:
-    """An engine the launcher asks of the forkserver (main sets `$ROLLOUTS_ENGINE_FORKSERVER`)."""
-    from rollouts.engine.forkserver import ForkedProcess
+    """An engine the launcher asks of the forkserver (main sets `$ROLLOUTS_FORKSERVER`)."""
     from rollouts.engine.launch import engine_spec, spawn, wait_healthy_sync
+    from rollouts.forkserver import ForkedProcess
 
     started = time.monotonic()
     proc = spawn(engine_spec(model, log_path=str(log_dir / "forked.log")))
@@ -71,8 +71,8 @@ def main() -> int:
     parser.add_argument("--model", type=Path, default=None, help="default: a tiny model built here")
     parser.add_argument("--forks", type=int, default=3)
     args = parser.parse_args()
-    from rollouts.engine.forkserver import ENV_VAR, start_server
-    from rollouts.engine.launch import engine_env
+    from rollouts.engine.launch import ENGINE_PRELOAD, engine_env
+    from rollouts.forkserver import ENV_VAR, start_server
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
@@ -83,7 +83,9 @@ def main() -> int:
         fresh_wall, cpu = fresh(model, Path(tmp))
         print(f"fresh:   ready in {fresh_wall:.2f} s, CPU {cpu:.2f} s")
         sock = Path(tmp) / "engines.sock"
-        server = start_server(str(sock), engine_env(), str(Path(tmp) / "forkserver.log"))
+        server = start_server(
+            str(sock), engine_env(), str(Path(tmp) / "forkserver.log"), ENGINE_PRELOAD
+        )
         os.environ[ENV_VAR] = str(sock)
         cpus = []
         for i in range(args.forks):

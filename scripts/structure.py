@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "rollouts"
 # lowest first; a room imports only rooms of its own layer or below (and never round a cycle)
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"rollouts", "wire"}),
+    frozenset({"rollouts", "wire", "forkserver"}),
     frozenset({"config", "models"}),
     frozenset({"algorithms", "rewards", "data", "envs"}),
     frozenset({"engine", "inference", "trainer", "weights", "rollout", "gateway"}),

@@ -1,6 +1,6 @@
 """Shared fixtures: a tiny real model and tokenizer, built once per session on local disk (and
 loaded in the test process per module, for reference outputs); the order the test files run in;
-and one engine forkserver for the session."""
+and one forkserver for the session."""
 
 from __future__ import annotations
 
@@ -13,19 +13,31 @@ from typing import Any
 
 import pytest
 
+from rollouts.engine.launch import ENGINE_PRELOAD
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
 
-FORKSERVER = pytest.StashKey[tuple[subprocess.Popen, str]]()
+FORKSERVER = pytest.StashKey[tuple[list[subprocess.Popen], str]]()
+# what the suite's programs import: the trainer process, the driver (and the built-in engine's)
+PRELOAD = (
+    *ENGINE_PRELOAD,
+    "rollouts.trainer.process_child",
+    "rollouts.trainer.factories",
+    "rollouts.driver.cli",
+    "rollouts.driver.run",
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Built-in engines are forked from one preloaded process (`rollouts/engine/forkserver.py`):
-    the suite starts about a hundred, each 3-4 CPU-seconds of imports as a fresh process. Started
-    by the controller only: xdist's workers, and every process the tests start, inherit
-    `$ROLLOUTS_ENGINE_FORKSERVER`. `ROLLOUTS_TEST_FORKSERVER=0` starts engines fresh instead, as
-    does an `OMP_NUM_THREADS` other than 1 (scripts/test.sh sets 1)."""
-    from rollouts.engine.forkserver import ENV_VAR, start_server
+    """Built-in engines, trainer processes and driver runs are forked from preloaded processes
+    (`rollouts/forkserver/`): the suite starts about 170, each 3-5 CPU-seconds of imports as a
+    fresh process. Two servers, one per environment: the engines' (`engine_env()`) and the
+    suite's own, with the OpenMP waits the front door sets (`short_spin_waits`, set here for
+    every process the suite starts). Started by the controller only: xdist's workers, and every
+    process the tests start, inherit `$ROLLOUTS_FORKSERVER`. `ROLLOUTS_TEST_FORKSERVER=0` starts
+    them fresh instead, as does an `OMP_NUM_THREADS` other than 1 (scripts/test.sh sets 1)."""
     from rollouts.engine.launch import engine_env
+    from rollouts.forkserver import ENV_VAR, start_server
+    from rollouts.openmp import short_spin_waits
 
     if hasattr(config, "workerinput") or ENV_VAR in os.environ:
         return
@@ -33,21 +45,26 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     if os.environ.get("OMP_NUM_THREADS") != "1":
         return  # numpy's OpenBLAS pool would be a second thread: the server would not serve
+    short_spin_waits()
     tmp = tempfile.mkdtemp(prefix="rollouts-fs-")
-    server = start_server(f"{tmp}/engines.sock", engine_env(), f"{tmp}/forkserver.log")
-    config.stash[FORKSERVER] = (server, tmp)
-    os.environ[ENV_VAR] = f"{tmp}/engines.sock"
+    servers = [
+        start_server(f"{tmp}/engines.sock", engine_env(), f"{tmp}/engines.log", ENGINE_PRELOAD),
+        start_server(f"{tmp}/programs.sock", dict(os.environ), f"{tmp}/programs.log", PRELOAD),
+    ]
+    config.stash[FORKSERVER] = (servers, tmp)
+    os.environ[ENV_VAR] = os.pathsep.join([f"{tmp}/engines.sock", f"{tmp}/programs.sock"])
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    from rollouts.engine.forkserver import ENV_VAR
+    from rollouts.forkserver import ENV_VAR
 
     if (started := config.stash.get(FORKSERVER, None)) is None:
         return
-    server, tmp = started
+    servers, tmp = started
     os.environ.pop(ENV_VAR, None)
-    server.terminate()
-    server.wait(timeout=10)
+    for server in servers:
+        server.terminate()
+        server.wait(timeout=10)
     shutil.rmtree(tmp, ignore_errors=True)
 
 

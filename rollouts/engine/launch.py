@@ -13,8 +13,8 @@ Linux the server is started through a tiny launcher that sets the parent-death s
 caller's), never from a worker thread. `serve_engines` restarts a server that exits (at most
 `max_restarts` times each) on the same port; the pool's health check brings it back.
 
-Where `$ROLLOUTS_ENGINE_FORKSERVER` names a running engine forkserver (`forkserver.py`; the test
-suite starts one), a server is forked from there instead: the same server, a tenth of the CPU.
+Where `$ROLLOUTS_FORKSERVER` names a running forkserver (`rollouts/forkserver/`; the test suite
+starts one), a server is forked from there instead: the same server, a tenth of the CPU.
 """
 
 from __future__ import annotations
@@ -34,11 +34,21 @@ import httpx
 import trio
 
 from rollouts.config.engine_options import EngineOptions, command_line
-from rollouts.engine.forkserver import ForkedProcess, fork_engine
+from rollouts.forkserver import ENV_VAR as FORKSERVER_VAR
+from rollouts.forkserver import ForkedProcess, fork
 from rollouts.openmp import short_spin_waits
 from rollouts.wire.ports import free_port
 from rollouts.wire.tls import tls_context
 
+# what a forkserver imports for engines (`rollouts/forkserver/`, `start_server`'s preload)
+ENGINE_PRELOAD = (
+    "torch",
+    "trio",
+    "transformers:LlamaForCausalLM",
+    "transformers:PreTrainedTokenizerFast",
+    "rollouts.engine.app",
+    "rollouts.engine.cli",  # not __main__: runpy runs that one fresh
+)
 HEALTH_POLL_S = 0.1
 STOP_GRACE_S = 5.0
 PORT_ATTEMPTS = 3
@@ -126,7 +136,7 @@ def engine_env() -> dict[str, str]:
 
 def spawn(spec: EngineSpec) -> EngineProcess:
     """Start the server process (returns at once; see `wait_healthy*`); it dies with us. Forked
-    by the engine forkserver where `$ROLLOUTS_ENGINE_FORKSERVER` names one (`forkserver.py`)."""
+    by the forkserver where `$ROLLOUTS_FORKSERVER` names one (`rollouts/forkserver/`)."""
     port = spec.options.port or free_port(spec.options.host)
     if spec.log_path:
         log_path = spec.log_path
@@ -134,7 +144,7 @@ def spawn(spec: EngineSpec) -> EngineProcess:
         fd, log_path = tempfile.mkstemp(prefix=f"rollouts-serve-{port}-", suffix=".log")
         os.close(fd)
     env, cmd = engine_env(), server_command(spec, port)
-    process: subprocess.Popen | ForkedProcess | None = fork_engine(cmd, env, log_path)
+    process: subprocess.Popen | ForkedProcess | None = _forked(cmd, env, log_path)
     if process is None:  # no forkserver (the default), or it refused: a fresh process
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
@@ -142,6 +152,19 @@ def spawn(spec: EngineSpec) -> EngineProcess:
             )
     url = f"http://{spec.options.host}:{port}"
     return EngineProcess(url=url, process=process, log_path=log_path, api_key=spec.options.api_key)
+
+
+def _forked(cmd: list[str], env: dict[str, str], log_path: str) -> ForkedProcess | None:
+    """The server forked by the forkserver (stdin from /dev/null, output to the log), if any."""
+    if not os.environ.get(FORKSERVER_VAR):
+        return None
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        return fork(cmd, env, {0: null, 1: log, 2: log})
+    finally:
+        os.close(log)
+        os.close(null)
 
 
 def _exited(proc: EngineProcess) -> EngineStartError | None:

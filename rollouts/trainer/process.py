@@ -9,6 +9,9 @@ builds one-device backends (the policy, a reference model) with `create_pytorch_
 their calls. The driver's handle is a `RemoteBackend` (`remote.py`) over a `ProcessLink`: its
 calls are pickled over a socket pair in order (`process_wire.py`) and come back as `TrainFuture`s.
 
+Where `$ROLLOUTS_FORKSERVER` names a forkserver (`rollouts/forkserver/`; the test suite starts
+one), the child is forked from there: the same program without its seconds of imports.
+
 Start-up is not waited for: the child imports torch and builds the model while the driver starts
 the engines, and an error of that work comes back from the next call. In the child, calls that
 return a future are only submitted (the backend's training thread runs them in order) and the
@@ -25,6 +28,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
+import os
 import pickle
 import socket
 import subprocess
@@ -35,6 +39,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from rollouts.config import Config
+from rollouts.forkserver import ForkedProcess, fork
 from rollouts.trainer.process_wire import HOST, dumps, pack, unpack
 from rollouts.trainer.remote import RemoteBackend
 
@@ -54,10 +59,10 @@ class TrainerProcess:
         assert threads >= 1, f"{threads=}"
         ours, theirs = socket.socketpair()
         fd = theirs.fileno()
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "rollouts.trainer.process_child", str(fd)],
-            pass_fds=(fd,),
-        )
+        cmd = [sys.executable, "-m", "rollouts.trainer.process_child", str(fd)]
+        self._process: subprocess.Popen | ForkedProcess = fork(
+            cmd, os.environ, {0: 0, 1: 1, 2: 2, fd: fd}
+        ) or subprocess.Popen(cmd, pass_fds=(fd,))
         theirs.close()
         self.pid = self._process.pid
         self._conn = Connection(ours.detach())

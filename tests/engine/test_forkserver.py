@@ -1,6 +1,8 @@
-"""The engine forkserver (`rollouts/engine/forkserver.py`): a forked engine is the engine a fresh
+"""The forkserver (`rollouts/forkserver/`): a forked engine is the engine a fresh
 process starts (the same tokens and logprobs, greedy and seeded; its command line, log and exit
-status), it is refused where its imports would differ, and it dies with its launcher."""
+status), it is refused where its imports would differ, and it dies with its launcher; a forked
+trainer process trains as a fresh one does; a script gets its argv, sys.path, PYTHONPATH, pipes
+and exit status as a fresh interpreter gives them."""
 
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rollouts.engine.forkserver import ENV_VAR, ForkedProcess, fork_engine, start_server
 from rollouts.engine.launch import (
+    ENGINE_PRELOAD,
     EngineProcess,
     EngineStartError,
     engine_env,
@@ -28,13 +30,19 @@ from rollouts.engine.launch import (
     spawn,
     start_engine_sync,
 )
+from rollouts.forkserver import ENV_VAR, ForkedProcess, fork, start_server
+from rollouts.trainer.process import TrainerProcess
+from tests.training.backend_helpers import LENGTHS, make_batch, nll_loss, tiny_config
+
+TRAINER_PRELOAD = ("rollouts.trainer.process_child", "rollouts.trainer.factories")
 
 
 @pytest.fixture(scope="module")
 def forkserver() -> Iterator[tuple[subprocess.Popen, Path]]:
     """A forkserver of this module's own (the suite's may be off): its process and folder."""
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-fs-test-"))
-    server = start_server(str(tmp / "engines.sock"), engine_env(), str(tmp / "forkserver.log"))
+    log, preload = str(tmp / "forkserver.log"), (*ENGINE_PRELOAD, *TRAINER_PRELOAD)
+    server = start_server(str(tmp / "engines.sock"), engine_env(), log, preload)
     try:
         yield server, tmp
     finally:
@@ -158,9 +166,86 @@ def test_a_server_that_is_not_there_is_said_once(
 ) -> None:
     argv = [sys.executable, "-m", "rollouts.engine", "--model", "m"]
     missing = str(tmp_path / "no-server.sock")
-    with caplog.at_level("WARNING", logger="rollouts.engine.forkserver"):
+    with caplog.at_level("WARNING", logger="rollouts.forkserver.client"):
         for _ in range(2):
-            assert fork_engine(argv, dict(os.environ), str(tmp_path / "log"), missing) is None
+            assert fork(argv, dict(os.environ), {0: 0, 1: 1, 2: 2}, missing) is None
     said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 1 and said[0].startswith(f"engine forkserver {missing}: "), said
-    assert said[0].endswith("engines start fresh"), said
+    assert len(said) == 1 and said[0].startswith(f"forkserver {missing}: "), said
+    assert said[0].endswith("processes start fresh"), said
+
+
+def _one_step(model_dir: Path) -> tuple[str, float, float]:
+    """A trainer process's kind and its first step's loss and gradient norm."""
+    host = TrainerProcess(threads=1)
+    try:
+        remote = host.create(tiny_config(model_dir), total_steps=2)
+        loss = remote.forward_backward(make_batch(LENGTHS), nll_loss).result()["loss"]
+        norm = remote.optim_step().result()["grad_norm"]
+        return type(host._process).__name__, loss, norm
+    finally:
+        host.close()
+
+
+def test_a_forked_trainer_process_trains_as_a_fresh_one(
+    tiny_model_dir: Path, forkserver: tuple[subprocess.Popen, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in engine_env().items():  # the environment the module's server has
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    fresh = _one_step(tiny_model_dir)
+    monkeypatch.setenv(ENV_VAR, str(forkserver[1] / "engines.sock"))
+    forked = _one_step(tiny_model_dir)
+    assert fresh[0] == "Popen" and forked[0] == "ForkedProcess"
+    assert forked[1:] == fresh[1:] and fresh[2] > 0
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import helper_mod  # from the PYTHONPATH entry
+    print(sys.argv, sys.path[0] == os.path.dirname(os.path.abspath(__file__)), helper_mod.X)
+    print(sys.stdin.read().upper(), end="")
+    print("to stderr", file=sys.stderr)
+    raise SystemExit(int(sys.argv[1]))
+    """
+)
+
+
+def test_a_forked_script_gets_what_a_fresh_interpreter_gives(
+    forkserver: tuple[subprocess.Popen, Path], tmp_path: Path
+) -> None:
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "helper_mod.py").write_text("X = 'helper'\n")
+    (tmp_path / "script.py").write_text(SCRIPT)
+    env = engine_env() | {"PYTHONPATH": str(tmp_path / "lib")}
+    argv = [sys.executable, str(tmp_path / "script.py"), "3", "two words"]
+    fresh = subprocess.run(argv, env=env, input="in", capture_output=True, text=True)
+    stdin_r, stdin_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    os.write(stdin_w, b"in")
+    os.close(stdin_w)
+    path = str(forkserver[1] / "engines.sock")
+    proc = fork(argv, env, {0: stdin_r, 1: out_w, 2: err_w}, path)
+    for fd in (stdin_r, out_w, err_w):
+        os.close(fd)
+    assert isinstance(proc, ForkedProcess)
+    with os.fdopen(out_r) as out, os.fdopen(err_r) as err:
+        forked = (proc.wait(timeout=60), out.read(), err.read())
+    assert forked == (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert fresh.returncode == 3 and fresh.stderr == "to stderr\n"
+    assert "['" in fresh.stdout and "'3', 'two words'] True helper\nIN" in fresh.stdout
+
+
+def test_a_pythonpath_entry_that_shadows_a_preloaded_module_is_refused(
+    forkserver: tuple[subprocess.Popen, Path], tmp_path: Path
+) -> None:
+    (tmp_path / "trio.py").write_text("")
+    env = engine_env() | {"PYTHONPATH": str(tmp_path)}
+    argv = [sys.executable, "-c", "pass"]
+    path = str(forkserver[1] / "engines.sock")
+    assert fork(argv, env, {0: 0, 1: 1, 2: 2}, path) is None  # an interpreter option
+    assert fork([sys.executable, str(tmp_path / "trio.py")], env, {0: 0, 1: 1, 2: 2}, path) is None
+    log = (forkserver[1] / "forkserver.log").read_text()
+    assert "refused: runs `-m MODULE` or a script, without interpreter options: -c" in log
+    assert f"refused: PYTHONPATH entry {tmp_path} holds trio.py, imported from" in log

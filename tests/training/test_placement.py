@@ -25,8 +25,8 @@ from rollouts.driver.placement import (
     why_unplaced,
 )
 from rollouts.driver.quick_start import quick_start_training
-from rollouts.engine.forkserver import ENV_VAR
 from rollouts.engine.launch import engine_process, engine_spec
+from rollouts.forkserver import ENV_VAR
 from rollouts.openmp import short_spin_waits
 from rollouts.trainer.core import TrainerCore
 from rollouts.types import Sample
