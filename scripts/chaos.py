@@ -169,11 +169,15 @@ class Chaos:
             state: list[str] = []
             found = wait_for(lambda: bool(state.append(probe()) or state[-1]), alive, 0.0005)
             return f"a weight sync ({state[-1]})" if found else ""
-        target = self.last_step() + fault.after_steps
+        # no later than two steps before the end, at once there: a fault planned later would
+        # find the run completed (a fast run finishes a step within the planned delay)
+        latest = self.args.steps - 2
+        target = min(self.last_step() + fault.after_steps, latest)
         if not wait_for(lambda: self.last_step() >= target, alive, 0.02):
             return ""
-        time.sleep(fault.delay_s)
-        return f"{fault.delay_s:.2f} s after step {self.last_step()} was logged"
+        delay = fault.delay_s if target < latest else 0.0
+        time.sleep(delay)
+        return f"{delay:.2f} s after step {self.last_step()} was logged"
 
     def victim(self, fault: Fault) -> int | None:
         """The pid the fault hits: the driver, the trainer child or an engine."""

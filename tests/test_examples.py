@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import string
-import subprocess
 import sys
 from pathlib import Path
 
 from rollouts.types import Status
+from tests import programs
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "integration_training" / "train.py"
@@ -61,13 +61,8 @@ rollouts_per_step = 100
 
 
 def test_self_correct_example_trains_two_steps(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(TRAIN), "--mode", "rl", "--config", str(_config(tmp_path))],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    argv = [sys.executable, TRAIN, "--mode", "rl", "--config", _config(tmp_path)]
+    done = programs.run(argv, timeout=300, cwd=ROOT)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     run = tmp_path / "run"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

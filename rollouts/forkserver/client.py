@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 ENV_VAR = "ROLLOUTS_FORKSERVER"
 ARGV_ROOM = 16384  # bytes of padding in the server's argv, for the programs' command lines
+ENV_ROOM = 65536  # and in its environment, for theirs (`/proc/PID/environ` shows each its own)
 LISTEN_TIMEOUT_S = 10.0
 REPLY_TIMEOUT_S = 60.0  # the first request waits for the server's imports
 
@@ -168,7 +169,8 @@ def start_server(
     padding = "-" * ARGV_ROOM
     cmd = [sys.executable, "-m", "rollouts.forkserver", path, str(os.getpid()), padding, *preload]
     with open(log_path, "ab") as out:
-        server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(env))
+        room = {"ROLLOUTS_FORKSERVER_ENV_ROOM": "-" * ENV_ROOM}
+        server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**env, **room})
     deadline = time.monotonic() + LISTEN_TIMEOUT_S
     while not os.path.exists(path) and server.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)  # bound: the imports come after

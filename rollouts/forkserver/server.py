@@ -46,6 +46,7 @@ IMPORT_TIME = (
     "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "SAFETENSORS_", "XDG_", "TMPDIR",
 )  # fmt: skip
 PROGRESS_BARS = "HF_HUB_DISABLE_PROGRESS_BARS"  # read at import, set again in each program
+ENV_ROOM = "ROLLOUTS_FORKSERVER_ENV_ROOM"  # padding in the server's environment (see `become`)
 PATH_VAR = "PYTHONPATH"  # may differ: its entries go on sys.path in the program
 PR_SET_PDEATHSIG = 1
 
@@ -138,8 +139,10 @@ class Server:
             changed = sorted(k for k in theirs.keys() | mine.keys() if theirs.get(k) != mine.get(k))
             raise Refused(f"the environment differs in {changed}, read at import time")
         check_path(request["env"].get(PATH_VAR, ""), self.env.get(PATH_VAR, ""))
-        if len(b"\0".join(a.encode() for a in argv)) >= argv_room():
+        if len(b"\0".join(a.encode() for a in argv)) >= room("arg"):
             raise Refused("a command line longer than the server's padded one")
+        if sum(len(f"{k}={v}".encode()) + 1 for k, v in request["env"].items()) > room("env"):
+            raise Refused("an environment larger than the server's padded one")
         if len(fds) != len(request["fds"]) or not {0, 1, 2} <= set(request["fds"]):
             raise Refused(f"fds {request['fds']} (0, 1 and 2 at least) and {len(fds)} sent")
         known = {0, 1, 2, self.selector.fileno(), *fds}
@@ -237,18 +240,27 @@ def _closed(fd: int) -> bool:
     return False
 
 
-def argv_room() -> int:
-    """The bytes of this process's argv area (`/proc/self/stat`'s arg_start and arg_end)."""
+def _area(name: str) -> tuple[int, int]:
+    """Where this process's argv ("arg") or initial environment ("env") lies in its memory
+    (`/proc/self/stat`'s arg_start, arg_end, env_start, env_end)."""
     fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[46]) - int(fields[45])
+    first = {"arg": 45, "env": 47}[name]
+    return int(fields[first]), int(fields[first + 1])
 
 
-def set_cmdline(argv: Sequence[str]) -> None:
-    """Write `argv` over this process's argv area (NUL-padded), as `/proc/self/cmdline` shows it."""
-    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    start, end = int(fields[45]), int(fields[46])
-    text = b"\0".join(a.encode() for a in argv) + b"\0"
-    assert len(text) <= end - start, f"{len(text)=} {end - start=}"
+def room(name: str) -> int:
+    """The bytes of this process's argv ("arg") or initial environment ("env") area."""
+    start, end = _area(name)
+    return end - start
+
+
+def overwrite(name: str, items: Sequence[str]) -> None:
+    """Write `items` over this process's argv or environment area, NUL-separated and padded, as
+    `/proc/self/cmdline` or `/proc/self/environ` show them. The environment area is written only
+    once `os.environ` was rebuilt (its C strings are then elsewhere)."""
+    start, end = _area(name)
+    text = b"".join(a.encode() + b"\0" for a in items)
+    assert len(text) <= end - start, f"{name}: {len(text)=} {end - start=}"
     ctypes.memmove(start, text.ljust(end - start, b"\0"), end - start)
 
 
@@ -260,9 +272,10 @@ def become(request: dict[str, Any]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    overwrite("env", [f"{k}={v}" for k, v in request["env"].items()])  # /proc/PID/environ
     os.umask(request["umask"])
     os.sched_setaffinity(0, request["affinity"])
-    set_cmdline(request["argv"])
+    overwrite("arg", request["argv"])
     argv = request["argv"]
     first = request["cwd"] if argv[1] == "-m" else os.path.dirname(os.path.realpath(argv[1]))
     extra = [p for p in request["env"].get(PATH_VAR, "").split(os.pathsep) if p]
@@ -329,6 +342,7 @@ def main() -> NoReturn:
     """`python -m rollouts.forkserver SOCKET PARENT_PID PADDING [MODULE ...]`
     (`client.start_server`): it dies with PARENT_PID."""
     path, parent, _, *modules = sys.argv[1:]
+    os.environ.pop(ENV_ROOM, None)  # its bytes stay: the room for each program's environment
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
     if os.getppid() != int(parent):
         raise SystemExit(f"forkserver: its parent {parent} is gone")

@@ -93,6 +93,9 @@ def test_a_forked_engine_serves_what_a_fresh_one_serves(
             port = int(proc.url.rsplit(":", 1)[1])
             cmdline = Path(f"/proc/{proc.process.pid}/cmdline").read_bytes().rstrip(b"\0")
             assert cmdline.split(b"\0") == [a.encode() for a in server_command(the_spec, port)]
+            environ = Path(f"/proc/{proc.process.pid}/environ").read_bytes().split(b"\0")
+            shown = dict(item.decode().split("=", 1) for item in environ if item)
+            assert shown == engine_env(), how  # what tools that read /proc see (chaos.py)
         finally:
             proc.stop()
         assert proc.process.returncode == -signal.SIGTERM, how

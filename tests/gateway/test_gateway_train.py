@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 from rollouts.types import Status
+from tests import programs
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "integration_training" / "train.py"
@@ -57,13 +57,8 @@ rollouts_per_step = 100
 
 
 def test_rl_through_the_gateway_trains_two_steps(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(TRAIN), "--mode", "rl", "--config", str(_config(tmp_path))],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    argv = [sys.executable, TRAIN, "--mode", "rl", "--config", _config(tmp_path)]
+    done = programs.run(argv, timeout=300, cwd=ROOT)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     run = tmp_path / "run"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

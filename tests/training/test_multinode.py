@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests import programs
 from tests.training.test_train_e2e import ROOT, TRAIN, _config, _steps
 
 pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
@@ -117,10 +118,8 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
 def test_two_nodes_train_like_one_process_and_resume_after_a_kill(tmp_path: Path) -> None:
     one = tmp_path / "one"
     one.mkdir()
-    done = subprocess.run(
-        [sys.executable, str(TRAIN), "--mode", "sft", "--config", str(_sft_config(one))],
-        capture_output=True,
-        text=True,
+    done = programs.run(
+        [sys.executable, TRAIN, "--mode", "sft", "--config", _sft_config(one)],
         timeout=120,
         cwd=ROOT,
         env=_env(),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +34,7 @@ from rollouts.weights.check import (
 )
 from rollouts.weights.disk import sync_weights_to_engines
 from rollouts.wire.generation import SamplingParams
+from tests import programs
 
 pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
 
@@ -89,12 +89,8 @@ def real_run(
     is shared by the whole suite."""
     tmp = tmp_path_factory.mktemp("real-rl")
     config = _config(tmp, smollm2_dir)
-    done = subprocess.run(
-        [sys.executable, str(TRAIN), "--mode", "rl", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
+    done = programs.run(
+        [sys.executable, TRAIN, "--mode", "rl", "--config", config], timeout=600, cwd=ROOT
     )
     console = done.stdout + done.stderr
     assert done.returncode == 0, console[-4000:]

@@ -14,6 +14,7 @@ import pytest
 
 from rollouts.data.buffer import DataBuffer
 from rollouts.data.loaders import load_prompts
+from tests import programs
 from tests.toml_config import write_config
 from tests.training.conftest import FinishedRun
 
@@ -66,13 +67,7 @@ def _config(tmp: Path, **sections: dict) -> Path:
 
 
 def _train(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(TRAIN), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        cwd=ROOT,
-    )
+    return programs.run([sys.executable, TRAIN, *args], timeout=timeout_s, cwd=ROOT)
 
 
 def _steps(path: Path) -> list[int]:
