@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -87,6 +88,7 @@ class EngineProcess:
     process: subprocess.Popen | ForkedProcess
     log_path: str
     api_key: str = ""
+    temp_log: bool = False  # the log is a temp file of ours: `discard_log` removes it
 
     def log_tail(self, chars: int = 3000) -> str:
         """The end of the server's output (for error messages)."""
@@ -94,6 +96,14 @@ class EngineProcess:
             return Path(self.log_path).read_text(errors="replace")[-chars:]
         except OSError as exc:
             return f"(no log: {exc})"
+
+    def discard_log(self) -> None:
+        """Remove the log of a server we stopped if it is a temp file of ours (a log the caller
+        named stays, as does the log of a server that exited by itself: why it did)."""
+        stopped = (0, -signal.SIGTERM, -signal.SIGKILL)
+        if self.temp_log and self.process.returncode in stopped:
+            with contextlib.suppress(OSError):
+                os.unlink(self.log_path)
 
     def kill(self) -> None:
         """SIGKILL the server at once (fault-injection tests)."""
@@ -151,7 +161,13 @@ def spawn(spec: EngineSpec) -> EngineProcess:
                 dies_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT, env=env
             )
     url = f"http://{spec.options.host}:{port}"
-    return EngineProcess(url=url, process=process, log_path=log_path, api_key=spec.options.api_key)
+    return EngineProcess(
+        url=url,
+        process=process,
+        log_path=log_path,
+        api_key=spec.options.api_key,
+        temp_log=not spec.log_path,
+    )
 
 
 def _forked(cmd: list[str], env: dict[str, str], log_path: str) -> ForkedProcess | None:
@@ -258,6 +274,7 @@ async def engine_process(model_dir: str | Path, **kwargs: Any) -> AsyncIterator[
     finally:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(proc.stop)
+        proc.discard_log()
 
 
 @contextlib.asynccontextmanager
@@ -275,6 +292,7 @@ def engine_server_sync(model_dir: str | Path, **kwargs: Any) -> Iterator[EngineP
         yield proc
     finally:
         proc.stop()
+        proc.discard_log()
 
 
 async def serve_engine(
@@ -329,6 +347,7 @@ async def serve_engines(
         with trio.CancelScope(shield=True):
             for proc in procs:
                 await trio.to_thread.run_sync(proc.stop)
+                proc.discard_log()
 
 
 def with_options(spec: EngineSpec, **changes: Any) -> EngineSpec:

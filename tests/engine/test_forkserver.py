@@ -25,6 +25,7 @@ from rollouts.engine.launch import (
     EngineProcess,
     EngineStartError,
     engine_env,
+    engine_server_sync,
     engine_spec,
     server_command,
     spawn,
@@ -252,3 +253,20 @@ def test_a_pythonpath_entry_that_shadows_a_preloaded_module_is_refused(
     log = (forkserver[1] / "forkserver.log").read_text()
     assert "refused: runs `-m MODULE` or a script, without interpreter options: -c" in log
     assert f"refused: PYTHONPATH entry {tmp_path} holds trio.py, imported from" in log
+
+
+def test_a_temp_log_goes_with_an_engine_we_stopped_and_stays_when_it_crashed(
+    tiny_model_dir: Path, forked: Path, tmp_path: Path
+) -> None:
+    with engine_server_sync(tiny_model_dir) as proc:
+        assert Path(proc.log_path).is_file() and proc.temp_log
+    assert not Path(proc.log_path).exists()  # not left in /tmp, run after run
+    named = tmp_path / "engine.log"
+    with engine_server_sync(tiny_model_dir, log_path=str(named)):
+        pass
+    assert named.is_file()  # a log the caller named stays
+    crashed = spawn(engine_spec(tiny_model_dir, extra_args=["--cpus", "4096"]))
+    assert crashed.process.wait(timeout=60) == 2
+    crashed.discard_log()
+    assert "--cpus" in Path(crashed.log_path).read_text()  # why it exited stays
+    Path(crashed.log_path).unlink()
