@@ -1,6 +1,7 @@
 """Same seed, same metrics: the check a refactor must pass (torchtitan's rule: loss-identical).
 
     python scripts/same_seed.py run  OUT_DIR [--config configs/demo-cpu.toml] [--set K=V ...]
+                                          [--forkserver]
     python scripts/same_seed.py diff A_DIR B_DIR
 
 `run` trains `--mode sft+rl` in sync mode (the mode that stays exactly on-policy) into OUT_DIR and
@@ -10,16 +11,21 @@ differs, with the largest absolute difference. The one figure that is not bit-eq
 `train/logprob_mismatch`: the built-in engine batches requests as they arrive, and a row's floats
 depend on its batch (the demo's RL engine runs bf16: two runs of one commit differ by up to 1.1e-5
 in it); `diff` reports it apart, within BATCH_FLOATS, and exits 1 only on other differences:
-every other key (losses, rewards, eval, KL) must be equal.
+every other key (losses, rewards, eval, KL) must be equal. `--forkserver` runs it as the test suite
+does: its engines and trainer process forked by two forkservers (`rollouts/forkserver/`; one
+torch thread a process, `OMP_NUM_THREADS=1`, which the servers need: compare with a run that has
+it too).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,8 +43,37 @@ def _comparable(row: dict) -> dict:
     }
 
 
-def run(out: Path, config: str, sets: list[str]) -> None:
+def _forkservers(tmp: str) -> list[subprocess.Popen]:
+    """The test suite's two servers (tests/conftest.py), named in this process's environment."""
+    sys.path.insert(0, str(ROOT))
+    from rollouts.engine.launch import ENGINE_PRELOAD, engine_env
+    from rollouts.forkserver import ENV_VAR, start_server
+    from rollouts.openmp import short_spin_waits
+    from tests.conftest import PRELOAD
+
+    assert os.environ.get("OMP_NUM_THREADS") == "1", "--forkserver: set OMP_NUM_THREADS=1"
+    short_spin_waits()
+    engines, programs = f"{tmp}/engines.sock", f"{tmp}/programs.sock"
+    servers = [
+        start_server(engines, engine_env(), f"{tmp}/engines.log", ENGINE_PRELOAD),
+        start_server(programs, dict(os.environ), f"{tmp}/programs.log", PRELOAD),
+    ]
+    os.environ[ENV_VAR] = os.pathsep.join([engines, programs])
+    return servers
+
+
+def run(out: Path, config: str, sets: list[str], forkserver: bool = False) -> None:
     out = out.resolve()
+    with tempfile.TemporaryDirectory() as tmp:
+        servers = _forkservers(tmp) if forkserver else []
+        try:
+            _train(out, config, sets)
+        finally:
+            for server in servers:
+                server.terminate()
+
+
+def _train(out: Path, config: str, sets: list[str]) -> None:
     overrides = [f"run.output_dir={json.dumps(str(out / 'run'))}", 'rollout.mode="sync"', *sets]
     command = [sys.executable, "integration_training/train.py", "--mode", "sft+rl"]
     command += ["--config", config] + [a for s in overrides for a in ("--set", s)]
@@ -99,12 +134,13 @@ def main() -> None:
     r.add_argument("out", type=Path)
     r.add_argument("--config", default="configs/demo-cpu.toml")
     r.add_argument("--set", action="append", default=[], dest="sets")
+    r.add_argument("--forkserver", action="store_true", help="fork as the test suite does")
     d = sub.add_parser("diff")
     d.add_argument("a", type=Path)
     d.add_argument("b", type=Path)
     args = parser.parse_args()
     if args.command == "run":
-        run(args.out, args.config, args.sets)
+        run(args.out, args.config, args.sets, args.forkserver)
     else:
         sys.exit(diff(args.a, args.b))
 
