@@ -143,12 +143,10 @@ def _ask(path: str, request: dict, fds: list[int]) -> ForkedProcess:
         conn.settimeout(REPLY_TIMEOUT_S)
         conn.connect(path)
         socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], fds)
-        reply, got = b"", []
-        while b"\n" not in reply:
-            data, more, _, _ = socket.recv_fds(conn, 4096, 1)
-            if not data:
-                raise Refused("the server closed the connection")
-            reply, got = reply + data, got + more
+        try:
+            reply, got = read_line(conn, 1)
+        except EOFError:
+            raise Refused("the server closed the connection") from None
         answer = json.loads(reply)
         if "refused" in answer:
             raise Refused(answer["refused"])
@@ -157,6 +155,17 @@ def _ask(path: str, request: dict, fds: list[int]) -> ForkedProcess:
     except BaseException:
         conn.close()
         raise
+
+
+def read_line(conn: socket.socket, max_fds: int) -> tuple[bytes, list[int]]:
+    """One line from `conn` and the file descriptors sent with it (EOFError: closed before)."""
+    data, fds = b"", []
+    while b"\n" not in data:
+        chunk, more, _, _ = socket.recv_fds(conn, 65536, max_fds)
+        if not chunk:
+            raise EOFError("closed mid-line")
+        data, fds = data + chunk, fds + more
+    return data, fds
 
 
 def start_server(

@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from rollouts.forkserver.client import Refused
+from rollouts.forkserver.client import Refused, read_line
 
 IMPORT_TIME = (
     "PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "CUDA_", "LD_",
@@ -185,12 +185,10 @@ class Server:
 
 def read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     """One JSON line and the file descriptors sent with it."""
-    data, fds = b"", []
-    while b"\n" not in data:
-        chunk, more, _, _ = socket.recv_fds(conn, 65536, 64)
-        if not chunk:
-            raise ValueError("the caller closed the connection mid-request")
-        data, fds = data + chunk, fds + more
+    try:
+        data, fds = read_line(conn, 64)
+    except EOFError:
+        raise ValueError("the caller closed the connection mid-request") from None
     return json.loads(data), fds
 
 
