@@ -14,7 +14,7 @@ caller's), never from a worker thread. `serve_engines` restarts a server that ex
 `max_restarts` times each) on the same port; the pool's health check brings it back.
 
 Where `$ROLLOUTS_FORKSERVER` names a running forkserver (`rollouts/forkserver/`; the test suite
-starts one), a server is forked from there instead: the same server, a tenth of the CPU.
+starts two), a server is forked from there instead: the same server, a tenth of the CPU.
 """
 
 from __future__ import annotations
