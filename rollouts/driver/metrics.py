@@ -231,7 +231,8 @@ class WandbSink:
 
 
 class MetricsLogger:
-    """Fans one step's metrics out to every sink; also writes sampled rollouts per step.
+    """Fans one step's metrics out to every sink; also writes sampled rollouts per step
+    (rollouts.jsonl) and every held-out evaluation's episodes (eval_rollouts.jsonl).
 
     `probes` add their own metrics to every step (`step -> {name: value}`, e.g. the processes'
     memory: `rollouts.driver.memory.MemoryWatch`)."""
@@ -241,9 +242,11 @@ class MetricsLogger:
         sinks: Sequence[MetricsSink],
         rollouts_path: Path | None = None,
         probes: Sequence[Callable[[int], Mapping[str, float]]] = (),
+        eval_path: Path | None = None,
     ) -> None:
         self.sinks = list(sinks)
         self.rollouts_path = rollouts_path
+        self.eval_path = eval_path
         self.probes = list(probes)
         self.history: list[dict[str, Any]] = []
 
@@ -254,11 +257,14 @@ class MetricsLogger:
         for sink in self.sinks:
             sink.log(step, metrics)
 
-    def log_samples(self, step: int, samples: Sequence[Sample], decode: Any) -> None:
+    def log_samples(
+        self, step: int, samples: Sequence[Sample], decode: Any, *, held_out: bool = False
+    ) -> None:
         """Append (prompt, response text, scored reward, status; an episode's messages and
-        counts) of `samples` to rollouts.jsonl; a FAILED sample's row also has its `error` (in
-        full) and `failure` (its reason)."""
-        if self.rollouts_path is None or not samples:
+        counts) of `samples` to rollouts.jsonl (`held_out`: eval_rollouts.jsonl); a FAILED
+        sample's row also has its `error` (in full) and `failure` (its reason)."""
+        path = self.eval_path if held_out else self.rollouts_path
+        if path is None or not samples:
             return
         lines = []
         for s in samples:
@@ -280,8 +286,10 @@ class MetricsLogger:
             # an episode's conversation and counts (the multi-turn loop's, the gateway's)
             out |= {k: s.metadata[k] for k in EPISODE_KEYS if k in s.metadata}
             lines.append(json.dumps(out, default=str) + "\n")
-        with self.rollouts_path.open("ab", buffering=0) as f:  # the step's lines whole, or none
-            append_line(f, self.rollouts_path, "".join(lines), "sampled rollouts")
+        with path.open("ab", buffering=0) as f:  # the step's lines whole, or none
+            append_line(
+                f, path, "".join(lines), "held-out rollouts" if held_out else "sampled rollouts"
+            )
 
     def close(self) -> None:
         for sink in self.sinks:

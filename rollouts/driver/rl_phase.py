@@ -281,7 +281,7 @@ async def _rl_with_manager(
 ) -> dict[str, float]:
     """The hooks and the publisher around the manager, then the loop."""
     config, r = run.config, run.resumed
-    evaluate_fn = _eval_hook(run, manager)
+    evaluate_fn = _eval_hook(run, manager, logger)
     hooks = RLHooks(
         checkpoint=functools.partial(_checkpoint, run),
         evaluate=evaluate_fn,
@@ -296,7 +296,7 @@ async def _rl_with_manager(
         await w.check_start(str(r.version))  # the engines serve the starting weights
         freeze_startup_objects()  # full collections then skip what the set-up built
         if r.step == 0 and evaluate_fn is not None:
-            before = await evaluate_fn()
+            before = await evaluate_fn(0)
             logger.log(0, before)
             accuracy, note = before["eval/accuracy"], eval_failures_note(before)
             print(f"[train] held-out accuracy before RL: {accuracy:.3f}{note}", flush=True)
@@ -337,8 +337,9 @@ def _rl_logger(run: RLRun) -> MetricsLogger:
     return logger
 
 
-def _eval_hook(run: RLRun, manager: AsyncRolloutManager) -> Any:
-    """The held-out greedy evaluation through the engines (None when there is no held-out set)."""
+def _eval_hook(run: RLRun, manager: AsyncRolloutManager, logger: MetricsLogger) -> Any:
+    """The held-out greedy evaluation through the engines (None when there is no held-out set);
+    every episode goes to eval_rollouts.jsonl under the step it evaluates."""
     if not run.eval_items:
         return None
     items = run.eval_items[: run.config.data.eval_size or None]
@@ -353,10 +354,13 @@ def _eval_hook(run: RLRun, manager: AsyncRolloutManager) -> Any:
         reward_timeout_s=r.reward_timeout_s,
     )
 
-    async def run_eval() -> dict[str, float]:
+    decode = functools.partial(run.tokenizer.decode, skip_special_tokens=True)
+
+    async def run_eval(step: int) -> dict[str, float]:
         result = await evaluate(run.pool, run.tokenizer, items, run.reward_fn, spec)
         for line in result.report():  # FAILED samples: counts by reason, first errors
             print(f"[train] {line}", flush=True)
+        logger.log_samples(step, result.samples, decode, held_out=True)
         return result.metrics("eval")
 
     return run_eval

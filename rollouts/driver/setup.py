@@ -32,6 +32,7 @@ from rollouts.types import PromptItem
 SFT_METRICS = "sft_metrics.jsonl"
 RL_METRICS = "metrics.jsonl"
 ROLLOUTS = "rollouts.jsonl"
+EVAL_ROLLOUTS = "eval_rollouts.jsonl"
 
 
 class StopFlag:
@@ -238,12 +239,16 @@ def make_logger(
                 config_to_dict(config),
             )
         )
-    rollouts_path = path.parent / ROLLOUTS if prefix.startswith("rl") else None
-    if rollouts_path is not None and resume_step is not None:
-        truncate_jsonl(rollouts_path, resume_step)
-    elif rollouts_path is not None and rollouts_path.exists():
-        rollouts_path.unlink()
+    rl = prefix.startswith("rl")
+    rollouts_path = path.parent / ROLLOUTS if rl else None
+    eval_path = path.parent / EVAL_ROLLOUTS if rl else None
+    for p in (rollouts_path, eval_path):
+        if p is not None and resume_step is not None:
+            truncate_jsonl(p, resume_step)
+        elif p is not None and p.exists():
+            p.unlink()
     processes = {"driver": os.getpid()}
     if trainer_pid is not None:
         processes["trainer"] = trainer_pid
-    return MetricsLogger(sinks, rollouts_path, probes=[MemoryWatch(processes=processes)])
+    watch = MemoryWatch(processes=processes)
+    return MetricsLogger(sinks, rollouts_path, probes=[watch], eval_path=eval_path)

@@ -147,7 +147,13 @@ def summary_lines(
     lines = [phase_line(p, metric, None) for p, metric in phases]
     lines += failures
     lines.append(f"wall time:  {format_duration(wall_s)}")
-    files = ("config.json", "metrics.jsonl", "rollouts.jsonl", "sft_metrics.jsonl")
+    files = (
+        "config.json",
+        "metrics.jsonl",
+        "rollouts.jsonl",
+        "eval_rollouts.jsonl",
+        "sft_metrics.jsonl",
+    )
     present = [n for n in files if (run_dir / n).is_file()]
     present += ["engines/ (the built-in engines' logs)"] if (run_dir / "engines").is_dir() else []
     lines.append(f"run dir:    {run_dir}  ({', '.join(present)})")

@@ -341,7 +341,7 @@ async def _sync(ctx: _Ctx, st: LoopState, metrics: dict[str, float], due: _Due) 
 async def _evaluate(ctx: _Ctx, st: LoopState, metrics: dict[str, float], due: _Due) -> None:
     metrics |= await ctx.weights.settle()  # the engines serve the newest weights (none in flight)
     assert ctx.hooks.evaluate is not None
-    metrics |= await ctx.hooks.evaluate()
+    metrics |= await ctx.hooks.evaluate(st.step)
 
 
 async def _checkpoint(ctx: _Ctx, st: LoopState, metrics: dict[str, float], due: _Due) -> None:

@@ -36,7 +36,7 @@ class RLHooks:
     # so the driver can keep the best checkpoint (`checkpoint.best_metric`); loop_state = the
     # loop's own JSON-safe state (e.g. the adaptive KL coefficient), given back on resume
     checkpoint: Callable[..., Awaitable[None]]
-    evaluate: Callable[[], Awaitable[dict[str, float]]] | None = None
+    evaluate: Callable[[int], Awaitable[dict[str, float]]] | None = None  # (step) -> metrics
     should_stop: Callable[[], bool] = lambda: False
     # (step, number, batch): every batch the loop takes, trained or not, with the step it
     # trains as and its number (failed samples, a short batch and sampled rows reported:

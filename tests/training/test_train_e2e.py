@@ -184,3 +184,7 @@ def test_sft_then_rl_end_to_end(finished_run: FinishedRun) -> None:
     assert json.loads((run / "config.json").read_text())["config"]["rollout"]["batch_size"] == 2
     rows = (run / "rollouts.jsonl").read_text().splitlines()
     assert len(rows) == 3 * 2 * 2
+    held = [json.loads(r) for r in (run / "eval_rollouts.jsonl").read_text().splitlines()]
+    n = int(last["eval/scored"] + last["eval/failed"])
+    assert [r["step"] for r in held] == [0] * n + [3] * n  # every episode of both evaluations
+    assert sum(r["reward"] >= 1.0 for r in held[n:]) / n == pytest.approx(last["eval/accuracy"])
