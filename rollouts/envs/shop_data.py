@@ -41,6 +41,9 @@ INSTRUCTIONS = "Answer questions about a shop with its tools. End with 'Answer: 
 COST, VALUE = "What do {q} units of {item} cost?", "What is the value of the {item} stock?"
 
 
+QUANTITIES = range(2, 10)
+
+
 def make_catalogue(seed: int) -> dict[str, dict[str, int]]:
     """Every item with a price and a stock in 11..99, drawn from `seed`."""
     rng = random.Random(seed)
@@ -50,11 +53,16 @@ def make_catalogue(seed: int) -> dict[str, dict[str, int]]:
 
 
 def questions(items: list[str], catalogue: dict[str, dict[str, int]]) -> list[dict[str, Any]]:
-    """Every question about `items`: the cost of 3..19 units, and the stock's value."""
+    """Every question about `items`: the cost of 2..9 units, and the stock's value.
+
+    One-digit quantities: with 3..19 (ten of seventeen starting with "1") a model that had not
+    learnt to copy the quantity wrote "1" first whatever the question said, right for 10..19
+    and wrong for the rest, and RL, whose groups of 3..9 all failed, only reinforced it. Each of
+    2..9 is as likely a guess as the others, so a group where it is guessed differs."""
     out = []
     for item in items:
         price, stock = catalogue[item]["price"], catalogue[item]["stock"]
-        for q in range(3, 20):
+        for q in QUANTITIES:
             out.append({"item": item, "question": COST.format(q=q, item=item), "expr": (q, price)})
         out.append({"item": item, "question": VALUE.format(item=item), "expr": (price, stock)})
     return out
@@ -93,33 +101,62 @@ def trace(q: dict[str, Any], catalogue: dict[str, dict[str, int]]) -> dict[str, 
 
 
 def write_shop_datasets(
-    out_dir: str | Path, *, seed: int = 0, n_eval_items: int = 15, n_sft: int = 300
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    n_eval_items: int = 15,
+    n_sft_items: int = 22,
+    n_sft: int | None = None,
 ) -> dict[str, Path]:
-    """sft.jsonl (traces), train.jsonl (prompts) and eval.jsonl (held-out items' prompts)."""
+    """sft.jsonl (traces), train.jsonl (prompts) and eval.jsonl (held-out items' prompts).
+
+    The items are split three ways: `n_eval_items` held out for evaluation, `n_sft_items` whose
+    questions make the SFT traces, and the rest, whose questions are the RL prompts. RL thus
+    asks about items SFT never showed (where the SFT model misspells a name it has not seen,
+    RL has something to correct), and the evaluation about items neither phase saw."""
     catalogue = make_catalogue(seed)
     rng = random.Random(seed + 1)
     items = list(item_names())
     rng.shuffle(items)
-    held, kept = items[:n_eval_items], items[n_eval_items:]
-    train, evals = questions(kept, catalogue), questions(held, catalogue)
-    rng.shuffle(train)
-    rng.shuffle(evals)
-    assert not {q["question"] for q in train} & {q["question"] for q in evals}, "eval leaked"
-    assert n_sft <= len(train), f"{n_sft=} > {len(train)=} training questions"
+    held, sft_items = items[:n_eval_items], items[n_eval_items : n_eval_items + n_sft_items]
+    rl_items = items[n_eval_items + n_sft_items :]
+    assert rl_items, f"{n_eval_items=} + {n_sft_items=} leave no item of {len(items)} for RL"
+    sft_qs, train, evals = (questions(x, catalogue) for x in (sft_items, rl_items, held))
+    for qs in (sft_qs, train, evals):
+        rng.shuffle(qs)
+    assert not {q["item"] for q in sft_qs + train} & set(held), "eval leaked"
+    n_sft = len(sft_qs) if n_sft is None else n_sft
+    assert n_sft <= len(sft_qs), f"{n_sft=} > {len(sft_qs)=} questions of the SFT items"
     out = Path(out_dir)
     paths = {name: out / f"{name}.jsonl" for name in ("sft", "train", "eval")}
-    write_jsonl(paths["sft"], [trace(q, catalogue) for q in train[:n_sft]])
+    write_jsonl(paths["sft"], [trace(q, catalogue) for q in sft_qs[:n_sft]])
     write_jsonl(paths["train"], [_prompt_row(q, catalogue) for q in train])
     write_jsonl(paths["eval"], [_prompt_row(q, catalogue) for q in evals])
     return paths
 
 
+# the config's data: catalogue seed, items held out and SFT's; quantities 2..9 (`questions`)
+SPLIT = {"seed": 0, "n_eval_items": 15, "n_sft_items": 22, "quantities": "2..9"}
+SPLIT_FILE = "split.json"
+
+
 def prepare_shop_data(data: DataConfig) -> None:
-    """`data.prepare` hook of configs/smollm2-agent-cpu.toml (catalogue seed 0).
+    """`data.prepare` hook of configs/smollm2-agent-cpu.toml (catalogue seed 0, `SPLIT`).
 
     The three paths must be DIR/sft.jsonl, DIR/train.jsonl, DIR/eval.jsonl; files that exist
-    already are left as they are (a resumed run reads the same data).
+    already are left as they are (a resumed run reads the same data), unless DIR/split.json
+    says they were written with another split: that is an error naming DIR (never a run on
+    data it did not ask for).
     """
     out = prepared_dir(data)
-    if not all((out / f"{k}.jsonl").is_file() for k in ("sft", "train", "eval")):
-        write_shop_datasets(out)
+    if all((out / f"{k}.jsonl").is_file() for k in ("sft", "train", "eval")):
+        marker = out / SPLIT_FILE
+        found = json.loads(marker.read_text()) if marker.is_file() else None
+        if found != SPLIT:
+            raise ValueError(
+                f"{out}: its shop data was written with another split ({marker.name}: "
+                f"{found}; this version writes {SPLIT}); remove {out} and it is written again"
+            )
+        return
+    write_shop_datasets(out, **{k: v for k, v in SPLIT.items() if k != "quantities"})
+    (out / SPLIT_FILE).write_text(json.dumps(SPLIT) + "\n")

@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from transformers import AutoTokenizer
 
+from rollouts.config import DataConfig
 from rollouts.data.arithmetic import final_answer_reward
 from rollouts.data.sft import render
 from rollouts.driver.metrics import MetricsLogger
 from rollouts.envs.shop import shop_env
-from rollouts.envs.shop_data import write_shop_datasets
+from rollouts.envs.shop_data import SPLIT, item_names, prepare_shop_data, write_shop_datasets
 from rollouts.envs.tool_format import call_text, with_tools
 from rollouts.loop.episodes import episode_metrics
 from rollouts.types import Sample, Status
@@ -28,10 +30,31 @@ def test_held_out_questions_ask_about_held_out_items(tmp_path: Path) -> None:
     assert not {question(r) for r in train} & {question(r) for r in evals}
     assert not {r["item"] for r in train} & {r["item"] for r in evals}
     assert all(r["item"] in question(r) for r in train + evals)
-    assert len(sft) == 300 and all(len(r["messages"]) == 7 for r in sft)
+    assert len(sft) == 22 * 9 and all(len(r["messages"]) == 7 for r in sft)  # 8 costs, 1 value
+    # three ways apart: SFT's items, RL's items (SFT never showed them), the held-out items
+    named = lambda text: {w for w in item_names() if f" {w} " in text}  # noqa: E731
+    sft_items = set().union(*(named(r["messages"][1]["content"]) for r in sft))
+    rl_items, eval_items = {r["item"] for r in train}, {r["item"] for r in evals}
+    assert len(sft_items) == 22 and len(rl_items) == 59 - 15 - 22 and len(eval_items) == 15
+    assert not sft_items & rl_items and not sft_items & eval_items
     # the same seed, the same catalogue; another seed, another one
     assert _rows(write_shop_datasets(tmp_path / "again", seed=3)["eval"]) == evals
     assert _rows(write_shop_datasets(tmp_path / "other", seed=4)["eval"]) != evals
+
+
+def test_prepared_data_of_another_split_is_refused_naming_the_directory(tmp_path: Path) -> None:
+    data = DataConfig(
+        prepare="rollouts.envs.shop_data.prepare_shop_data",
+        **{f"{k}_path": str(tmp_path / f"{k}.jsonl") for k in ("sft", "train", "eval")},
+    )
+    prepare_shop_data(data)
+    assert json.loads((tmp_path / "split.json").read_text()) == SPLIT
+    first = (tmp_path / "train.jsonl").read_bytes()
+    prepare_shop_data(data)  # there already: left as it is
+    assert (tmp_path / "train.jsonl").read_bytes() == first
+    (tmp_path / "split.json").unlink()  # as an older version left it
+    with pytest.raises(ValueError, match=rf"{tmp_path}: its shop data was written with another"):
+        prepare_shop_data(data)
 
 
 def test_sft_traces_start_as_the_agent_loop_prompts_them(tmp_path: Path, smollm2_dir: Path):
