@@ -2,11 +2,12 @@
 
 A catalogue of items, each with a 2-digit price and stock drawn from the seed. Two kinds of
 question: "What do Q units of ITEM cost?" (Q * price) and "What is the value of the ITEM stock?"
-(price * stock). The held-out questions ask about held-out items, so no eval question (nor its
-item's facts) is seen in training. SFT traces are whole conversations in the one tool format
-(`envs/tool_format`): the tools described in the system message (SmolLM2's template ignores
-`tools`), a `lookup` call, its result as a `tool` message, a `calculator` call, its result,
-then "Answer: N". Every prompt row carries the catalogue, which the environment
+(price * stock). The items are split three ways: the SFT traces ask about some, the RL prompts
+about others (items SFT never showed), and the held-out questions about the rest, so no eval
+question (nor its item's facts) is seen in training. SFT traces are whole conversations in the
+one tool format (`envs/tool_format`): the tools described in the system message (SmolLM2's
+template ignores `tools`), a `lookup` call, its result as a `tool` message, a `calculator` call,
+its result, then "Answer: N". Every prompt row carries the catalogue, which the environment
 (`envs/shop.shop_env`) reads.
 """
 
