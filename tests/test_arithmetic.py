@@ -79,3 +79,7 @@ def test_tool_conversations_and_strict_final_answer(tmp_path: Path) -> None:
     assert final_answer_reward(sample("Answer: 578")) == 0.0
     # the tool said 579 but the model never answered: no reward
     assert final_answer_reward(sample("<calculator>..</calculator>", "I think")) == 0.0
+    # an agent out of turns after a tool call (the gateway records its content as None): 0
+    called = sample("Answer: 579")
+    called.metadata["messages"].append({"role": "assistant", "content": None, "tool_calls": []})
+    assert final_answer_reward(called) == 0.0

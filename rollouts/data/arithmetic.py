@@ -159,7 +159,9 @@ def final_answer_reward(sample: Any) -> float:
     """
     messages = sample.metadata.get("messages")
     if messages:
-        assistant = [m["content"] for m in messages if m["role"] == "assistant"]
+        # an OpenAI-style assistant message that only calls tools has content None (the
+        # gateway's records): no answer, so 0, never an error
+        assistant = [m.get("content") or "" for m in messages if m.get("role") == "assistant"]
         text = assistant[-1] if assistant else ""
     elif "response_text" in sample.metadata:
         text = sample.metadata["response_text"]
