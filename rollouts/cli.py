@@ -15,7 +15,10 @@ from rollouts.openmp import short_spin_waits
 # subcommand -> (module, help). The module has `add_arguments(parser)` and `run(args) -> int`.
 SUBCOMMANDS = {
     "make-tiny-model": ("rollouts.models.cli", "build a tiny local model + tokenizer in DIR"),
-    "models": ("rollouts.models.fetch_cli", "fetch a real model: models fetch NAME [DIR]"),
+    "models": (
+        "rollouts.models.fetch_cli",
+        "real models: fetch NAME [DIR], list, merge ADAPTER OUT",
+    ),
     "serve": ("rollouts.engine.cli", "run the built-in engine server"),
     "train": ("rollouts.driver.cli", "train: --mode sft|rl|sft+rl --config X.toml"),
     "plot": ("rollouts.driver.plot", "write PNG plots of a run's metrics.jsonl"),

@@ -1,7 +1,8 @@
 """Why samples failed: one reason per FAILED sample, counts by reason, and the words that say so.
 
-A sample fails in one of two stages: its generation (the generate function, the environment or
-the engines it reaches) or its scoring (the reward function). Where it fails, `mark_failed`
+A sample fails in one of three stages: its generation (the generate function, the environment or
+the engines it reaches), its scoring (the reward function) or, in on-policy distillation, the
+teacher's scoring of its tokens. Where it fails, `mark_failed`
 records both in the sample's metadata: `error`, the whole message (the function's dotted name,
 then the exception with its type and message, or the value it returned), and `failure`, its
 reason (`FailureReason`, e.g. "reward/non_finite"). Reports read them back as the data loaders
@@ -29,9 +30,11 @@ FailureReason = Literal[
     "generate/aborted",  # an evaluation rollout aborted every time it was tried
     "generate/engine_error",  # the engine answered an error (evaluation)
     "generate/failed",  # a generate function returned the sample FAILED itself
+    "teacher/engine_error",  # the teacher's engine answered an error
 ]
 FAILURE_REASONS: tuple[str, ...] = get_args(FailureReason)
-STAGES = ("reward", "generate")
+STAGES = ("reward", "generate", "teacher")
+OPTIONAL_STAGES = ("teacher",)  # in metrics only when a sample failed there
 MAX_FULL_ERRORS = 3  # errors shown in full per reason (a run's console, an evaluation)
 
 
@@ -62,6 +65,8 @@ def failure_metrics(counts: Mapping[str, int], prefix: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for stage in STAGES:
         mine = {r.split("/", 1)[1]: n for r, n in counts.items() if r.startswith(f"{stage}/")}
+        if stage in OPTIONAL_STAGES and not any(mine.values()):
+            continue
         out[f"{prefix}/{stage}_failed"] = float(sum(mine.values()))
         out |= {f"{prefix}/{stage}_failed/{name}": float(n) for name, n in mine.items() if n}
     return out

@@ -53,6 +53,8 @@ class Sample:
     `loss_mask` covers every token (prompt tokens are 0). `rollout_logprobs` holds the engine's
     logprob of each response token (len == response_length). `weight_versions` lists every policy
     version that produced part of the response (several when a partial rollout was resumed).
+    `teacher_logprobs` (on-policy distillation): the teacher's logprob of each response token
+    given everything before it (len == response_length), once scored.
     """
 
     index: int  # dataset index of the prompt
@@ -67,6 +69,7 @@ class Sample:
     status: Status = Status.PENDING
     weight_versions: tuple[str, ...] = ()
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    teacher_logprobs: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         assert len(self.tokens) == len(self.loss_mask), (
@@ -79,6 +82,9 @@ class Sample:
             f"{len(self.rollout_logprobs)=} != {self.response_length=}"
         )
         assert set(self.loss_mask) <= {0, 1}, "loss_mask values must be 0 or 1"
+        assert not self.teacher_logprobs or len(self.teacher_logprobs) == self.response_length, (
+            f"{len(self.teacher_logprobs)=} != {self.response_length=}"
+        )
 
     @property
     def prompt_length(self) -> int:
@@ -104,7 +110,7 @@ def sample_to_dict(sample: Sample) -> dict[str, Any]:
     out = {f.name: getattr(sample, f.name) for f in dataclasses.fields(sample)}
     out["status"] = sample.status.value
     out["prompt"] = sample.prompt if isinstance(sample.prompt, str) else list(sample.prompt)
-    for key in ("tokens", "loss_mask", "rollout_logprobs", "weight_versions"):
+    for key in ("tokens", "loss_mask", "rollout_logprobs", "weight_versions", "teacher_logprobs"):
         out[key] = list(out[key])
     out["reward"] = list(sample.reward) if isinstance(sample.reward, tuple) else sample.reward
     out["metadata"] = dict(sample.metadata)
@@ -128,6 +134,7 @@ def sample_from_dict(data: Mapping[str, Any]) -> Sample:
         status=Status(data.get("status", "pending")),
         weight_versions=tuple(data.get("weight_versions", ())),
         metadata=dict(data.get("metadata", {})),
+        teacher_logprobs=tuple(data.get("teacher_logprobs", ())),
     )
 
 

@@ -175,7 +175,10 @@ def test_each_section_with_a_mode_knows_its_key_path() -> None:
         has_mode = any(
             typing.get_origin(t) is typing.Literal for t in typing.get_type_hints(cls).values()
         )
-        assert path == cls.KEY or (not cls.KEY and not has_mode), (path, cls.KEY)
+        # a section reused under another ([teacher.engines] is [engines]) keeps its KEY; the
+        # loader names its problems at the path it was read at (test_config_algorithm.py)
+        reused = path.endswith(f".{cls.KEY}")
+        assert path == cls.KEY or reused or (not cls.KEY and not has_mode), (path, cls.KEY)
 
 
 OLD_KEYS = {  # old dotted path -> (a value, where it is read now)

@@ -92,3 +92,34 @@ def test_a_key_exists_only_in_its_table() -> None:
 def test_the_registries_hold_exactly_the_configs_names() -> None:
     assert set(POLICY_LOSSES) == set(typing.get_args(PolicyLossName))
     assert set(ESTIMATORS) | {"gae"} == set(ADVANTAGES)
+
+
+def test_distillation_and_its_teacher_need_each_other() -> None:
+    """advantage = "distill" without a teacher, a teacher nobody uses, a teacher's engines
+    named at their own key path, and the reverse KL of scaled logprobs at T != 1: refused."""
+    with pytest.raises(ConfigError, match=r"advantage = 'distill' needs a teacher"):
+        config_from_dict({"algorithm": {"advantage": "distill"}})
+    with pytest.raises(ConfigError, match=r"teacher.path / teacher.source is set but"):
+        config_from_dict({"teacher": {"path": "/x"}})
+    with pytest.raises(ConfigError) as bad:
+        config_from_dict(
+            {
+                "algorithm": {"advantage": "distill", "distill": {"task_advantage": "gae"}},
+                "teacher": {"path": "/x", "engines": {"kind": "vllm", "max_retries": -1}},
+            }
+        )
+    problems = bad.value.problems
+    assert "teacher.engines.max_retries: must be >= 0" in problems
+    assert any(p.startswith("teacher.engines.urls: must list") for p in problems)
+    assert any(p.startswith("algorithm.distill.task_advantage = 'gae'") for p in problems)
+    with pytest.raises(ConfigError, match=r"temperature-scaled distribution"):
+        config_from_dict(
+            {
+                "algorithm": {"advantage": "distill"},
+                "teacher": {"path": "/x"},
+                "engines": {"builtin": {"logprobs_from": "scaled"}},
+                "rollout": {"sampling": {"temperature": 0.7}},
+            }
+        )
+    ok = config_from_dict({"algorithm": {"advantage": "distill"}, "teacher": {"path": "/x"}})
+    assert ok.teacher.enabled and ok.algorithm.distill.coef == 1.0

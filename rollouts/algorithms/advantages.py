@@ -1,4 +1,5 @@
-"""Advantage estimators: GRPO, Dr.GRPO, RLOO, REINFORCE, REINFORCE++ (plain and baseline), GAE.
+"""Advantage estimators: GRPO, Dr.GRPO, RLOO, REINFORCE, REINFORCE++ (plain and baseline), GAE,
+and on-policy distillation's per-token reverse KL against a teacher.
 
 Input: groups of scored Samples (one group = the samples of one prompt). Output: one float tensor
 per sample, aligned with `sample.tokens` (length len(tokens)), zero wherever `loss_mask` is 0.
@@ -9,6 +10,7 @@ observation (tool output) tokens have loss_mask 0 and are skipped: they are not 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -222,6 +224,59 @@ def _reinforce_pp_baseline(groups: Groups, rewards: PerToken, config: AlgorithmC
     return _whiten_all(_reward_to_go(groups, centred, config.gamma), groups)
 
 
+def distill_token_advantages(sample: Sample, coef: float) -> torch.Tensor:
+    """On-policy distillation's advantage of each token [len(tokens)]: coef * -(log pi_student -
+    log pi_teacher) on the sampled response tokens (the negative per-token reverse KL, as
+    Thinking Machines' recipe and TRL's GKD at lambda = 1), 0 on the prompt and where
+    `loss_mask` is 0 (a tool's output is not sampled)."""
+    n = sample.response_length
+    for name in ("rollout_logprobs", "teacher_logprobs"):
+        if (k := len(getattr(sample, name))) != n:
+            raise ValueError(
+                f"sample {sample.index} (group {sample.group_index}) has {k} {name} for {n} "
+                "response tokens: distillation needs the engine's logprob of each sampled token "
+                "and the teacher's (a generate_fn must return rollout_logprobs)"
+            )
+    out = torch.zeros(len(sample.tokens), dtype=torch.float32)
+    if n:
+        student = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
+        teacher = torch.tensor(sample.teacher_logprobs, dtype=torch.float32)
+        out[-n:] = coef * (teacher - student)
+    return out * mask_of(sample)
+
+
+def reverse_kl_per_token(groups: Groups) -> tuple[float, int]:
+    """(the mean log pi_student - log pi_teacher over the trained response tokens of the
+    samples the teacher scored, how many tokens); (nan, 0) when none was scored."""
+    total, count = 0.0, 0
+    for group in groups:
+        for s in group:
+            n = s.response_length
+            if not n or len(s.teacher_logprobs) != n or len(s.rollout_logprobs) != n:
+                continue
+            mask = s.loss_mask[-n:]
+            for m, st, te in zip(mask, s.rollout_logprobs, s.teacher_logprobs, strict=True):
+                if m:
+                    total += st - te
+                    count += 1
+    return (total / count if count else float("nan")), count
+
+
+def _distill(groups: Groups, rewards: PerToken, config: AlgorithmConfig) -> PerToken:
+    """coef x the reverse KL's advantage, plus task_weight x the task reward's advantage
+    (`algorithm.distill.task_advantage`, a critic-free estimator) when one is named."""
+    d = config.distill
+    out = tuple(tuple(distill_token_advantages(s, d.coef) for s in group) for group in groups)
+    if not d.task_advantage:
+        return out
+    task_config = dataclasses.replace(config, advantage=d.task_advantage)
+    task = ESTIMATORS[d.task_advantage](groups, rewards, task_config)
+    return tuple(
+        tuple(a + d.task_weight * t for a, t in zip(row, task_row, strict=True))
+        for row, task_row in zip(out, task, strict=True)
+    )
+
+
 # the critic-free estimators by name (GAE, which needs values, is `compute_gae`)
 ESTIMATORS: dict[str, Callable[[Groups, PerToken, AlgorithmConfig], PerToken]] = {
     "grpo": _grpo,
@@ -231,6 +286,7 @@ ESTIMATORS: dict[str, Callable[[Groups, PerToken, AlgorithmConfig], PerToken]] =
     "reinforce_plus_plus": _reinforce_pp,
     "reinforce_plus_plus_baseline": _reinforce_pp_baseline,
     "reinforce_pp": _reinforce_pp_baseline,
+    "distill": _distill,
 }
 
 

@@ -14,6 +14,7 @@ from typing import ClassVar, Literal
 
 from rollouts.config.algorithm_tables import (
     CispoConfig,
+    DistillConfig,
     GAEConfig,
     KLConfig,
     KLEstimator,
@@ -33,6 +34,7 @@ AdvantageName = Literal[
     "reinforce_plus_plus_baseline",
     "reinforce_pp",  # = reinforce_plus_plus_baseline (the name older configs use)
     "gae",
+    "distill",  # the [teacher]'s per-token reverse KL ([algorithm.distill])
 ]
 PolicyLossName = Literal["ppo", "reinforce", "gspo", "cispo", "truncated_is", "pairwise"]
 AggMode = Literal[
@@ -118,6 +120,7 @@ class AlgorithmConfig(_Section):
     cispo: CispoConfig = dataclasses.field(default_factory=CispoConfig)
     truncated_is: TruncatedISConfig = dataclasses.field(default_factory=TruncatedISConfig)
     pairwise: PairwiseConfig = dataclasses.field(default_factory=PairwiseConfig)
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
 
     def problems(self) -> list[str]:
         p: list[str] = []

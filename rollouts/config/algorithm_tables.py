@@ -196,3 +196,39 @@ class PairwiseConfig(_Section):
             "or a dotted path to a function (group) -> [(chosen, rejected), ...]",
         )
         return p
+
+
+# the critic-free estimators the task reward's advantage may come from beside distillation
+DISTILL_TASK_ADVANTAGES = ("", "grpo", "dr_grpo", "rloo")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DistillConfig(_Section):
+    """[algorithm.distill] (advantage = "distill"): on-policy distillation from the [teacher].
+
+    Each sampled token's advantage is coef * -(log pi_student - log pi_teacher), the negative
+    per-token reverse KL of the student's own sample (its logprobs as the engine sampled it,
+    the teacher's as it scored the same tokens); `task_advantage` adds the task reward's
+    advantage (a critic-free estimator's), weighted by `task_weight`."""
+
+    KEY: ClassVar[str] = "algorithm.distill"
+
+    coef: float = 1.0
+    task_advantage: str = ""  # "" = none; "grpo", "dr_grpo" or "rloo"
+    task_weight: float = 1.0
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _check(p, self.coef > 0.0, f"algorithm.distill.coef = {self.coef}: must be > 0")
+        _check(
+            p,
+            self.task_advantage in DISTILL_TASK_ADVANTAGES,
+            f"algorithm.distill.task_advantage = {self.task_advantage!r}: must be one of "
+            f'{list(DISTILL_TASK_ADVANTAGES)} ("" = the reverse KL alone)',
+        )
+        _check(
+            p,
+            self.task_weight >= 0.0,
+            f"algorithm.distill.task_weight = {self.task_weight}: must be >= 0",
+        )
+        return p

@@ -27,6 +27,7 @@ from rollouts.config.base import (
 from rollouts.config.model import DataConfig, ModelConfig, RunSection
 from rollouts.config.reward import RewardConfig
 from rollouts.config.rollout import EnginesConfig, RolloutConfig, engine_logprobs
+from rollouts.config.teacher import TeacherConfig
 from rollouts.config.training import CheckpointConfig, LoggingConfig, OptimConfig, TrainingConfig
 from rollouts.config.weight_sync import WeightSyncConfig
 from rollouts.engine_kinds import engine_kind
@@ -48,6 +49,7 @@ class Config(_Section):
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     weight_sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
+    teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
 
     def problems(self) -> list[str]:
         return (
@@ -55,7 +57,41 @@ class Config(_Section):
             + sleep_problems(self)
             + layout_problems(self)
             + logprob_problems(self)
+            + distill_problems(self)
         )
+
+
+def distill_problems(config: Config) -> list[str]:
+    """What on-policy distillation needs: a teacher for advantage = "distill" and no teacher
+    without it, and the student's logprobs of the distribution it sampled from (the raw
+    logits' at temperature 1; the trainer's are the raw ones)."""
+    distill = config.algorithm.advantage == "distill"
+    teacher = config.teacher.enabled
+    p: list[str] = []
+    _check(
+        p,
+        teacher or not distill,
+        "algorithm.advantage = 'distill' needs a teacher: set teacher.path (an HF model "
+        "directory) or teacher.source, and [teacher.engines]",
+    )
+    _check(
+        p,
+        distill or not teacher,
+        f"teacher.path / teacher.source is set but algorithm.advantage = "
+        f"{config.algorithm.advantage!r}: nothing would use the teacher; set "
+        "algorithm.advantage = 'distill' (algorithm.distill.task_advantage mixes in the "
+        "reward's), or remove [teacher]",
+    )
+    temperature = config.rollout.sampling.temperature
+    _check(
+        p,
+        not distill or temperature in (0.0, 1.0) or engine_logprobs(config.engines) == "raw",
+        f"algorithm.advantage = 'distill' at rollout.sampling.temperature = {temperature}: the "
+        f"{config.engines.kind} engines' logprobs are of the temperature-scaled distribution, "
+        "the teacher's of the raw logits, so the reverse KL would compare two different "
+        f"temperatures; {engine_kind(config.engines.kind).raw_logprobs}; or sample at 1.0",
+    )
+    return p
 
 
 def logprob_problems(config: Config) -> list[str]:
@@ -203,8 +239,10 @@ def _build(cls: type, table: Mapping[str, Any], prefix: str, problems: list[str]
                 kwargs[key] = coerced
     try:
         return cls(**kwargs)
-    except ConfigError as e:
-        problems.extend(e.problems)
+    except ConfigError as e:  # a section nested elsewhere ([teacher.engines]): its own path
+        key = getattr(cls, "KEY", "")
+        moved = key and prefix and prefix != f"{key}."
+        problems.extend(p.replace(f"{key}.", prefix) if moved else p for p in e.problems)
     except (TypeError, AssertionError) as e:
         problems.append(f"{prefix or 'config'}: {e}")
     return cls()  # a placeholder so that the walk goes on; the error is raised by the caller

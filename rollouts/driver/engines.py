@@ -64,11 +64,11 @@ def engine_threads(config: Config, plan: CpuPlan | None) -> int:
     return cpu_share(b.torch_threads, b.device, b.num_engines)
 
 
-def engine_logs(config: Config) -> tuple[str, ...]:
-    """Where the built-in engines log: `<run dir>/engines/engine-<i>.log` (made here)."""
+def engine_logs(config: Config, name: str = "engine") -> tuple[str, ...]:
+    """Where the built-in engines log: `<run dir>/engines/<name>-<i>.log` (made here)."""
     logs = Path(config.run.output_dir) / "engines"
     logs.mkdir(parents=True, exist_ok=True)
-    return tuple(str(logs / f"engine-{i}.log") for i in range(config.engines.builtin.num_engines))
+    return tuple(str(logs / f"{name}-{i}.log") for i in range(config.engines.builtin.num_engines))
 
 
 def current_weights(pool: EnginePool | None) -> tuple[str, str] | None:
@@ -111,12 +111,17 @@ async def open_engines(
     version: str,
     weights_roots: Sequence[Path] = (),
     plan: CpuPlan | None = None,
+    *,
+    name: str = "engine",
+    load_at_start: bool = True,
 ) -> AsyncIterator[EnginePool]:
     """An EnginePool over built-in engine processes (started here, stopped on exit) or URLs.
 
     Built-in engines reload weights only from inside `weights_roots` when any is given (the
     run's starting model and its weight-copy directory), so no other local process can make
-    them serve weights of its choosing."""
+    them serve weights of its choosing. `name`: the engines' log names. `load_at_start` false:
+    servers at URLs are only waited for, never told to load weights (a teacher's: they serve
+    their own model, proven by the caller)."""
     e, b = config.engines, config.engines.builtin
     pool: EnginePool | None = None  # built below; a restart asks it for the current weights
     async with trio.open_nursery() as nursery:
@@ -131,7 +136,7 @@ async def open_engines(
                     restart_from=lambda: current_weights(pool),
                     on_gone=lambda url: pool.mark_gone(url) if pool is not None else None,
                     cpus_per_engine=plan.engines if plan is not None and not plan.colocated else (),
-                    log_paths=engine_logs(config),
+                    log_paths=engine_logs(config, name),
                 )
             )
         else:
@@ -141,7 +146,8 @@ async def open_engines(
         try:
             if not here:  # servers of their own: wait for them, then our starting weights
                 await wait_until_ready(pool.engines, e.startup_timeout_s)
-                await pool.sync(DiskDelivery(path=str(model_dir), version=version))
+                if load_at_start:
+                    await pool.sync(DiskDelivery(path=str(model_dir), version=version))
             await nursery.start(pool.run_health_checks)
             yield pool
         finally:  # the health checks stop before the clients close: a check due during

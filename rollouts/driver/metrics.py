@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from rollouts.algorithms.advantages import reverse_kl_per_token
 from rollouts.config import WandbMode
 from rollouts.failures import failure_reason
 from rollouts.rewards.shaping import scored_reward
@@ -261,7 +262,8 @@ class MetricsLogger:
         self, step: int, samples: Sequence[Sample], decode: Any, *, held_out: bool = False
     ) -> None:
         """Append (prompt, response text, scored reward, status; an episode's messages and
-        counts) of `samples` to rollouts.jsonl (`held_out`: eval_rollouts.jsonl); a FAILED
+        counts; the reverse KL to the teacher when distilling) of `samples` to rollouts.jsonl
+        (`held_out`: eval_rollouts.jsonl); a FAILED
         sample's row also has its `error` (in full) and `failure` (its reason)."""
         path = self.eval_path if held_out else self.rollouts_path
         if path is None or not samples:
@@ -283,6 +285,8 @@ class MetricsLogger:
             if s.status is Status.FAILED:
                 out["error"] = str(s.metadata.get("error", ""))
                 out["failure"] = failure_reason(s)
+            if s.teacher_logprobs:  # distillation: the sample's per-token reverse KL
+                out["reverse_kl"], _ = reverse_kl_per_token([[s]])
             # an episode's conversation and counts (the multi-turn loop's, the gateway's)
             out |= {k: s.metadata[k] for k in EPISODE_KEYS if k in s.metadata}
             lines.append(json.dumps(out, default=str) + "\n")

@@ -2,7 +2,8 @@
 once, then hand them to the loop (`rollouts/loop/rl.py`).
 
     trainer (here or in its own process) -> resume state -> reference model
-      -> the engines' starting weights -> engines up (EnginePool)
+      -> the engines' starting weights -> engines up (EnginePool), and the teacher's when
+         distilling (`teacher_setup.py`: its tokenizer checked before anything starts)
       -> manager, evaluation, checkpoint hook -> WeightPublisher (chosen once)
       -> run_rl_training -> engines stopped, weight copies removed (also on an error)
 """
@@ -21,12 +22,12 @@ from rollouts.config import Config
 from rollouts.config.rollout import resolved_concurrency
 from rollouts.data.buffer import DataBuffer
 from rollouts.driver.engines import cpu_beside_engines, cpu_share, open_engines
-from rollouts.driver.evaluation import EvalSpec, evaluate
 from rollouts.driver.failures import BatchReporter
 from rollouts.driver.metrics import MetricsLogger, last_step
 from rollouts.driver.placement import CpuPlan, cpu_plan, decide_trainer_process, pinned
 from rollouts.driver.reference_setup import open_reference
 from rollouts.driver.resume import checkpoint_to_resume
+from rollouts.driver.rl_run import Resumed, RLRun, eval_hook, evaluate_teacher
 from rollouts.driver.setup import (
     RL_METRICS,
     StopFlag,
@@ -35,11 +36,11 @@ from rollouts.driver.setup import (
     with_response_text,
 )
 from rollouts.driver.summary import eval_failures_note
+from rollouts.driver.teacher_setup import check_tokenizers, open_teacher, teacher_model_dir
 from rollouts.driver.trainer_io import BackendFactory, checkpoint_root, save
 from rollouts.engine_kinds import engine_kind
 from rollouts.gateway import open_agent_generate
 from rollouts.gcpolicy import freeze_startup_objects
-from rollouts.inference.pool import EnginePool
 from rollouts.loop.rl import RLHooks, run_rl_training
 from rollouts.plugins import load_function
 from rollouts.rewards.protocol import RewardFn
@@ -53,42 +54,12 @@ from rollouts.trainer.factories import create_backend, load_tokenizer
 from rollouts.trainer.process import TrainerProcess
 from rollouts.trainer.protocol import TrainingBackend
 from rollouts.trainer.pytorch import MODEL_DIR
-from rollouts.trainer.reference import ReferencePolicy
 from rollouts.types import PromptItem
 from rollouts.weights.copies import clean_sync_root, run_sync_root
 from rollouts.weights.files import publish_weights
 from rollouts.weights.publisher import open_publisher
 
 JSON_SCALAR = (int, float, str, bool)  # what a checkpoint stores of a step's metrics
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class Resumed:
-    """Where the phase starts: step 0 of a new run, or a checkpoint's step."""
-
-    step: int = 0
-    version: int = 0
-    metrics: dict[str, Any] | None = None  # the checkpointed step's metrics line
-    loop_state: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class RLRun:
-    """Everything the RL phase built, for the loop's run with the engines up."""
-
-    config: Config
-    run_dir: Path
-    backend: TrainingBackend
-    buffer: DataBuffer
-    pool: EnginePool
-    tokenizer: Any
-    reward_fn: RewardFn
-    ref: ReferencePolicy | None
-    resumed: Resumed
-    stop: StopFlag
-    eval_items: list[PromptItem]
-    sync_root: Path  # the run's weight copies for the engines
-    trainer_pid: int | None  # the trainer process, when training runs in one
 
 
 async def rl_phase(
@@ -104,9 +75,8 @@ async def rl_phase(
     """RL from `model_dir` (or from the latest RL checkpoint, verified: `resume.py`; step
     `resume_step` when given); returns the last step's metrics.
 
-    `make_backend`: None builds the trainer as `training.backend` says, in this process or in
-    a trainer process (`placement.decide_trainer_process`); a factory (the torchrun hub, a
-    test's) is used as it is.
+    `make_backend`: None builds the trainer as `training.backend` says, here or in a trainer
+    process (`placement.decide_trainer_process`); a factory (torchrun's, a test's) as it is.
     """
     root = checkpoint_root(config, run_dir, "rl")
     clean_leftovers(root)
@@ -126,9 +96,10 @@ async def rl_phase(
             config, run_dir, backend, model_dir, latest, resumed.version
         )
         start = (engine_model, sync_root)
-        async with open_engines(
-            config, engine_model, str(resumed.version), start, plan=plan
-        ) as pool:
+        async with (
+            open_engines(config, engine_model, str(resumed.version), start, plan=plan) as pool,
+            open_teacher(config, tokenizer) as teacher,
+        ):
             with pinned(plan.driver if plan is not None else ()):
                 run = RLRun(
                     config=config,
@@ -144,6 +115,7 @@ async def rl_phase(
                     eval_items=eval_items,
                     sync_root=sync_root,
                     trainer_pid=host.pid if host is not None else None,
+                    teacher=teacher,
                 )
                 return await _rl_with_engines(run)
     finally:
@@ -167,7 +139,10 @@ def _policy_backend(
 def _rl_inputs(
     config: Config, tokenizer: Any, model_dir: Path, reward_fn: Any
 ) -> tuple[DataBuffer, list[PromptItem], RewardFn]:
-    """The prompts (a DataBuffer), the held-out prompts and the reward function."""
+    """The prompts (a DataBuffer), the held-out prompts and the reward function; a teacher
+    whose tokenizer is not the student's is refused here, before anything starts."""
+    if config.teacher.enabled:
+        check_tokenizers(tokenizer, teacher_model_dir(config))
     d = config.data
     buffer = DataBuffer(
         load_rl_prompts(config, "train_path", tokenizer, model_dir),
@@ -272,6 +247,7 @@ async def _rl_with_engines(run: RLRun) -> dict[str, float]:
             reward_fn=run.reward_fn,
             seed=config.run.seed,  # sampling seeds of every request (reproducible runs)
             reward_shaping=config.reward,  # a batch's rewards are final when it leaves it
+            teacher=run.teacher,
         )
         return await _rl_with_manager(run, manager, logger)
 
@@ -281,7 +257,7 @@ async def _rl_with_manager(
 ) -> dict[str, float]:
     """The hooks and the publisher around the manager, then the loop."""
     config, r = run.config, run.resumed
-    evaluate_fn = _eval_hook(run, manager, logger)
+    evaluate_fn = eval_hook(run, manager, logger)
     hooks = RLHooks(
         checkpoint=functools.partial(_checkpoint, run),
         evaluate=evaluate_fn,
@@ -296,7 +272,8 @@ async def _rl_with_manager(
         await w.check_start(str(r.version))  # the engines serve the starting weights
         freeze_startup_objects()  # full collections then skip what the set-up built
         if r.step == 0 and evaluate_fn is not None:
-            before = await evaluate_fn(0)
+            teacher = await evaluate_teacher(run, manager)
+            before = await evaluate_fn(0) | teacher
             logger.log(0, before)
             accuracy, note = before["eval/accuracy"], eval_failures_note(before)
             print(f"[train] held-out accuracy before RL: {accuracy:.3f}{note}", flush=True)
@@ -335,35 +312,6 @@ def _rl_logger(run: RLRun) -> MetricsLogger:
     if r.step and r.metrics and (last is None or last < r.step):
         logger.log(r.step, r.metrics)
     return logger
-
-
-def _eval_hook(run: RLRun, manager: AsyncRolloutManager, logger: MetricsLogger) -> Any:
-    """The held-out greedy evaluation through the engines (None when there is no held-out set);
-    every episode goes to eval_rollouts.jsonl under the step it evaluates."""
-    if not run.eval_items:
-        return None
-    items = run.eval_items[: run.config.data.eval_size or None]
-    r = run.config.rollout
-    spec = EvalSpec(
-        max_new_tokens=r.sampling.max_new_tokens,
-        stop=tuple(r.sampling.stop),
-        max_total_tokens=r.max_total_tokens,
-        max_turns=r.max_turns,
-        env_factory=manager.env_factory,
-        generate_fn=manager.generate_fn,
-        reward_timeout_s=r.reward_timeout_s,
-    )
-
-    decode = functools.partial(run.tokenizer.decode, skip_special_tokens=True)
-
-    async def run_eval(step: int) -> dict[str, float]:
-        result = await evaluate(run.pool, run.tokenizer, items, run.reward_fn, spec)
-        for line in result.report():  # FAILED samples: counts by reason, first errors
-            print(f"[train] {line}", flush=True)
-        logger.log_samples(step, result.samples, decode, held_out=True)
-        return result.metrics("eval")
-
-    return run_eval
 
 
 async def _checkpoint(

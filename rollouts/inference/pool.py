@@ -110,6 +110,11 @@ class EnginePool:
         """
         return await self._on_an_engine(1, lambda e: e.generate(input_ids, sampling, rid))
 
+    async def prompt_logprobs(self, input_ids: Sequence[int]) -> tuple[float, ...]:
+        """Each token's logprob given the ones before it, on the least-loaded healthy engine
+        (a teacher's scoring: `rollout/teacher.py`); moved on and waited for as `generate`."""
+        return await self._on_an_engine(1, lambda e: e.prompt_logprobs(input_ids))
+
     async def _on_an_engine(self, cost: int, call: Callable[[Any], Awaitable[Any]]) -> Any:
         """`call` on the least-loaded engine that is up (counting `cost` requests in flight
         there); an unreachable or hung one is marked down and the next one tried, once each,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rollouts.algorithms.advantages import outcome_token_rewards
+from rollouts.algorithms.advantages import outcome_token_rewards, reverse_kl_per_token
 from rollouts.algorithms.batch import build_train_batch, nest
 from rollouts.algorithms.tensors import float_tensor, long_tensor
 from rollouts.config import AlgorithmConfig
@@ -181,6 +181,10 @@ def rollout_metrics(groups: Sequence[Group], meta: Mapping[str, Any]) -> dict[st
         "rollout/groups_kept": float(len(groups)),
     }
     out |= episode_metrics(samples)  # multi-turn episodes: tool calls, turns, ends
+    reverse_kl, scored_tokens = reverse_kl_per_token(groups)
+    if scored_tokens:  # on-policy distillation: the student's samples scored by the teacher
+        out["distill/reverse_kl"] = reverse_kl
+        out["distill/scored_tokens"] = float(scored_tokens)
     for key, value in meta.items():
         if isinstance(value, (int, float)):  # bools too: rollout/short_batch is 0 or 1
             out[f"rollout/{key}"] = float(value)

@@ -36,6 +36,9 @@ order they finished: the same seed gives the same batch, whatever the timing.
 A batch's rewards are final when it leaves: the kept groups are shaped by `reward_shaping`
 (`[reward]`: `rewards.shaping.shape_rewards`, over each group or the whole batch) after the
 filters saw them as scored; the scored reward stays in `metadata["raw_reward"]`.
+
+With a teacher (on-policy distillation, `teacher.py`), each finished group is scored by it
+after the reward, while the rest of the batch generates: the samples carry `teacher_logprobs`.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from rollouts.envs import resolve_env_factory
 from rollouts.envs.protocol import EnvFactory
 from rollouts.envs.threads import ThreadRunner
 from rollouts.failures import failed_in_group, failure_reason
+from rollouts.inference.http import EngineUnavailable
 from rollouts.inference.protocol import InferenceEngine, batches_requests
 from rollouts.plugins import load_function
 from rollouts.rewards.protocol import RewardFn
@@ -90,6 +94,7 @@ from rollouts.rollout.sample_runs import (
     is_unfinished,
     reset_sample,
 )
+from rollouts.rollout.teacher import Teacher
 from rollouts.types import RolloutBatch, Sample, Status
 
 Group = tuple[Sample, ...]
@@ -114,8 +119,10 @@ class AsyncRolloutManager:
         env_factory: str | EnvFactory | None = None,
         seed: int | None = None,
         reward_shaping: RewardConfig | None = None,
+        teacher: Teacher | None = None,
     ) -> None:
         self.buffer = data_buffer
+        self.teacher = teacher  # on-policy distillation: scores each finished group's tokens
         self.reward_shaping = reward_shaping  # None: the batch keeps its rewards as scored
         self.seed = seed  # the run's seed; None: requests carry no sampling seed
         if not config.max_concurrency:  # automatic; the driver resolves it for built-in engines
@@ -248,6 +255,12 @@ class AsyncRolloutManager:
         scored = (
             tuple(samples) if is_unfinished(samples) else await self._score(samples, run.reward)
         )
+        if self.teacher is not None and not is_unfinished(scored):
+            try:
+                scored = await self.teacher.score_group(scored)
+            except EngineUnavailable as e:  # no teacher engine left: the batch is lost
+                SampleRunner.lose(run, e)
+                return
         async with send:
             await send.send(GroupResult(group=scored, gen_time_s=sum(times), gen_tokens=gen_tokens))
 

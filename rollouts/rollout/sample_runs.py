@@ -153,7 +153,7 @@ class SampleRunner:
             except CallTimeout as e:  # says what timed out, and after how long
                 out = fail_sample(sample, str(e), "generate/timed_out")
             except EngineUnavailable as e:  # no engine is left: not this sample's fault
-                self._lose(run, e)
+                self.lose(run, e)
                 return
             except Exception as e:
                 out = fail_sample(sample, f"{self._name} raised {type(e).__name__}: {e}")
@@ -189,7 +189,7 @@ class SampleRunner:
                 except CallTimeout as e:
                     after = [fail_sample(s, str(e), "generate/timed_out") for s in before]
                 except EngineUnavailable as e:  # no engine is left: the batch is lost
-                    self._lose(run, e)
+                    self.lose(run, e)
                     return
                 except Exception as e:
                     error = f"{self._name} raised {type(e).__name__}: {e}"
@@ -200,7 +200,7 @@ class SampleRunner:
                     self._count_resume(run, old, new)
 
     @staticmethod
-    def _lose(run: BatchRun, error: EngineUnavailable) -> None:
+    def lose(run: BatchRun, error: EngineUnavailable) -> None:
         """No engine could generate: the whole batch stops now (`generate_batch` raises)."""
         run.lost = run.lost or error
         assert run.scope is not None, "a batch's samples run inside its nursery"

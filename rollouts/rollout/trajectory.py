@@ -135,8 +135,8 @@ def record_to_sample(
 
 
 def without_tokens(sample: Sample) -> Sample:
-    """`sample` with nothing generated: no tokens (the prompt's neither), mask, logprobs or
-    weight versions; its status, reward and metadata as they were."""
+    """`sample` with nothing generated: no tokens (the prompt's neither), mask, logprobs (the
+    teacher's too) or weight versions; its status, reward and metadata as they were."""
     return dataclasses.replace(
         sample,
         tokens=(),
@@ -144,4 +144,5 @@ def without_tokens(sample: Sample) -> Sample:
         response_length=0,
         rollout_logprobs=(),
         weight_versions=(),
+        teacher_logprobs=(),
     )

@@ -1,0 +1,82 @@
+"""A distillation teacher served by the real vLLM (CPU build): it passes the teacher's start
+check against SmolLM2's directory, and its logprobs of a student's tokens equal those of the
+same model served by the built-in engine, within 1e-4 in fp32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rollouts.config import AlgorithmConfig, Config, EnginesConfig
+from rollouts.config.teacher import TeacherConfig
+from rollouts.driver.teacher_setup import check_teacher_engines
+from rollouts.engine.launch import engine_server
+from rollouts.inference.factory import make_pool
+from rollouts.inference.sglang import SGLangEngine
+from rollouts.rollout.teacher import Teacher
+from rollouts.trainer.building import load_tokenizer
+from rollouts.types import Sample, Status
+from rollouts.weights.check import largest_gap
+from tests.real_vllm.conftest import VLLMServer
+from tests.real_vllm.test_vllm_training import FP32_MATCH
+
+pytestmark = pytest.mark.smollm2  # on the "smollm2" server (conftest.py)
+
+ANSWERS = [
+    ("What is 17 + 25?", "17 + 25 = 42"),
+    ("What is 3 + 29?", "3 + 29 = 31"),  # wrong: a student samples those too
+    ("What is 8 + 8?", "The sum of 8 and 8 is 16."),
+    ("What is 30 + 1?", "31"),
+]
+
+
+def _samples(model: Path) -> list[Sample]:
+    """Chat prompts and answers as a student's finished samples."""
+    tok = load_tokenizer(model)
+    out = []
+    for i, (question, answer) in enumerate(ANSWERS):
+        messages = [{"role": "user", "content": question}]
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prompt = list(getattr(prompt, "input_ids", prompt))
+        response = tok.encode(answer, add_special_tokens=False)
+        out.append(
+            Sample(
+                index=i,
+                group_index=0,
+                prompt=question,
+                tokens=(*prompt, *response),
+                loss_mask=(0,) * len(prompt) + (1,) * len(response),
+                response_length=len(response),
+                status=Status.COMPLETED,
+            )
+        )
+    return out
+
+
+async def test_a_vllm_teacher_scores_as_the_builtin_one(
+    vllm: dict[str, VLLMServer], model_dirs: dict[str, Path]
+) -> None:
+    model = model_dirs["smollm2"]
+    engines = EnginesConfig(kind="vllm", urls=[vllm["smollm2"].url])
+    teacher = TeacherConfig(path=str(model), engines=engines)
+    config = Config(algorithm=AlgorithmConfig(advantage="distill"), teacher=teacher)
+    pool = make_pool(engines, engines.urls)
+    try:
+        # another test may have left trained weights there: the teacher's own first
+        await pool.engines[0].update_weights_from_disk(str(model), "teacher")
+        await check_teacher_engines(config, pool, model)  # the start check, through vLLM
+        samples = _samples(model)
+        by_vllm = await Teacher(engines=pool).score_group(samples)
+        async with engine_server(model, dtype="float32") as url:
+            builtin = SGLangEngine(url)
+            try:
+                by_builtin = await Teacher(engines=builtin).score_group(samples)
+            finally:
+                await builtin.aclose()
+    finally:
+        await pool.aclose()
+    for a, b in zip(by_vllm, by_builtin, strict=True):
+        assert len(a.teacher_logprobs) == a.response_length > 0
+        gap, _ = largest_gap(a.teacher_logprobs, b.teacher_logprobs)
+        assert gap < FP32_MATCH, (gap, a.teacher_logprobs, b.teacher_logprobs)
