@@ -24,6 +24,7 @@ FailureReason = Literal[
     "reward/timed_out",  # ... ran past rollout.reward_timeout_s
     "reward/non_finite",  # ... returned NaN or an infinity
     "reward/not_a_reward",  # ... returned None, a string, an array, ...
+    "reward/unparsed",  # a judge's answer held no score (or one out of its range)
     "generate/raised",  # the generate function (or the environment inside it) raised
     "generate/timed_out",  # ... ran past rollout.generate_timeout_s (or env_timeout_s)
     "generate/no_room",  # the prompt leaves no room for a token under max_total_tokens

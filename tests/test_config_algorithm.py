@@ -123,3 +123,22 @@ def test_distillation_and_its_teacher_need_each_other() -> None:
         )
     ok = config_from_dict({"algorithm": {"advantage": "distill"}, "teacher": {"path": "/x"}})
     assert ok.teacher.enabled and ok.algorithm.distill.coef == 1.0
+
+
+def test_a_judge_reward_and_its_judge_need_each_other() -> None:
+    with pytest.raises(ConfigError, match=r"reward_fn = 'judge' needs a judge"):
+        config_from_dict({"rollout": {"reward_fn": "judge"}})
+    with pytest.raises(ConfigError, match=r"nothing would ask the judge"):
+        config_from_dict({"judge": {"path": "/j"}})
+    with pytest.raises(ConfigError) as bad:
+        config_from_dict(
+            {
+                "rollout": {"reward_fn": "judge"},
+                "judge": {"path": "/j", "pattern": "Score: (", "template": "grade it"},
+            }
+        )
+    problems = " ".join(bad.value.problems)
+    assert "judge.pattern = 'Score: (': not a regular expression" in problems
+    assert "judge.template: has no ['{response}'] placeholder" in problems
+    ok = config_from_dict({"rollout": {"reward_fn": "judge"}, "judge": {"path": "/j"}})
+    assert ok.judge.enabled and ok.judge.score_max == 10.0

@@ -27,7 +27,7 @@ from rollouts.config.base import (
 from rollouts.config.model import DataConfig, ModelConfig, RunSection
 from rollouts.config.reward import RewardConfig
 from rollouts.config.rollout import EnginesConfig, RolloutConfig, engine_logprobs
-from rollouts.config.teacher import TeacherConfig
+from rollouts.config.served import JudgeConfig, TeacherConfig
 from rollouts.config.training import CheckpointConfig, LoggingConfig, OptimConfig, TrainingConfig
 from rollouts.config.weight_sync import WeightSyncConfig
 from rollouts.engine_kinds import engine_kind
@@ -50,6 +50,7 @@ class Config(_Section):
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     weight_sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
     teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
+    judge: JudgeConfig = dataclasses.field(default_factory=JudgeConfig)
 
     def problems(self) -> list[str]:
         return (
@@ -58,7 +59,30 @@ class Config(_Section):
             + layout_problems(self)
             + logprob_problems(self)
             + distill_problems(self)
+            + judge_problems(self)
         )
+
+
+def judge_problems(config: Config) -> list[str]:
+    """`rollout.reward_fn = "judge"` and a [judge] need each other."""
+    asked = config.rollout.reward_fn == JUDGE_REWARD
+    p: list[str] = []
+    _check(
+        p,
+        config.judge.enabled or not asked,
+        "rollout.reward_fn = 'judge' needs a judge: set judge.path (an HF model directory) or "
+        "judge.source, and [judge.engines]",
+    )
+    _check(
+        p,
+        asked or not config.judge.enabled,
+        f"judge.path / judge.source is set but rollout.reward_fn = {config.rollout.reward_fn!r}: "
+        "nothing would ask the judge; set rollout.reward_fn = 'judge', or remove [judge]",
+    )
+    return p
+
+
+JUDGE_REWARD = "judge"  # rollout.reward_fn naming the [judge] as the reward
 
 
 def distill_problems(config: Config) -> list[str]:

@@ -3,7 +3,8 @@ once, then hand them to the loop (`rollouts/loop/rl.py`).
 
     trainer (here or in its own process) -> resume state -> reference model
       -> the engines' starting weights -> engines up (EnginePool), and the teacher's when
-         distilling (`teacher_setup.py`: its tokenizer checked before anything starts)
+         distilling, the judge's when it is the reward (`served.py`: a teacher's tokenizer
+         checked before anything starts)
       -> manager, evaluation, checkpoint hook -> WeightPublisher (chosen once)
       -> run_rl_training -> engines stopped, weight copies removed (also on an error)
 """
@@ -19,6 +20,7 @@ import torch
 import trio
 
 from rollouts.config import Config
+from rollouts.config.loader import JUDGE_REWARD
 from rollouts.config.rollout import resolved_concurrency
 from rollouts.data.buffer import DataBuffer
 from rollouts.driver.engines import cpu_beside_engines, cpu_share, open_engines
@@ -28,6 +30,7 @@ from rollouts.driver.placement import CpuPlan, cpu_plan, decide_trainer_process,
 from rollouts.driver.reference_setup import open_reference
 from rollouts.driver.resume import checkpoint_to_resume
 from rollouts.driver.rl_run import Resumed, RLRun, eval_hook, evaluate_teacher
+from rollouts.driver.served import check_tokenizers, open_judge, open_teacher, served_model_dir
 from rollouts.driver.setup import (
     RL_METRICS,
     StopFlag,
@@ -36,7 +39,6 @@ from rollouts.driver.setup import (
     with_response_text,
 )
 from rollouts.driver.summary import eval_failures_note
-from rollouts.driver.teacher_setup import check_tokenizers, open_teacher, teacher_model_dir
 from rollouts.driver.trainer_io import BackendFactory, checkpoint_root, save
 from rollouts.engine_kinds import engine_kind
 from rollouts.gateway import open_agent_generate
@@ -92,13 +94,13 @@ async def rl_phase(
         backend = _policy_backend(config, make, model_dir, plan)
         resumed = await _resume(backend, buffer, latest)
         ref = await open_reference(config, model_dir, make, plan, latest, backend)
-        sync_root, engine_model = await _engines_start_weights(
-            config, run_dir, backend, model_dir, latest, resumed.version
-        )
-        start = (engine_model, sync_root)
+        start = _engines_start_weights(config, run_dir, backend, model_dir, latest, resumed.version)
+        sync_root, engine_model = await start
+        roots = (engine_model, sync_root)
         async with (
-            open_engines(config, engine_model, str(resumed.version), start, plan=plan) as pool,
+            open_engines(config, engine_model, str(resumed.version), roots, plan=plan) as pool,
             open_teacher(config, tokenizer) as teacher,
+            open_judge(config) as judge,
         ):
             with pinned(plan.driver if plan is not None else ()):
                 run = RLRun(
@@ -108,7 +110,7 @@ async def rl_phase(
                     buffer=buffer,
                     pool=pool,
                     tokenizer=tokenizer,
-                    reward_fn=reward,
+                    reward_fn=reward if judge is None else with_response_text(judge, tokenizer),
                     ref=ref,
                     resumed=resumed,
                     stop=stop,
@@ -138,11 +140,12 @@ def _policy_backend(
 
 def _rl_inputs(
     config: Config, tokenizer: Any, model_dir: Path, reward_fn: Any
-) -> tuple[DataBuffer, list[PromptItem], RewardFn]:
-    """The prompts (a DataBuffer), the held-out prompts and the reward function; a teacher
-    whose tokenizer is not the student's is refused here, before anything starts."""
+) -> tuple[DataBuffer, list[PromptItem], RewardFn | None]:
+    """The prompts (a DataBuffer), the held-out prompts and the reward function (None: the
+    judge, made once its engines are up); a teacher whose tokenizer is not the student's is
+    refused here, before anything starts."""
     if config.teacher.enabled:
-        check_tokenizers(tokenizer, teacher_model_dir(config))
+        check_tokenizers(tokenizer, served_model_dir(config.teacher))
     d = config.data
     buffer = DataBuffer(
         load_rl_prompts(config, "train_path", tokenizer, model_dir),
@@ -152,6 +155,8 @@ def _rl_inputs(
     eval_items = load_rl_prompts(config, "eval_path", tokenizer, model_dir) if d.eval_path else []
     if reward_fn is None and not config.rollout.reward_fn:
         raise ValueError("rollout.reward_fn is empty: name a reward function by dotted path")
+    if reward_fn is None and config.rollout.reward_fn == JUDGE_REWARD:
+        return buffer, eval_items, None  # the [judge], once its engines are up
     reward = load_function(reward_fn or config.rollout.reward_fn, RewardFn)
     return buffer, eval_items, with_response_text(reward, tokenizer)
 

@@ -15,3 +15,13 @@ class RewardFn(Protocol):
     """
 
     def __call__(self, sample: Sample) -> Reward: ...
+
+
+class RewardUnparsed(ValueError):
+    """A reward that asks a model (an LLM judge) got an answer it cannot read a score from: the
+    sample FAILED (`reward/unparsed`), never a 0."""
+
+
+class RewardServiceUnavailable(RuntimeError):
+    """The service a reward asks (a judge's engines) has no engine left: not the sample's
+    fault; the batch is lost and the run stops, as when the policy's engines are gone."""

@@ -26,6 +26,7 @@ import trio
 
 from rollouts.failures import mark_failed
 from rollouts.plugins import dotted_name, is_async_callable
+from rollouts.rewards.protocol import RewardServiceUnavailable, RewardUnparsed
 from rollouts.types import Reward, Sample, Status
 
 SCORABLE = (Status.COMPLETED, Status.TRUNCATED)
@@ -127,6 +128,10 @@ async def score_sample(
             value = await _call(reward_fn, sample)
     except trio.TooSlowError:
         return mark_failed(sample, f"{name} timed out after {timeout_s} s", "reward/timed_out")
+    except RewardServiceUnavailable:
+        raise  # the judge's engines are gone: the batch is lost, not this sample
+    except RewardUnparsed as e:
+        return mark_failed(sample, f"{name}: {e}", "reward/unparsed")
     except Exception as e:  # a user function: any error is that sample's error
         return mark_failed(sample, f"{name} raised {type(e).__name__}: {e}", "reward/raised")
     try:
@@ -143,19 +148,27 @@ async def score_group(
     timeout_s: float,
     limiter: trio.CapacityLimiter | None = None,
 ) -> tuple[Sample, ...]:
-    """Score every sample of a group concurrently (at most `limiter` at once), in order."""
+    """Score every sample of a group concurrently (at most `limiter` at once), in order;
+    `RewardServiceUnavailable` (a judge with no engine left) stops the group and is raised."""
     out: list[Sample | None] = [None] * len(group)
+    lost: list[RewardServiceUnavailable] = []
 
-    async def one(i: int, sample: Sample) -> None:
-        if limiter is None:
-            out[i] = await score_sample(sample, reward_fn, timeout_s)
-            return
-        async with limiter:
-            out[i] = await score_sample(sample, reward_fn, timeout_s)
+    async def one(i: int, sample: Sample, scope: trio.CancelScope) -> None:
+        try:
+            if limiter is None:
+                out[i] = await score_sample(sample, reward_fn, timeout_s)
+                return
+            async with limiter:
+                out[i] = await score_sample(sample, reward_fn, timeout_s)
+        except RewardServiceUnavailable as e:
+            lost.append(e)
+            scope.cancel()
 
     async with trio.open_nursery() as nursery:
         for i, sample in enumerate(group):
-            nursery.start_soon(one, i, sample)
+            nursery.start_soon(one, i, sample, nursery.cancel_scope)
+    if lost:
+        raise lost[0]
     assert all(s is not None for s in out), "a sample was not scored"
     return tuple(s for s in out if s is not None)
 

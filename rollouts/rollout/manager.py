@@ -62,7 +62,7 @@ from rollouts.failures import failed_in_group, failure_reason
 from rollouts.inference.http import EngineUnavailable
 from rollouts.inference.protocol import InferenceEngine, batches_requests
 from rollouts.plugins import load_function
-from rollouts.rewards.protocol import RewardFn
+from rollouts.rewards.protocol import RewardFn, RewardServiceUnavailable
 from rollouts.rewards.scoring import score_group
 from rollouts.rewards.shaping import final_rewards
 from rollouts.rollout.agent import generate_multi_turn
@@ -252,15 +252,18 @@ class AsyncRolloutManager:
             max(new.response_length - old.response_length, 0)
             for old, new in zip(group, samples, strict=True)
         )
-        scored = (
-            tuple(samples) if is_unfinished(samples) else await self._score(samples, run.reward)
-        )
-        if self.teacher is not None and not is_unfinished(scored):
-            try:
+        try:
+            scored = (
+                tuple(samples) if is_unfinished(samples) else await self._score(samples, run.reward)
+            )
+            if self.teacher is not None and not is_unfinished(scored):
                 scored = await self.teacher.score_group(scored)
-            except EngineUnavailable as e:  # no teacher engine left: the batch is lost
-                SampleRunner.lose(run, e)
-                return
+        except EngineUnavailable as e:  # no teacher engine left: the batch is lost
+            SampleRunner.lose(run, e)
+            return
+        except RewardServiceUnavailable as e:  # no judge engine left: the same
+            SampleRunner.lose(run, EngineUnavailable(str(e)))
+            return
         async with send:
             await send.send(GroupResult(group=scored, gen_time_s=sum(times), gen_tokens=gen_tokens))
 

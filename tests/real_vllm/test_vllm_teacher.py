@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from rollouts.config import AlgorithmConfig, Config, EnginesConfig
-from rollouts.config.teacher import TeacherConfig
-from rollouts.driver.teacher_setup import check_teacher_engines
+from rollouts.config.served import TeacherConfig
+from rollouts.driver.served import check_served_engines
 from rollouts.engine.launch import engine_server
 from rollouts.inference.factory import make_pool
 from rollouts.inference.sglang import SGLangEngine
@@ -65,7 +65,7 @@ async def test_a_vllm_teacher_scores_as_the_builtin_one(
     try:
         # another test may have left trained weights there: the teacher's own first
         await pool.engines[0].update_weights_from_disk(str(model), "teacher")
-        await check_teacher_engines(config, pool, model)  # the start check, through vLLM
+        await check_served_engines(config, teacher, pool, model)  # the start check, through vLLM
         samples = _samples(model)
         by_vllm = await Teacher(engines=pool).score_group(samples)
         async with engine_server(model, dtype="float32") as url:

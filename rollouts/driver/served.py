@@ -1,15 +1,17 @@
-"""The teacher of on-policy distillation ([teacher]): its model directory, its engines (a pool
-of their own: built-in ones started here on the teacher's model, or servers at URLs), and the
-two checks before any step:
+"""Models served beside the policy and never trained: the teacher of on-policy distillation
+([teacher]) and the LLM judge ([judge]). Each has its model directory and its engines (a pool of
+their own: built-in ones started here on its model, or servers at URLs), and is checked before
+any step:
 
-- its tokenizer is the student's (a token id must mean the same token on both sides, or its
-  logprob is of another token): a mismatch is refused, naming the first id that differs;
-- every engine serves the teacher's weights: its prompt logprobs of a fixed probe equal those
-  of the model at `teacher.path`, computed here once (the content check of a weight sync, with
-  the teacher's model in place of the trainer).
+- the teacher's tokenizer is the student's (a token id must mean the same token on both sides,
+  or its logprob is of another token): a mismatch is refused, naming the first id that differs
+  (a judge reads text: its tokenizer is its own);
+- every engine serves the model's weights: its prompt logprobs of a fixed probe equal those of
+  the model at `<name>.path`, computed here once (the content check of a weight sync, with that
+  model in place of the trainer).
 
-The pool's health checks, stall detection and restarts are the policy pool's; weight syncs never
-reach it (it is not the loop's pool)."""
+The pools' health checks, stall detection and restarts are the policy pool's; weight syncs never
+reach them (they are not the loop's pool)."""
 
 from __future__ import annotations
 
@@ -22,10 +24,12 @@ from typing import Any
 import trio
 
 from rollouts.config import Config
+from rollouts.config.served import ServedModelConfig
 from rollouts.driver.engines import open_engines
 from rollouts.engine_kinds import engine_kind
 from rollouts.inference.pool import EnginePool
 from rollouts.models.sources import fetch_source
+from rollouts.rollout.judge import Judge
 from rollouts.rollout.teacher import Teacher
 from rollouts.trainer.building import load_tokenizer
 from rollouts.weights.check import (
@@ -37,23 +41,23 @@ from rollouts.weights.check import (
     tolerance_for,
 )
 
-TEACHER_VERSION = "teacher"
+SERVED_VERSION = "served"  # the weight version a teacher's or judge's engines report
 
 
 class TokenizerMismatch(ValueError):
     """The teacher's tokenizer is not the student's."""
 
 
-def teacher_model_dir(config: Config) -> Path:
-    """`teacher.path` as a local HF directory (`teacher.source` converted on first use)."""
-    t = config.teacher
-    if t.source:
-        return fetch_source(t.source, t.path or None)
-    path = Path(t.path)
+def served_model_dir(section: ServedModelConfig) -> Path:
+    """`<name>.path` as a local HF directory (`<name>.source` converted on first use)."""
+    if section.source:
+        return fetch_source(section.source, section.path or None)
+    path = Path(section.path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"teacher.path = {t.path!r}: no HF model there (no config.json); point it at the "
-            "teacher's model directory (a LoRA run's adapter: `rollouts models merge` first)"
+            f"{section.KEY}.path = {section.path!r}: no HF model there (no config.json); point "
+            f"it at the {section.KEY}'s model directory (a LoRA run's adapter: `rollouts models "
+            "merge` first)"
         )
     return path
 
@@ -96,10 +100,10 @@ def check_tokenizers(student: Any, teacher_dir: Path) -> None:
         )
 
 
-def served_dtype(config: Config) -> str:
-    """The dtype the teacher's engines compute in: the built-in engines' (their autocast's
-    where one is on); servers at URLs: float32 (teacher.check_tolerance covers a bf16 one)."""
-    e = config.teacher.engines
+def served_dtype(section: ServedModelConfig) -> str:
+    """The dtype a served model's engines compute in: the built-in engines' (their autocast's
+    where one is on); servers at URLs: float32 (`<name>.check_tolerance` covers a bf16 one)."""
+    e = section.engines
     if not engine_kind(e.kind).started_here:
         return "float32"
     b = e.builtin
@@ -124,15 +128,18 @@ def local_probe(model_dir: Path, ids: tuple[int, ...], tolerance: float, stat: s
         ids=ids,
         expected=tuple(float(x) for x in logprobs.tolist()),
         tolerance=tolerance,
-        version=TEACHER_VERSION,
+        version=SERVED_VERSION,
         statistic=stat,
     )
 
 
-async def check_teacher_engines(config: Config, pool: EnginePool, model_dir: Path) -> None:
-    """Every teacher engine serves the model at `model_dir` (`WeightContentError` if not)."""
-    dtype = served_dtype(config)
-    tolerance = tolerance_for(dtype, config.teacher.check_tolerance)
+async def check_served_engines(
+    config: Config, section: ServedModelConfig, pool: EnginePool, model_dir: Path
+) -> None:
+    """Every engine of `pool` serves the model at `model_dir` (`WeightContentError` if not)."""
+    name = section.KEY
+    dtype = served_dtype(section)
+    tolerance = tolerance_for(dtype, section.check_tolerance)
     ids = probe_ids(len(load_tokenizer(model_dir)), config.weight_sync.check_tokens, 0)
     probe = await trio.to_thread.run_sync(
         local_probe, model_dir, ids, tolerance, GAP_STATISTIC[dtype]
@@ -144,35 +151,55 @@ async def check_teacher_engines(config: Config, pool: EnginePool, model_dir: Pat
         except WeightContentError as e:
             errors.append(str(e))
             continue
-        print(f"[teacher] {engine.url} serves {model_dir} (gap {gap:.2g})", flush=True)
+        print(f"[{name}] {engine.url} serves {model_dir} (gap {gap:.2g})", flush=True)
     if errors:
         raise WeightContentError(
-            "the teacher at start: " + "\n".join(errors) + f"\nStart the teacher's engines on "
-            f"teacher.path = {str(model_dir)!r} in the dtype they are said to serve, or set "
-            "teacher.check_tolerance."
+            f"the {name} at start: " + "\n".join(errors) + f"\nStart the {name}'s engines on "
+            f"{name}.path = {str(model_dir)!r} in the dtype they are said to serve, or set "
+            f"{name}.check_tolerance."
         )
 
 
-def teacher_engines_config(config: Config) -> Config:
-    """`config` with the teacher's engines in place of the policy's (for `open_engines`)."""
-    return dataclasses.replace(config, engines=config.teacher.engines)
+@contextlib.asynccontextmanager
+async def open_served(
+    config: Config, section: ServedModelConfig
+) -> AsyncIterator[tuple[EnginePool, Path] | None]:
+    """`section`'s engines up and checked, and its model directory (None when it has no
+    model); stopped on exit."""
+    if not section.enabled:
+        yield None
+        return
+    model_dir = served_model_dir(section)
+    async with open_engines(
+        dataclasses.replace(config, engines=section.engines),
+        model_dir,
+        SERVED_VERSION,
+        (model_dir,),
+        name=section.KEY,
+        load_at_start=False,
+    ) as pool:
+        await check_served_engines(config, section, pool, model_dir)
+        yield pool, model_dir
 
 
 @contextlib.asynccontextmanager
 async def open_teacher(config: Config, student_tokenizer: Any) -> AsyncIterator[Teacher | None]:
     """The teacher's engines up and checked (None without a [teacher]); stopped on exit."""
-    if not config.teacher.enabled:
-        yield None
-        return
-    model_dir = teacher_model_dir(config)
-    check_tokenizers(student_tokenizer, model_dir)
-    async with open_engines(
-        teacher_engines_config(config),
-        model_dir,
-        TEACHER_VERSION,
-        (model_dir,),
-        name="teacher",
-        load_at_start=False,
-    ) as pool:
-        await check_teacher_engines(config, pool, model_dir)
-        yield Teacher(engines=pool, max_concurrency=config.teacher.max_concurrency)
+    if config.teacher.enabled:
+        check_tokenizers(student_tokenizer, served_model_dir(config.teacher))
+    async with open_served(config, config.teacher) as served:
+        if served is None:
+            yield None
+            return
+        yield Teacher(engines=served[0], max_concurrency=config.teacher.max_concurrency)
+
+
+@contextlib.asynccontextmanager
+async def open_judge(config: Config) -> AsyncIterator[Judge | None]:
+    """The judge's engines up and checked, as a reward (None without a [judge])."""
+    async with open_served(config, config.judge) as served:
+        if served is None:
+            yield None
+            return
+        pool, model_dir = served
+        yield Judge(engines=pool, tokenizer=load_tokenizer(model_dir), config=config.judge)

@@ -93,3 +93,27 @@ def test_a_teacher_of_another_tokenizer_is_refused_at_start(
     assert done.returncode != 0
     assert "its tokenizer is not the student's: token id" in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "run" / "engines").exists()  # refused before any engine started
+
+
+def test_a_judge_whose_answers_never_parse_stops_the_run_saying_why(
+    tmp_path: Path, finished_run: FinishedRun
+) -> None:
+    """The judge is the tiny model (it answers noise): it is started, checked and asked, every
+    sample FAILED as reward/unparsed, nothing is trained on a 0, and the run stops naming it."""
+    base = finished_run.root / "base"
+    config = _config(
+        tmp_path,
+        model={"path": str(base)},
+        training={"rl_steps": 2},
+        rollout={"reward_fn": "judge", "over_sampling_factor": 1.0},
+        judge={"path": str(base), "max_new_tokens": 4, "template": "{response}?", "chat": False},
+        **{"judge.engines.builtin": {"max_batch": 16}},
+        checkpoint={"every": 0},
+    )
+    done = _train("--mode", "rl", "--config", str(config))
+    assert done.returncode != 0
+    assert "[judge] http://127.0.0.1:" in done.stdout and f"serves {base}" in done.stdout
+    console = done.stdout + done.stderr
+    assert "reward unparsed" in console, console[-3000:]
+    assert "the judge's answer has no score" in console
+    assert (tmp_path / "run" / "engines" / "judge-0.log").is_file()
