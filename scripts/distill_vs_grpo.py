@@ -1,4 +1,4 @@
-"""On-policy distillation against GRPO from the same base model, seed by seed (issue 47).
+"""On-policy distillation against GRPO from the same base model, seed by seed.
 
     python scripts/distill_vs_grpo.py OUT [--seeds 0 1 2] [--grpo-steps 24] [--distill-steps 12]
         [--eval-every 2] [--teacher runs/smollm2-teacher-model]
