@@ -34,9 +34,8 @@ from rollouts.rollout.teacher import Teacher
 from rollouts.trainer.building import load_tokenizer
 from rollouts.weights.check import (
     GAP_STATISTIC,
-    WeightContentError,
     WeightProbe,
-    check_engine,
+    check_engines_at_start,
     probe_ids,
     tolerance_for,
 )
@@ -144,20 +143,11 @@ async def check_served_engines(
     probe = await trio.to_thread.run_sync(
         local_probe, model_dir, ids, tolerance, GAP_STATISTIC[dtype]
     )
-    errors: list[str] = []
-    for engine in pool.engines:
-        try:
-            gap = await check_engine(engine, probe)
-        except WeightContentError as e:
-            errors.append(str(e))
-            continue
-        print(f"[{name}] {engine.url} serves {model_dir} (gap {gap:.2g})", flush=True)
-    if errors:
-        raise WeightContentError(
-            f"the {name} at start: " + "\n".join(errors) + f"\nStart the {name}'s engines on "
-            f"{name}.path = {str(model_dir)!r} in the dtype they are said to serve, or set "
-            f"{name}.check_tolerance."
-        )
+    fix = (
+        f"Start the {name}'s engines on {name}.path = {str(model_dir)!r} in the dtype they are "
+        f"said to serve, or set {name}.check_tolerance."
+    )
+    await check_engines_at_start(pool.engines, probe, who=name, serves=str(model_dir), fix=fix)
 
 
 @contextlib.asynccontextmanager

@@ -199,10 +199,17 @@ def content_probe(
 
 
 async def check_engines_at_start(
-    engines: Sequence[ServesPromptLogprobs], probe: WeightProbe
+    engines: Sequence[ServesPromptLogprobs],
+    probe: WeightProbe,
+    *,
+    who: str = "engines",
+    serves: str = "the trainer's weights",
+    fix: str = "Start the engines on the run's model (model.path) in the same dtype, or set "
+    "weight_sync.check_tolerance.",
 ) -> None:
     """Every engine must serve the starting weights before any step (an engine started on
-    another model or dtype fails here, not as a silent off-policy run)."""
+    another model or dtype fails here, not as a silent off-policy run). `who`, `serves` and
+    `fix` word the lines and the error (a teacher's or a judge's engines: `driver/served.py`)."""
     errors: list[str] = []
     for engine in engines:
         try:
@@ -210,9 +217,6 @@ async def check_engines_at_start(
         except WeightContentError as exc:
             errors.append(str(exc))
             continue
-        print(f"[engines] {engine.url} serves the trainer's weights (gap {gap:.2g})", flush=True)
+        print(f"[{who}] {engine.url} serves {serves} (gap {gap:.2g})", flush=True)
     if errors:
-        raise WeightContentError(
-            "at start: " + "\n".join(errors) + "\nStart the engines on the run's model "
-            "(model.path) in the same dtype, or set weight_sync.check_tolerance."
-        )
+        raise WeightContentError("at start: " + "\n".join(errors) + f"\n{fix}")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from rollouts.engine.launch import EngineProcess, engine_server_sync
+from rollouts.inference.sglang import SGLangEngine
 
 
 @pytest.fixture(scope="session")
@@ -24,3 +25,13 @@ def server(tiny_model_dir: Path) -> Iterator[EngineProcess]:
 @pytest.fixture(scope="session")
 def tok(tiny_model_dir: Path):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+async def engine(server: EngineProcess) -> AsyncIterator[SGLangEngine]:
+    """A client of the shared server (SGLang's routes), closed after the test."""
+    client = SGLangEngine(server.url)
+    try:
+        yield client
+    finally:
+        await client.aclose()

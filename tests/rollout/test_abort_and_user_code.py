@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
 import trio
 
 from rollouts.driver.evaluation import EvalSpec, evaluate
-from rollouts.engine.launch import EngineProcess
 from rollouts.envs.threads import ThreadRunner
 from rollouts.envs.tools import Tool, ToolCall, run_tool_call
 from rollouts.inference.sglang import SGLangEngine
@@ -40,15 +39,6 @@ def make_config(stop_every: int = 0, **kw: Any) -> Any:
     return dataclasses.replace(
         config, sampling=dataclasses.replace(config.sampling, stop_token_ids=ids)
     )
-
-
-@pytest.fixture
-async def engine(server: EngineProcess) -> AsyncIterator[SGLangEngine]:
-    client = SGLangEngine(server.url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
 
 
 @pytest.mark.parametrize("client", [SGLangEngine, VLLMEngine])

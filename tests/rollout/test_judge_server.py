@@ -4,16 +4,12 @@ counted, never a 0), and a judge with no engine left losing the batch."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import pytest
 
 from rollouts.config import EnginesConfig
 from rollouts.config.served import JudgeConfig
-from rollouts.engine.launch import EngineProcess
 from rollouts.inference.factory import make_pool
 from rollouts.inference.http import EngineUnavailable
-from rollouts.inference.sglang import SGLangEngine
 from rollouts.rewards.protocol import RewardUnparsed
 from rollouts.rollout.judge import Judge, parse_score, question_of
 from rollouts.rollout.manager import AsyncRolloutManager
@@ -22,15 +18,6 @@ from rollouts.wire.ports import free_port
 from tests.rollout import manager_cases as cases
 
 CONFIG = JudgeConfig(path="/judge")
-
-
-@pytest.fixture
-async def engine(server: EngineProcess) -> AsyncIterator[SGLangEngine]:
-    client = SGLangEngine(server.url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
 
 
 @pytest.mark.parametrize(

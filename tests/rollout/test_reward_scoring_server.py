@@ -8,25 +8,13 @@ error that names the function, in the rollout manager and in the held-out evalua
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator
 
 import pytest
 
 from rollouts.driver.evaluation import EvalSpec, evaluate
-from rollouts.engine.launch import EngineProcess
-from rollouts.inference.sglang import SGLangEngine
 from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.types import PromptItem, Sample, Status
 from tests.rollout import manager_cases as cases
-
-
-@pytest.fixture
-async def engine(server: EngineProcess) -> AsyncIterator[SGLangEngine]:
-    client = SGLangEngine(server.url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
 
 
 async def test_reward_timeout_is_enforced(engine, tok) -> None:

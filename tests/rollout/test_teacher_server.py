@@ -5,12 +5,11 @@ teacher with no engine left loses the batch as the policy's pool does."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 
 from rollouts.config import EnginesConfig
-from rollouts.engine.launch import EngineProcess
 from rollouts.inference.factory import make_pool
 from rollouts.inference.http import EngineRequestError, EngineUnavailable
 from rollouts.inference.sglang import SGLangEngine
@@ -20,15 +19,6 @@ from rollouts.types import Sample, Status
 from rollouts.wire.ports import free_port
 from tests.hf_reference import teacher_forced_logprobs
 from tests.rollout import manager_cases as cases
-
-
-@pytest.fixture
-async def engine(server: EngineProcess) -> AsyncIterator[SGLangEngine]:
-    client = SGLangEngine(server.url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
 
 
 def constant(sample: Sample) -> float:
