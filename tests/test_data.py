@@ -125,7 +125,7 @@ def test_malformed_line_names_file_and_line(tmp_path: Path) -> None:
 def test_missing_field_names_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "a"}\n{"question": "b"}\n')
-    with pytest.raises(DatasetError, match=r"bad.jsonl:2: needs a 'prompt'.*\['question'\]"):
+    with pytest.raises(DatasetError, match=r"bad.jsonl:2: no column 'prompt'.*\['question'\]"):
         load_prompts(path)
 
 
@@ -158,7 +158,7 @@ def test_conversations_need_an_assistant_turn(tmp_path: Path) -> None:
 def test_bad_role(tmp_path: Path) -> None:
     path = tmp_path / "c.jsonl"
     path.write_text('{"messages": [{"role": "robot", "content": "q"}]}\n')
-    with pytest.raises(DatasetError, match="c.jsonl:1: message 0 has role 'robot'"):
+    with pytest.raises(DatasetError, match="c.jsonl:1, column 'messages': message 0 has role 'robot'"):
         load_conversations(path)
 
 

@@ -45,12 +45,12 @@ def test_an_empty_chat_content_is_refused_like_an_empty_prompt(tmp_path: Path) -
     with pytest.raises(DatasetError) as info:
         load_prompts(prompts)
     message = str(info.value)
-    assert f"{prompts}:1: 'prompt' must be a non-empty string" in message, message
-    assert f"{prompts}:2: message 0 (user) has an empty 'content'" in message, message
-    assert f"{prompts}:3: message 0 (user) has an empty 'content'" in message, message
+    assert f"{prompts}:1, column 'prompt': must be a non-empty string" in message, message
+    assert f"{prompts}:2, column 'messages': message 0 (user) has an empty 'content'" in message, message
+    assert f"{prompts}:3, column 'messages': message 0 (user) has an empty 'content'" in message, message
     sft = tmp_path / "sft.jsonl"
     sft.write_text(_chat("q", "a") + "\n" + _chat("q", "") + "\n")
-    with pytest.raises(DatasetError, match=rf"{sft}:2: message 1 \(assistant\) has an empty"):
+    with pytest.raises(DatasetError, match=rf"{sft}:2, column 'messages': message 1 \(assistant\) has an empty"):
         load_conversations(sft)
 
 
@@ -75,13 +75,13 @@ def test_every_bad_line_is_reported_in_one_error_bounded(tmp_path: Path) -> None
     with pytest.raises(DatasetError) as info:
         load_prompts(path)
     message = str(info.value)
-    assert message.startswith(f"{path}: 24 bad lines:"), message
-    named = [int(n) for n in re.findall(rf"{re.escape(str(path))}:(\d+):", message)]
+    assert message.startswith(f"{path}: 24 bad rows:"), message
+    named = [int(n) for n in re.findall(rf"{re.escape(str(path))}:(\d+)[:,]", message)]
     assert named == list(range(2, 2 + MAX_REPORTED)), message
-    assert f"... and {24 - MAX_REPORTED} more bad line(s)" in message
+    assert f"... and {24 - MAX_REPORTED} more bad row(s)" in message
     sft = tmp_path / "sft.jsonl"
     sft.write_text(_chat("q") + "\n" + _chat("q", "a") + "\n" + "{}\n")
-    with pytest.raises(DatasetError, match=r"2 bad lines:\n.*sft.jsonl:1: no assistant.*\n.*:3"):
+    with pytest.raises(DatasetError, match=r"2 bad rows:\n.*sft.jsonl:1: no assistant.*\n.*:3"):
         load_conversations(sft)
 
 

@@ -35,6 +35,7 @@ from rollouts.config.algorithm_tables import (
     TruncatedISConfig,
 )
 from rollouts.config.base import ConfigError
+from rollouts.config.data import DataConfig, SourceConfig
 from rollouts.config.engine_options import EngineOptions
 from rollouts.config.loader import (
     Config,
@@ -44,7 +45,6 @@ from rollouts.config.loader import (
     load_config,
 )
 from rollouts.config.model import (
-    DataConfig,
     LoraConfig,
     ModelConfig,
     ModelSourceName,
@@ -114,6 +114,7 @@ __all__ = [
     "RunSection",
     "SamplingConfig",
     "Scheduler",
+    "SourceConfig",
     "TinyModelConfig",
     "TinyTokenizer",
     "TrainingConfig",

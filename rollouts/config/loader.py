@@ -24,7 +24,8 @@ from rollouts.config.base import (
     is_literal,
     literal_problem,
 )
-from rollouts.config.model import DataConfig, ModelConfig, RunSection
+from rollouts.config.data import DataConfig
+from rollouts.config.model import ModelConfig, RunSection
 from rollouts.config.reward import RewardConfig
 from rollouts.config.rollout import EnginesConfig, RolloutConfig, engine_logprobs
 from rollouts.config.served import JudgeConfig, TeacherConfig
@@ -221,6 +222,8 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
         if not isinstance(value, list):
             problems.append(f"{key} = {value!r}: must be a list of {_type_name(item_tp)}")
             return value
+        if dataclasses.is_dataclass(item_tp):  # an array of tables: [[data.sources]]
+            return [_table(v, item_tp, f"{key}[{i}]", problems) for i, v in enumerate(value)]
         return [_coerce(v, item_tp, f"{key}[{i}]", problems) for i, v in enumerate(value)]
     if origin in (typing.Union, types.UnionType):
         for option in typing.get_args(tp):
@@ -235,6 +238,14 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
     if (tp is int and isinstance(value, bool)) or not isinstance(value, tp):
         problems.append(f"{key} = {value!r}: must be {_type_name(tp)}, got {type(value).__name__}")
     return value
+
+
+def _table(value: Any, cls: type, path: str, problems: list[str]) -> Any:
+    """One table of an array of tables, built as section `cls` (problems named `path.key`)."""
+    if not isinstance(value, dict):
+        problems.append(f"{path}: must be a table, got {type(value).__name__}")
+        return cls()
+    return _build(cls, value, f"{path}.", problems)
 
 
 def _build(cls: type, table: Mapping[str, Any], prefix: str, problems: list[str]) -> Any:
@@ -387,4 +398,6 @@ def config_to_dict(config: Any) -> dict[str, Any]:
 def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
         return config_to_dict(value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
     return copy.deepcopy(value)

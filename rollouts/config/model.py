@@ -1,4 +1,4 @@
-"""[run], [model] (with [model.tiny] and [model.lora]) and [data] sections."""
+"""[run] and [model] (with [model.tiny] and [model.lora]) sections; [data] is in `data.py`."""
 
 from __future__ import annotations
 
@@ -119,39 +119,5 @@ class ModelConfig(_Section):
             p,
             not (self.source and self.tiny.enabled),
             "model.source and model.tiny.enabled are both set: keep one of them",
-        )
-        return p
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class DataConfig(_Section):
-    """[data]: prompt and conversation datasets (JSONL)."""
-
-    KEY: ClassVar[str] = "data"
-
-    train_path: str = ""
-    eval_path: str = ""
-    sft_path: str = ""
-    sft_eval_fraction: float = 0.05
-    prompt_key: str = "prompt"
-    label_key: str = "label"
-    messages_key: str = "messages"
-    shuffle: bool = True
-    eval_size: int = 0  # 0 = the whole eval set
-    max_length: int = 0  # tokens of the longest SFT conversation; 0 = the model's context
-    prepare: str = ""  # dotted path to `fn(data_config) -> None` writing missing data files
-
-    def problems(self) -> list[str]:
-        p: list[str] = []
-        _check(
-            p,
-            0.0 <= self.sft_eval_fraction < 1.0,
-            f"data.sft_eval_fraction = {self.sft_eval_fraction}: must be in [0, 1)",
-        )
-        _check(p, self.eval_size >= 0, f"data.eval_size = {self.eval_size}: must be >= 0")
-        _check(
-            p,
-            self.max_length >= 0,
-            f"data.max_length = {self.max_length}: must be >= 0 (0 = the model's context)",
         )
         return p

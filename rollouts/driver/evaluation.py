@@ -23,6 +23,7 @@ from typing import Any
 
 import trio
 
+from rollouts.data.loaders import SOURCE_KEY
 from rollouts.failures import count_failures, failure_lines, failure_metrics, full_error
 from rollouts.inference.http import EngineError
 from rollouts.inference.protocol import InferenceEngine, batches_requests
@@ -51,6 +52,7 @@ class EvalResult:
     failed: int
     failures: Mapping[str, int]  # FAILED samples by reason (`rollouts.failures`)
     samples: tuple[Sample, ...]
+    correct_at: float = 1.0  # the reward that counts as correct
 
     def __post_init__(self) -> None:
         assert self.scored > 0, f"an evaluation with {self.scored=} has no accuracy"
@@ -61,13 +63,36 @@ class EvalResult:
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
         """`eval/accuracy` (and the means) over the scored samples, `eval/scored`,
         `eval/failed` and the failures by reason (`eval/reward_failed/non_finite`, ...)."""
-        return {
-            f"{prefix}/accuracy": self.accuracy,
-            f"{prefix}/reward_mean": self.reward_mean,
-            f"{prefix}/response_length_mean": self.response_length_mean,
-            f"{prefix}/scored": float(self.scored),
-            f"{prefix}/failed": float(self.failed),
-        } | failure_metrics(self.failures, prefix)
+        return (
+            {
+                f"{prefix}/accuracy": self.accuracy,
+                f"{prefix}/reward_mean": self.reward_mean,
+                f"{prefix}/response_length_mean": self.response_length_mean,
+                f"{prefix}/scored": float(self.scored),
+                f"{prefix}/failed": float(self.failed),
+            }
+            | failure_metrics(self.failures, prefix)
+            | self._per_source(prefix)
+        )
+
+    def _per_source(self, prefix: str) -> dict[str, float]:
+        """A mixture's held-out sets apart: `eval/<source>/accuracy`, `reward_mean`, `scored`
+        and `failed` (the source each prompt names in its metadata; nothing for one dataset)."""
+        names = sorted(
+            {str(s.metadata[SOURCE_KEY]) for s in self.samples if SOURCE_KEY in s.metadata}
+        )
+        out: dict[str, float] = {}
+        for name in names:
+            mine = [s for s in self.samples if s.metadata.get(SOURCE_KEY) == name]
+            rewards = [_scalar(s.reward) for s in mine if s.status is not Status.FAILED]
+            out[f"{prefix}/{name}/scored"] = float(len(rewards))
+            out[f"{prefix}/{name}/failed"] = float(len(mine) - len(rewards))
+            if rewards:  # a source whose every sample failed has no accuracy, never a 0
+                out[f"{prefix}/{name}/accuracy"] = sum(r >= self.correct_at for r in rewards) / len(
+                    rewards
+                )
+                out[f"{prefix}/{name}/reward_mean"] = sum(rewards) / len(rewards)
+        return out
 
     def report(self) -> tuple[str, ...]:
         """Nothing when no sample failed; else 'held-out eval: 2 sample(s) failed (reward
@@ -244,6 +269,7 @@ def eval_result(samples: Sequence[Sample], correct_at: float = 1.0) -> EvalResul
         failed=len(failed),
         failures=failures,
         samples=tuple(samples),
+        correct_at=correct_at,
     )
 
 

@@ -20,6 +20,7 @@ from typing import Any, Protocol, TextIO
 
 from rollouts.algorithms.advantages import reverse_kl_per_token
 from rollouts.config import WandbMode
+from rollouts.data.loaders import SOURCE_KEY
 from rollouts.failures import failure_reason
 from rollouts.rewards.shaping import scored_reward
 from rollouts.trainer.disk_errors import write_error
@@ -282,6 +283,8 @@ class MetricsLogger:
                 "status": row["status"],
                 "weight_versions": row["weight_versions"],
             }
+            if SOURCE_KEY in s.metadata:  # a mixture's: the source the prompt came from
+                out["source"] = s.metadata[SOURCE_KEY]
             if s.status is Status.FAILED:
                 out["error"] = str(s.metadata.get("error", ""))
                 out["failure"] = failure_reason(s)

@@ -22,7 +22,7 @@ import trio
 from rollouts.config import Config
 from rollouts.config.loader import JUDGE_REWARD
 from rollouts.config.rollout import resolved_concurrency
-from rollouts.data.buffer import DataBuffer
+from rollouts.data.buffer import DataBuffer, MixtureSource
 from rollouts.driver.engines import cpu_beside_engines, cpu_share, open_engines
 from rollouts.driver.failures import BatchReporter
 from rollouts.driver.metrics import MetricsLogger, last_step
@@ -35,6 +35,7 @@ from rollouts.driver.setup import (
     RL_METRICS,
     StopFlag,
     load_rl_prompts,
+    load_source_prompts,
     make_logger,
     with_response_text,
 )
@@ -146,19 +147,40 @@ def _rl_inputs(
     refused here, before anything starts."""
     if config.teacher.enabled:
         check_tokenizers(tokenizer, served_model_dir(config.teacher))
-    d = config.data
-    buffer = DataBuffer(
-        load_rl_prompts(config, "train_path", tokenizer, model_dir),
-        seed=config.run.seed,
-        shuffle=d.shuffle,
-    )
-    eval_items = load_rl_prompts(config, "eval_path", tokenizer, model_dir) if d.eval_path else []
+    buffer, eval_items = _prompts(config, tokenizer, model_dir)
     if reward_fn is None and not config.rollout.reward_fn:
         raise ValueError("rollout.reward_fn is empty: name a reward function by dotted path")
     if reward_fn is None and config.rollout.reward_fn == JUDGE_REWARD:
         return buffer, eval_items, None  # the [judge], once its engines are up
     reward = load_function(reward_fn or config.rollout.reward_fn, RewardFn)
     return buffer, eval_items, with_response_text(reward, tokenizer)
+
+
+def _prompts(
+    config: Config, tokenizer: Any, model_dir: Path
+) -> tuple[DataBuffer, list[PromptItem]]:
+    """The training prompts (one dataset, or a mixture of [[data.sources]]) and the held-out
+    ones (a mixture's: each source's `eval_path`, tagged with its name)."""
+    d = config.data
+    if not d.sources:
+        items = load_rl_prompts(config, "train_path", tokenizer, model_dir)
+        held_out = load_rl_prompts(config, "eval_path", tokenizer, model_dir) if d.eval_path else []
+        held_out = held_out[: d.eval_size or None]
+        return DataBuffer(items, seed=config.run.seed, shuffle=d.shuffle), held_out
+    sources: list[MixtureSource] = []
+    eval_items: list[PromptItem] = []
+    for i, s in enumerate(d.sources):
+        first = sum(len(src.items) for src in sources)
+        items = load_source_prompts(
+            config, i, tokenizer, model_dir, held_out=False, first_index=first
+        )
+        sources.append(MixtureSource(name=s.name, items=tuple(items), weight=s.weight))
+        if s.eval_path:
+            held_out = load_source_prompts(
+                config, i, tokenizer, model_dir, held_out=True, first_index=len(eval_items)
+            )
+            eval_items += held_out[: d.eval_size or None]  # per source
+    return DataBuffer.mixture(sources, seed=config.run.seed, shuffle=d.shuffle), eval_items
 
 
 def _trainer_host(

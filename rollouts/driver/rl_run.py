@@ -58,9 +58,8 @@ async def evaluate_teacher(run: RLRun, manager: AsyncRolloutManager) -> dict[str
     line): what the student's is measured against."""
     if run.teacher is None or not run.config.teacher.evaluate:
         return {}
-    items = run.eval_items[: run.config.data.eval_size or None]
     spec = eval_spec(run, manager)
-    result = await evaluate(run.teacher.engines, run.tokenizer, items, run.reward_fn, spec)
+    result = await evaluate(run.teacher.engines, run.tokenizer, run.eval_items, run.reward_fn, spec)
     for line in result.report():
         print(f"[teacher] {line}", flush=True)
     print(f"[teacher] held-out accuracy of the teacher: {result.accuracy:.3f}", flush=True)
@@ -85,7 +84,7 @@ def eval_hook(run: RLRun, manager: AsyncRolloutManager, logger: MetricsLogger) -
     every episode goes to eval_rollouts.jsonl under the step it evaluates."""
     if not run.eval_items:
         return None
-    items = run.eval_items[: run.config.data.eval_size or None]
+    items = run.eval_items
     spec = eval_spec(run, manager)
     decode = functools.partial(run.tokenizer.decode, skip_special_tokens=True)
 

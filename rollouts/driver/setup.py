@@ -20,6 +20,7 @@ from rollouts.config import Config, config_to_dict
 from rollouts.data.limits import drop_overlong_prompts, prompt_limit
 from rollouts.data.loaders import DatasetError, load_prompts
 from rollouts.data.sft import tokenize_prompt
+from rollouts.data.sources import source_kind
 from rollouts.driver.lock import LOCK_NAME
 from rollouts.driver.memory import MemoryWatch
 from rollouts.driver.metrics import ConsoleSink, JsonlSink, MetricsLogger, truncate_jsonl
@@ -88,29 +89,77 @@ def prepare_run_dir(config: Config, config_path: str, resume: bool) -> Path:
 
 
 def prepare_data(config: Config) -> None:
-    """Run the `data.prepare` hook (e.g. the demo's synthetic task) and check the files exist."""
+    """Run the `data.prepare` hook (e.g. the demo's synthetic task) and check each dataset is
+    one the loaders can read (a file, a `datasets` directory or a hub name)."""
     if config.data.prepare:
         import_object(config.data.prepare)(config.data)
-    for key in ("sft_path", "train_path", "eval_path"):
-        path = getattr(config.data, key)
-        if path and not Path(path).is_file():
-            raise FileNotFoundError(f"data.{key} = {path!r}: no such file")
-
-
-def load_rl_prompts(config: Config, key: str, tokenizer: Any, model_dir: Path) -> list[PromptItem]:
-    """The prompts of `data.<key>` ("train_path" or "eval_path") that fit the context: longer
-    ones would fail every sample at generation, so they are dropped here, counted and printed."""
     d = config.data
-    path = getattr(d, key)
-    items = load_prompts(path, d.prompt_key, d.label_key, d.messages_key)
+    paths = [(f"data.{k}", getattr(d, k)) for k in ("sft_path", "train_path", "eval_path")]
+    for i, s in enumerate(d.sources):
+        paths += [
+            (f"data.sources[{i}].path", s.path),
+            (f"data.sources[{i}].eval_path", s.eval_path),
+        ]
+    for key, path in paths:
+        if path:
+            try:
+                source_kind(path)
+            except DatasetError as e:
+                raise DatasetError(f"{key} = {path!r}: {str(e).removeprefix(f'{path}: ')}") from e
+
+
+def _fitting(
+    items: list[PromptItem], where: str, config: Config, tokenizer: Any, model_dir: Path
+) -> list[PromptItem]:
+    """The prompts that fit the context: longer ones would fail every sample at generation, so
+    they are dropped here, counted and printed."""
     limit = prompt_limit(model_dir, config.rollout.max_total_tokens)
     found = drop_overlong_prompts(items, lambda i: len(tokenize_prompt(tokenizer, i.prompt)), limit)
     if found.dropped:
-        line = found.describe(f"data.{key} = {path!r}")
+        line = found.describe(where)
         if not found.kept:
             raise DatasetError(f"{line}: no prompt is left; shorten them or raise the limit")
         print(f"[train] {line}", flush=True)
     return found.kept
+
+
+def load_rl_prompts(config: Config, key: str, tokenizer: Any, model_dir: Path) -> list[PromptItem]:
+    """The prompts of `data.<key>` ("train_path" or "eval_path") that fit the context."""
+    d = config.data
+    path = getattr(d, key)
+    split = d.train_split if key == "train_path" else d.eval_split
+    items = load_prompts(
+        path,
+        d.prompt_key,
+        d.label_key,
+        d.messages_key,
+        metadata_keys=d.metadata_keys,
+        split=split,
+        subset=d.subset,
+    )
+    return _fitting(items, f"data.{key} = {path!r}", config, tokenizer, model_dir)
+
+
+def load_source_prompts(
+    config: Config, i: int, tokenizer: Any, model_dir: Path, *, held_out: bool, first_index: int
+) -> list[PromptItem]:
+    """The prompts of `data.sources[i]` (its `eval_path` when `held_out`) that fit the context,
+    each tagged with the source's name; its columns default to the [data] ones."""
+    d, s = config.data, config.data.sources[i]
+    path = s.eval_path if held_out else s.path
+    items = load_prompts(
+        path,
+        s.prompt_key or d.prompt_key,
+        d.label_key if s.label_key is None else s.label_key,
+        s.messages_key or d.messages_key,
+        metadata_keys=s.metadata_keys or d.metadata_keys,
+        split=s.eval_split if held_out else s.split,
+        subset=s.subset,
+        source=s.name,
+        first_index=first_index,
+    )
+    key = f"data.sources[{i}].{'eval_path' if held_out else 'path'} = {path!r}"
+    return _fitting(items, key, config, tokenizer, model_dir)
 
 
 def _corpus(config: Config) -> list[str]:

@@ -74,7 +74,10 @@ async def sft_phase(
 def _sft_examples(config: Config, base: Path) -> tuple[Examples, Examples]:
     """The tokenized conversations (loss masks from the chat template): (train, held out)."""
     tokenizer = load_tokenizer(base)
-    conversations = load_conversations(config.data.sft_path, config.data.messages_key)
+    d = config.data
+    conversations = load_conversations(
+        d.sft_path, d.messages_key, split=d.train_split, subset=d.subset
+    )
     examples = tokenize_all(tokenizer, conversations, sft_limit(base, config.data.max_length))
     return split_eval(examples, config.data.sft_eval_fraction, config.run.seed)
 

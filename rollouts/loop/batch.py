@@ -17,6 +17,7 @@ from rollouts.algorithms.advantages import outcome_token_rewards, reverse_kl_per
 from rollouts.algorithms.batch import build_train_batch, nest
 from rollouts.algorithms.tensors import float_tensor, long_tensor
 from rollouts.config import AlgorithmConfig
+from rollouts.data.loaders import SOURCE_KEY
 from rollouts.failures import failure_metrics
 from rollouts.loop.episodes import episode_metrics
 from rollouts.rewards.shaping import scored_reward
@@ -159,6 +160,25 @@ def scalar(reward: Any) -> float:
     return float(reward)
 
 
+def source_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """Per source of a mixture (the `source` each prompt carries in its metadata): the mean
+    reward and accuracy of its scored samples and how many samples it has in the batch;
+    nothing when no sample names a source."""
+    by_source: dict[str, list[Sample]] = {}
+    for s in samples:
+        if SOURCE_KEY in s.metadata:
+            by_source.setdefault(str(s.metadata[SOURCE_KEY]), []).append(s)
+    out: dict[str, float] = {}
+    for name, group in sorted(by_source.items()):
+        rewards = [scalar(r) for s in group if (r := scored_reward(s)) is not None]
+        out[f"source/{name}/samples"] = float(len(group))
+        out[f"source/{name}/reward"] = _mean_std(rewards)[0]
+        out[f"source/{name}/accuracy"] = (
+            sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else math.nan
+        )
+    return out
+
+
 def rollout_metrics(groups: Sequence[Group], meta: Mapping[str, Any]) -> dict[str, float]:
     """Reward, accuracy, length and kept/dropped/aborted counts of one rollout batch.
 
@@ -181,6 +201,7 @@ def rollout_metrics(groups: Sequence[Group], meta: Mapping[str, Any]) -> dict[st
         "rollout/groups_kept": float(len(groups)),
     }
     out |= episode_metrics(samples)  # multi-turn episodes: tool calls, turns, ends
+    out |= source_metrics(samples)  # a mixture: reward, accuracy and samples of each source
     reverse_kl, scored_tokens = reverse_kl_per_token(groups)
     if scored_tokens:  # on-policy distillation: the student's samples scored by the teacher
         out["distill/reverse_kl"] = reverse_kl
@@ -191,6 +212,8 @@ def rollout_metrics(groups: Sequence[Group], meta: Mapping[str, Any]) -> dict[st
         elif isinstance(value, Mapping) and key in ("drop_reasons", "statuses"):
             for name, count in value.items():
                 out[f"rollout/{key}/{name}"] = float(count)
+        elif isinstance(value, Mapping) and key == "sources":  # the buffer's: source/<name>/...
+            out |= {name: float(v) for name, v in value.items()}
     # rollout/reward_failed, rollout/generate_failed and their reasons (failed samples)
     return out | failure_metrics(meta.get("failures", {}), "rollout")
 

@@ -340,6 +340,7 @@ class AsyncRolloutManager:
             short_batch_message=message if short else "",
             failures=dict(sorted(run.failures.items())),
             partial_groups_saved=len(run.partial),
+            sources=self.buffer.source_metrics(),  # a mixture's per-source draws and epochs
             errors=run.errors,
             abandoned_threads=self.threads.abandoned_alive,
             gen_time_s=total,

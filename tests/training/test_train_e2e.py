@@ -10,10 +10,14 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from rollouts.data.buffer import DataBuffer
-from rollouts.data.loaders import load_prompts
+from rollouts.config import DataConfig
+from rollouts.data.arithmetic import prepare_addition_data
+from rollouts.data.buffer import DataBuffer, MixtureSource
+from rollouts.data.loaders import load_prompts, write_jsonl
 from tests import programs
 from tests.toml_config import write_config
 from tests.training.conftest import FinishedRun
@@ -22,6 +26,9 @@ pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "integration_training" / "train.py"
+
+
+PATHS = ("sft_path", "train_path", "eval_path")
 
 
 def _config(tmp: Path, **sections: dict) -> Path:
@@ -82,21 +89,53 @@ def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
     assert "did you mean 'rollout.batch_size'" in done.stderr
 
 
-def _expected_order(tmp: Path, steps: int, batch_size: int) -> list[list[int]]:
-    buffer = DataBuffer(load_prompts(tmp / "data/train.jsonl"), seed=0)
-    return [sorted(g[0].index for g in buffer.get_groups(batch_size, 1)) for _ in range(steps)]
+def _mixture(tmp: Path, config: Path) -> list[MixtureSource]:
+    """The demo's prompts as two sources: "a", JSONL, with the held-out set; "b", parquet,
+    the other half, at twice the weight. Appended to `config` as [[data.sources]]."""
+    prepare_addition_data(DataConfig(**{k: str(tmp / f"data/{k[:-5]}.jsonl") for k in PATHS}))
+    rows = [json.loads(line) for line in (tmp / "data/train.jsonl").read_text().splitlines()]
+    half = len(rows) // 2
+    write_jsonl(tmp / "data/a.jsonl", rows[:half])
+    pq.write_table(pa.Table.from_pylist(rows[half:]), tmp / "data/b.parquet")
+    text = config.read_text().replace(f'train_path = "{tmp / "data/train.jsonl"}"\n', "")
+    text = text.replace(f'eval_path = "{tmp / "data/eval.jsonl"}"\n', "")
+    text = text.replace('prepare = "rollouts.data.arithmetic.prepare_addition_data"\n', "")
+    text += f'[[data.sources]]\nname = "a"\npath = "{tmp / "data/a.jsonl"}"\n'
+    text += f'eval_path = "{tmp / "data/eval.jsonl"}"\n'
+    text += f'[[data.sources]]\nname = "b"\npath = "{tmp / "data/b.parquet"}"\nweight = 2.0\n'
+    config.write_text(text)
+    a = load_prompts(tmp / "data/a.jsonl", source="a")
+    b = load_prompts(tmp / "data/b.parquet", source="b", first_index=len(a))
+    return [
+        MixtureSource(name="a", items=tuple(a), weight=1.0),
+        MixtureSource(name="b", items=tuple(b), weight=2.0),
+    ]
 
 
-def _order(rollouts: Path) -> dict[int, list[int]]:
-    by_step: dict[int, set[int]] = {}
+def _expected_order(sources: list[MixtureSource], steps: int, batch_size: int) -> list[list[str]]:
+    """Each step's prompts (source and row) as an unbroken run draws them."""
+    buffer = DataBuffer.mixture(sources, seed=0)
+    groups = [buffer.get_groups(batch_size, 1) for _ in range(steps)]
+    return [sorted(_named(g[0].metadata["source"], g[0].prompt) for g in step) for step in groups]
+
+
+def _named(source: str, prompt: object) -> str:
+    return f"{source}: {json.dumps(list(prompt) if isinstance(prompt, tuple) else prompt)}"
+
+
+def _order(rollouts: Path) -> dict[int, list[str]]:
+    by_step: dict[int, set[str]] = {}
     for line in rollouts.read_text().splitlines():
         row = json.loads(line)
-        by_step.setdefault(row["step"], set()).add(row["index"])
-    return {step: sorted(idx) for step, idx in by_step.items()}
+        by_step.setdefault(row["step"], set()).add(_named(row["source"], row["prompt"]))
+    return {step: sorted(names) for step, names in by_step.items()}
 
 
 def test_sigkill_mid_run_then_resume_continues_exactly(tmp_path: Path) -> None:
+    """A mixture of a JSONL and a parquet source (issue 48): after a SIGKILL and --resume,
+    every step trained the prompts an unbroken run draws, and each step logs its sources."""
     config = _config(tmp_path, training={"rl_steps": 6})
+    sources = _mixture(tmp_path, config)
     run = tmp_path / "run"
     cmd = [sys.executable, str(TRAIN), "--mode", "sft+rl", "--config", str(config)]
     proc = subprocess.Popen(
@@ -119,7 +158,12 @@ def test_sigkill_mid_run_then_resume_continues_exactly(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert _steps(run / "metrics.jsonl") == [0, 1, 2, 3, 4, 5, 6]  # no duplicate, no gap
     order = _order(run / "rollouts.jsonl")
-    assert [order[s] for s in range(1, 7)] == _expected_order(tmp_path, 6, 2)
+    assert [order[s] for s in range(1, 7)] == _expected_order(sources, 6, 2)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[6]["source/a/drawn"] + rows[6]["source/b/drawn"] == 12.0, rows[6]
+    drawn = sum(rows[6][f"source/{n}/samples"] for n in "ab" if f"source/{n}/samples" in rows[6])
+    assert drawn == 4.0, rows[6]  # 2 prompts x 2 samples, by source
+    assert "eval/a/accuracy" in rows[0] and "eval/b/accuracy" not in rows[0], rows[0]
 
 
 def test_rl_only_from_a_model_directory(tmp_path: Path) -> None:
