@@ -12,6 +12,24 @@ from rollouts.config.base import _check, _Section
 SOURCE_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*$")  # it names metrics: source/<name>/reward
 
 
+def chat_problems(key: str, user_template: str, system_prompt: str) -> list[str]:
+    """A user template must say where the prompt goes; a system prompt needs a template."""
+    p: list[str] = []
+    _check(
+        p,
+        not user_template or "{prompt}" in user_template,
+        f"{key}.user_template = {user_template!r}: must hold {{prompt}}, where the dataset's "
+        "text goes",
+    )
+    _check(
+        p,
+        not system_prompt or bool(user_template),
+        f"{key}.system_prompt is set but {key}.user_template is empty: text prompts are sent as "
+        'text; set user_template = "{prompt}" to send them as chat messages',
+    )
+    return p
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SourceConfig(_Section):
     """One [[data.sources]] entry of a mixture: a dataset (any kind `data.sources` reads), its
@@ -30,10 +48,13 @@ class SourceConfig(_Section):
     label_key: str | None = None  # None = data.label_key; "" = no labels
     messages_key: str = ""
     metadata_keys: list[str] = dataclasses.field(default_factory=list)
+    user_template: str | None = None  # None = data.user_template
+    system_prompt: str | None = None  # None = data.system_prompt
 
     def problems(self) -> list[str]:
         p: list[str] = []
         k = self.KEY
+        p += chat_problems(k, self.user_template or "", self.system_prompt or "")
         _check(
             p,
             math.isfinite(self.weight) and self.weight > 0,
@@ -61,6 +82,10 @@ class DataConfig(_Section):
     train_split: str = "train"  # of a `datasets` directory or hub dataset holding several
     eval_split: str = "test"
     subset: str = ""  # a hub dataset's config name
+    # a text prompt sent as a user message through the chat template: this text with {prompt}
+    # replaced by it ("" = sent as text, no template); GSM8K's questions need it
+    user_template: str = ""
+    system_prompt: str = ""  # a system message before that user message ("" = none)
     sources: list[SourceConfig] = dataclasses.field(default_factory=list)  # a mixture
     shuffle: bool = True
     eval_size: int = 0  # held-out prompts evaluated (of a mixture: per source); 0 = all
@@ -85,6 +110,7 @@ class DataConfig(_Section):
             bool(self.prompt_key or self.messages_key),
             "data.prompt_key and data.messages_key are both empty: name the prompt's column",
         )
+        p += chat_problems(self.KEY, self.user_template, self.system_prompt)
         return p + self._mixture_problems()
 
     def _mixture_problems(self) -> list[str]:

@@ -182,10 +182,29 @@ def _metadata(row: dict[str, Any], where: str, columns: Columns) -> dict[str, An
     return out
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ChatWrap:
+    """A text prompt made a user message: `user_template` with {prompt} replaced by the text,
+    after a system message when `system_prompt` is set (empty template: text stays text)."""
+
+    user_template: str = ""
+    system_prompt: str = ""
+
+    def __post_init__(self) -> None:
+        assert not self.user_template or "{prompt}" in self.user_template, f"{self=}"
+
+    def __call__(self, prompt: Any) -> Any:
+        if not self.user_template or not isinstance(prompt, str):
+            return prompt
+        user = {"role": "user", "content": self.user_template.replace("{prompt}", prompt)}
+        system = ({"role": "system", "content": self.system_prompt},) if self.system_prompt else ()
+        return (*system, user)
+
+
 def _prompt_item(
-    row: dict[str, Any], where: str, columns: Columns, index: int, source: str
+    row: dict[str, Any], where: str, columns: Columns, index: int, source: str, wrap: ChatWrap
 ) -> PromptItem:
-    prompt = _prompt_of(row, where, columns)
+    prompt = wrap(_prompt_of(row, where, columns))
     label = _get(row, columns.label)[1] if columns.label else None
     metadata = _metadata(row, where, columns)
     if source:
@@ -204,10 +223,11 @@ def load_prompts(
     subset: str = "",
     source: str = "",
     first_index: int = 0,
+    wrap: ChatWrap = ChatWrap(),
 ) -> list[PromptItem]:
     """Read a prompt dataset: each row has a prompt (text or chat messages) and a label, in the
     columns named. `source` (a mixture's entry) is kept in each item's metadata; indices start
-    at `first_index` (a mixture's sources follow each other)."""
+    at `first_index` (a mixture's sources follow each other); `wrap` makes text prompts chat."""
     columns = Columns(
         prompt=prompt_key, label=label_key, messages=messages_key, metadata=tuple(metadata_keys)
     )
@@ -217,7 +237,7 @@ def load_prompts(
     problems: list[str] = []
     for where, row in _rows(table, problems):
         try:
-            items.append(_prompt_item(row, where, columns, first_index + len(items), source))
+            items.append(_prompt_item(row, where, columns, first_index + len(items), source, wrap))
         except DatasetError as e:
             problems.append(str(e))
     _raise_problems(table.name, problems)

@@ -18,7 +18,7 @@ import trio
 
 from rollouts.config import Config, config_to_dict
 from rollouts.data.limits import drop_overlong_prompts, prompt_limit
-from rollouts.data.loaders import DatasetError, load_prompts
+from rollouts.data.loaders import ChatWrap, DatasetError, load_prompts
 from rollouts.data.sft import tokenize_prompt
 from rollouts.data.sources import source_kind
 from rollouts.driver.lock import LOCK_NAME
@@ -136,6 +136,7 @@ def load_rl_prompts(config: Config, key: str, tokenizer: Any, model_dir: Path) -
         metadata_keys=d.metadata_keys,
         split=split,
         subset=d.subset,
+        wrap=ChatWrap(user_template=d.user_template, system_prompt=d.system_prompt),
     )
     return _fitting(items, f"data.{key} = {path!r}", config, tokenizer, model_dir)
 
@@ -157,6 +158,10 @@ def load_source_prompts(
         subset=s.subset,
         source=s.name,
         first_index=first_index,
+        wrap=ChatWrap(
+            user_template=d.user_template if s.user_template is None else s.user_template,
+            system_prompt=d.system_prompt if s.system_prompt is None else s.system_prompt,
+        ),
     )
     key = f"data.sources[{i}].{'eval_path' if held_out else 'path'} = {path!r}"
     return _fitting(items, key, config, tokenizer, model_dir)
