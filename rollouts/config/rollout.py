@@ -72,7 +72,7 @@ class RolloutConfig(_Section):
     # the default generate fn sends a group's samples as one request to engines that batch
     # (SGLang's API, the built-in server); false: one request per sample
     batch_groups: bool = True
-    reward_fn: str = ""  # dotted path
+    reward_fn: str = ""  # dotted path, or a name: "math" (rollouts/rewards/named.py), "judge"
     env: str = ""  # dotted path or built-in env name; "" = single-turn
     max_turns: int = 1
     max_total_tokens: int = 1024

@@ -45,7 +45,7 @@ from rollouts.engine_kinds import engine_kind
 from rollouts.gateway import open_agent_generate
 from rollouts.gcpolicy import freeze_startup_objects
 from rollouts.loop.rl import RLHooks, run_rl_training
-from rollouts.plugins import load_function
+from rollouts.rewards.named import load_reward_fn
 from rollouts.rewards.protocol import RewardFn
 from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.trainer.checkpoint import (
@@ -152,7 +152,7 @@ def _rl_inputs(
         raise ValueError("rollout.reward_fn is empty: name a reward function by dotted path")
     if reward_fn is None and config.rollout.reward_fn == JUDGE_REWARD:
         return buffer, eval_items, None  # the [judge], once its engines are up
-    reward = load_function(reward_fn or config.rollout.reward_fn, RewardFn)
+    reward = load_reward_fn(reward_fn or config.rollout.reward_fn)
     return buffer, eval_items, with_response_text(reward, tokenizer)
 
 

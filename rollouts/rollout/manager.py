@@ -62,7 +62,8 @@ from rollouts.failures import failed_in_group, failure_reason
 from rollouts.inference.http import EngineUnavailable
 from rollouts.inference.protocol import InferenceEngine, batches_requests
 from rollouts.plugins import load_function
-from rollouts.rewards.protocol import RewardFn, RewardServiceUnavailable
+from rollouts.rewards.named import load_reward_fn
+from rollouts.rewards.protocol import RewardServiceUnavailable
 from rollouts.rewards.scoring import score_group
 from rollouts.rewards.shaping import final_rewards
 from rollouts.rollout.agent import generate_multi_turn
@@ -136,7 +137,7 @@ class AsyncRolloutManager:
         default = generate_multi_turn if multi_turn else generate_single_turn
         self.generate_fn = load_function(generate_fn or config.generate_fn or default, GenerateFn)
         reward = reward_fn or config.reward_fn
-        self.reward_fn = load_function(reward, RewardFn) if reward else None
+        self.reward_fn = load_reward_fn(reward) if reward else None
         self.filters = resolve_filters(config.filters if filters is None else filters)
         self.sampling = sampling_params_from_config(config)
         # a group as one engine request: the default generate function, on engines that batch
@@ -173,7 +174,7 @@ class AsyncRolloutManager:
         are dropped (counted) before any generation is spent on them. `batch_number` (the RL
         step's batch; default: the batches this manager made) enters the sampling seeds.
         """
-        reward = load_function(reward_fn, RewardFn) if reward_fn else self.reward_fn
+        reward = load_reward_fn(reward_fn) if reward_fn else self.reward_fn
         if reward is None:
             raise ValueError("generate_batch needs a reward_fn (argument or rollout.reward_fn)")
         start = time.perf_counter()
