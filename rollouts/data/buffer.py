@@ -162,6 +162,8 @@ class DataBuffer:
         """A mixture's per-source counters: `source/<name>/drawn` (prompts drawn so far) and
         `source/<name>/epoch`; nothing for a single dataset."""
         out: dict[str, float] = {}
+        if not self._names:
+            return out
         for name, order in zip(self._names, self._orders, strict=True):
             out[f"source/{name}/drawn"] = float(order.drawn)
             out[f"source/{name}/epoch"] = float(order.epoch_id)
