@@ -186,7 +186,7 @@ def write_plots(run_dir: Path) -> tuple[list[Path], str]:
         return plot_run(run_dir), ""
     except ImportError as err:
         missing = err.name or "matplotlib"
-        return [], f"{missing} is not installed: pip install matplotlib (the plot extra)"
+        return [], f"{missing} is not installed: pip install matplotlib"
 
 
 def finish_run(
