@@ -1,4 +1,4 @@
-"""The `rollouts` command: `make-tiny-model`, `models`, `serve`, `train`, `plot`.
+"""The `rollouts` command: `init`, `make-tiny-model`, `models`, `serve`, `train`, `plot`.
 
 Each subcommand lives in its own module and is imported only when asked for, so
 `rollouts make-tiny-model` does not pay for importing the server or the trainer.
@@ -14,6 +14,7 @@ from rollouts.openmp import short_spin_waits
 
 # subcommand -> (module, help). The module has `add_arguments(parser)` and `run(args) -> int`.
 SUBCOMMANDS = {
+    "init": ("rollouts.recipes.cli", "write a packaged recipe (config + data) in DIR"),
     "make-tiny-model": ("rollouts.models.cli", "build a tiny local model + tokenizer in DIR"),
     "models": (
         "rollouts.models.fetch_cli",

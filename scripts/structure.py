@@ -25,7 +25,7 @@ PACKAGE = ROOT / "rollouts"
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"rollouts", "wire", "forkserver"}),
     frozenset({"config", "models"}),
-    frozenset({"algorithms", "rewards", "data", "envs"}),
+    frozenset({"algorithms", "rewards", "data", "envs", "recipes"}),
     frozenset({"engine", "inference", "trainer", "weights", "rollout", "gateway"}),
     frozenset({"loop"}),
     frozenset({"driver"}),

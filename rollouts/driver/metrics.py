@@ -197,7 +197,7 @@ class TensorBoardSink:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:
             raise RuntimeError(
-                "logging.tensorboard = true needs TensorBoard: pip install -e '.[tensorboard]'"
+                "logging.tensorboard = true needs TensorBoard: pip install tensorboard"
             ) from e
         self._writer = SummaryWriter(str(log_dir))
 
@@ -220,7 +220,7 @@ class WandbSink:
         try:
             import wandb
         except ImportError as e:
-            raise RuntimeError("logging.wandb = true needs wandb: pip install -e '.[wandb]'") from e
+            raise RuntimeError("logging.wandb = true needs wandb: pip install wandb") from e
         self._run = wandb.init(
             project=project, name=name, dir=str(run_dir), mode=mode, config=config
         )

@@ -185,7 +185,8 @@ def write_plots(run_dir: Path) -> tuple[list[Path], str]:
 
         return plot_run(run_dir), ""
     except ImportError as err:
-        return [], f"{err.name or 'matplotlib'} is not installed: pip install -e .[plot]"
+        missing = err.name or "matplotlib"
+        return [], f"{missing} is not installed: pip install matplotlib"
 
 
 def finish_run(

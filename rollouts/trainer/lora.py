@@ -40,7 +40,7 @@ def _peft() -> Any:
         import peft
     except ImportError as e:
         raise ImportError(
-            "model.lora.enabled = true needs PEFT: pip install -e '.[lora]' (or pip install peft)"
+            "model.lora.enabled = true needs PEFT: pip install 'peft>=0.17,<0.22' (the lora extra)"
         ) from e
     return peft
 
