@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -16,9 +17,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rollouts.config import ConfigError, config_from_dict
+from rollouts.config import ConfigError, DataConfig, config_from_dict
 from rollouts.data.buffer import DataBuffer, MixtureSource
-from rollouts.data.loaders import DatasetError, load_conversations, load_prompts, write_jsonl
+from rollouts.data.loaders import (
+    ChatWrap,
+    DatasetError,
+    load_conversations,
+    load_prompts,
+    write_jsonl,
+)
+from rollouts.data.word_problems import prepare_word_problems, problems
 from rollouts.types import PromptItem
 
 # GSM8K's columns, and verl's parquet layout (a chat prompt, a nested ground truth)
@@ -212,3 +220,39 @@ def test_a_mixture_resumes_exactly_from_its_state() -> None:
     single = DataBuffer(list(_source("a", 45, 1.0).items))
     with pytest.raises(ValueError, match=r"but the run has \[none\]"):
         single.load_state_dict(first.state_dict())
+
+
+def test_text_prompts_become_chat_through_the_user_template(tmp_path: Path) -> None:
+    path = _parquet(tmp_path / "g.parquet", GSM8K[:2])
+    wrap = ChatWrap(user_template="Q: {prompt}\nAnswer after ####.", system_prompt="Be brief.")
+    items = load_prompts(path, "question", "answer", wrap=wrap)
+    assert items[1].prompt == (
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": f"Q: {GSM8K[1]['question']}\nAnswer after ####."},
+    )
+    chat = load_prompts(_parquet(tmp_path / "v.parquet", VERL), label_key="", wrap=wrap)
+    assert chat[0].prompt == ({"role": "user", "content": "0+1?"},)  # chat stays as it is
+    with pytest.raises(ConfigError, match=r"data.user_template = 'Q:': must hold \{prompt\}"):
+        config_from_dict({"data": {"user_template": "Q:"}})
+    with pytest.raises(ConfigError, match=r"data.sources\[0\].system_prompt is set but"):
+        config_from_dict(_config({"name": "a", "path": "a", "system_prompt": "x"}))
+
+
+def test_the_gsm8k_twin_writes_gsm8k_columns_with_held_out_problems(tmp_path: Path) -> None:
+    data = DataConfig(
+        train_path=str(tmp_path / "w/train.parquet"), eval_path=str(tmp_path / "w/test.parquet")
+    )
+    prepare_word_problems(data)
+    train = load_prompts(data.train_path, "question", "answer")
+    test = load_prompts(data.eval_path, "question", "answer")
+    assert len(test) == 200 and len(train) == len(problems()) - 200
+    key = lambda item: (item.prompt.split()[1], *re.findall(r"\d+", item.prompt))  # noqa: E731
+    assert not {key(i) for i in test} & {key(i) for i in train}  # has/had/buys, a, b
+    for item in train[:50] + test:
+        worked, final = item.label.split("\n#### ")
+        (a, op, b, c) = re.search(r"(\d+) ([-+*]) (\d+) = <<.*>>(\d+)", worked).groups()
+        assert (
+            int(c)
+            == int(final)
+            == {"+": int(a) + int(b), "-": int(a) - int(b)}.get(op, int(a) * int(b))
+        ), item

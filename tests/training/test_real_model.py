@@ -51,9 +51,12 @@ output_dir = "{tmp / "run"}"
 [model]
 path = "{model_dir}"
 [data]
-prepare = "rollouts.data.chat_sums.prepare_sum_data"
-train_path = "{data / "train.jsonl"}"
-eval_path = "{data / "eval.jsonl"}"
+prepare = "rollouts.data.word_problems.prepare_word_problems"
+train_path = "{data / "train.parquet"}"
+eval_path = "{data / "test.parquet"}"
+prompt_key = "question"
+label_key = "answer"
+user_template = "{{prompt}}\\nGive the final answer as a number."
 eval_size = 2
 [training]
 device = "cpu"
@@ -66,7 +69,7 @@ scheduler = "constant"
 batch_size = 2
 n_samples_per_prompt = 2
 over_sampling_factor = 1.0
-reward_fn = "tests.training.varied_reward.varied_reward"
+reward_fn = "math"
 [rollout.sampling]
 max_new_tokens = 6
 [engines.builtin]
@@ -99,12 +102,20 @@ def real_run(
 
 
 def test_two_rl_steps_on_the_real_model(real_run: tuple[Path, str]) -> None:
+    """The GSM8K twin's path (issue 48): GSM8K-format parquet, its questions through the user
+    template and the chat template, graded by math-verify in its workers."""
     run, console = real_run
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(STEPS + 1))
     for row in rows[1:]:
         assert 0.0 < row["train/logprob_mismatch"] < 1e-4, row  # engine vs trainer, fp32
         assert row["policy/version"] == row["step"]
+        assert row["rollout/reward_failed"] == 0.0 and 0.0 <= row["reward/mean"] <= 1.0, row
+    assert rows[0]["eval/scored"] == 2.0, rows[0]
+    sampled = json.loads((run / "rollouts.jsonl").read_text().splitlines()[0])
+    (user,) = sampled["prompt"]
+    assert user["role"] == "user" and user["content"].endswith("?\nGive the final answer as a number.")
+    assert "\n#### " in sampled["label"], sampled
     assert "Writing model shards" not in console
     assert "Loading weights" not in console
     tail = console.strip().splitlines()[-6:]
