@@ -158,7 +158,9 @@ def test_conversations_need_an_assistant_turn(tmp_path: Path) -> None:
 def test_bad_role(tmp_path: Path) -> None:
     path = tmp_path / "c.jsonl"
     path.write_text('{"messages": [{"role": "robot", "content": "q"}]}\n')
-    with pytest.raises(DatasetError, match="c.jsonl:1, column 'messages': message 0 has role 'robot'"):
+    with pytest.raises(
+        DatasetError, match="c.jsonl:1, column 'messages': message 0 has role 'robot'"
+    ):
         load_conversations(path)
 
 

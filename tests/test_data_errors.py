@@ -46,11 +46,17 @@ def test_an_empty_chat_content_is_refused_like_an_empty_prompt(tmp_path: Path) -
         load_prompts(prompts)
     message = str(info.value)
     assert f"{prompts}:1, column 'prompt': must be a non-empty string" in message, message
-    assert f"{prompts}:2, column 'messages': message 0 (user) has an empty 'content'" in message, message
-    assert f"{prompts}:3, column 'messages': message 0 (user) has an empty 'content'" in message, message
+    assert f"{prompts}:2, column 'messages': message 0 (user) has an empty 'content'" in message, (
+        message
+    )
+    assert f"{prompts}:3, column 'messages': message 0 (user) has an empty 'content'" in message, (
+        message
+    )
     sft = tmp_path / "sft.jsonl"
     sft.write_text(_chat("q", "a") + "\n" + _chat("q", "") + "\n")
-    with pytest.raises(DatasetError, match=rf"{sft}:2, column 'messages': message 1 \(assistant\) has an empty"):
+    with pytest.raises(
+        DatasetError, match=rf"{sft}:2, column 'messages': message 1 \(assistant\) has an empty"
+    ):
         load_conversations(sft)
 
 

@@ -188,6 +188,9 @@ class LoggingConfig(_Section):
     # the PNGs in RUN/plots at the end of the run (about a second of CPU: matplotlib's import and
     # seven figures); `rollouts plot RUN` writes them later from metrics.jsonl
     plots: bool = True
+    # RUN/trace.json: a timeline of the run (driver, engines, trainer, weight syncs, rewards, each
+    # sample's life) in the Chrome trace format, for ui.perfetto.dev (`rollouts/tracing.py`)
+    trace: bool = False
 
     def problems(self) -> list[str]:
         p: list[str] = []

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rollouts.config import DataConfig
 
@@ -21,8 +21,9 @@ NAMES = ("Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Max", "Lily", "Ben", 
 THINGS = ("apples", "shells", "stickers", "marbles", "books", "pencils", "cookies", "stamps")
 PRONOUN = {n: ("She" if n in ("Mia", "Ava", "Zoe", "Ivy", "Lily", "Nora") else "He") for n in NAMES}
 
+ProblemKind = Literal["add", "sub", "mul"]
 # kind -> (question, worked answer); {c} is the result
-TEMPLATES = {
+TEMPLATES: dict[ProblemKind, tuple[str, str]] = {
     "add": (
         "{n} has {a} {t}. {p} gets {b} more {t}. How many {t} does {n} have now?",
         "{n} has {a} + {b} = <<{a}+{b}={c}>>{c} {t} now.",
@@ -38,20 +39,21 @@ TEMPLATES = {
 }
 
 
-def problems() -> list[tuple[str, int, int]]:
+def problems() -> list[tuple[ProblemKind, int, int]]:
     """Every (kind, a, b): sums of 2..30, differences with a > b, products of 2..9."""
+    out: list[tuple[ProblemKind, int, int]]
     out = [("add", a, b) for a in range(2, 31) for b in range(2, 31)]
     out += [("sub", a, b) for a in range(3, 31) for b in range(2, a)]
     out += [("mul", a, b) for a in range(2, 10) for b in range(2, 10)]
     return out
 
 
-def result(kind: str, a: int, b: int) -> int:
+def result(kind: ProblemKind, a: int, b: int) -> int:
     assert kind in TEMPLATES, f"{kind=} is not one of {list(TEMPLATES)}"
     return {"add": a + b, "sub": a - b, "mul": a * b}[kind]
 
 
-def row(kind: str, a: int, b: int, rng: random.Random) -> dict[str, Any]:
+def row(kind: ProblemKind, a: int, b: int, rng: random.Random) -> dict[str, Any]:
     """One GSM8K-format row: `question`, and `answer` ending in `#### <result>`."""
     name, things = rng.choice(NAMES), rng.choice(THINGS)
     fields = {"n": name, "p": PRONOUN[name], "t": things, "a": a, "b": b, "c": result(kind, a, b)}

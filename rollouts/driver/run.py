@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import trio
 
+from rollouts import tracing
 from rollouts.config import Config, RunMode
 from rollouts.driver.engines import cpu_beside_engines, cpu_share
 from rollouts.driver.launch import shares_node_with_driver
@@ -40,6 +41,7 @@ from rollouts.driver.trainer_io import BackendFactory, checkpoint_root
 from rollouts.engine_kinds import engine_kind
 from rollouts.heap import release_garbage
 from rollouts.progress_bars import quiet_progress_bars
+from rollouts.tracing import TRACE_FILE, Tracer
 from rollouts.trainer.checkpoint import find_latest_checkpoint
 from rollouts.trainer.factories import create_backend, resolve_device
 from rollouts.weights.copies import run_sync_root
@@ -72,6 +74,35 @@ async def _main(
     if mode == "rl":  # model.path may name an SFT checkpoint's model/: verified before use
         await trio.to_thread.run_sync(verify_start_model, model_dir)
     stop = StopFlag()
+    tracer = Tracer(run_dir / TRACE_FILE) if config.logging.trace else None
+    tracing.install(tracer)  # this run's tasks and threads see it (a trainer process: its env)
+    try:
+        steps = (sft_step, rl_step)
+        await _phases(mode, config, run_dir, model_dir, resume, stop, make_backend, steps)
+    finally:
+        if tracer is not None:
+            tracer.close()
+    if stop():
+        print(f"[train] stopped by signal; resume with --resume (run dir {run_dir})", flush=True)
+        return 130
+    phase = "rl" if mode in ("rl", "sft+rl") else "sft"
+    last = find_latest_checkpoint(checkpoint_root(config, run_dir, phase))
+    finish_run(run_dir, time.monotonic() - started, last, plots=config.logging.plots)
+    return 0
+
+
+async def _phases(
+    mode: RunMode,
+    config: Config,
+    run_dir: Path,
+    model_dir: Path,
+    resume: bool,
+    stop: StopFlag,
+    make_backend: BackendFactory | None,
+    steps: tuple[int | None, int | None],
+) -> None:
+    """SFT, then RL, as `mode` asks, under the signal watcher."""
+    sft_step, rl_step = steps
     async with trio.open_nursery() as nursery:
         nursery.start_soon(watch_signals, stop, nursery.cancel_scope)
         if mode in ("sft", "sft+rl"):
@@ -92,13 +123,6 @@ async def _main(
                 resume_step=rl_step,
             )
         nursery.cancel_scope.cancel()
-    if stop():
-        print(f"[train] stopped by signal; resume with --resume (run dir {run_dir})", flush=True)
-        return 130
-    phase = "rl" if mode in ("rl", "sft+rl") else "sft"
-    last = find_latest_checkpoint(checkpoint_root(config, run_dir, phase))
-    finish_run(run_dir, time.monotonic() - started, last, plots=config.logging.plots)
-    return 0
 
 
 def _sft_threads(config: Config) -> None:

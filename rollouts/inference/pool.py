@@ -30,6 +30,7 @@ from typing import Any, cast
 
 import trio
 
+from rollouts import tracing
 from rollouts.inference.http import EngineError, EngineUnavailable
 from rollouts.inference.hung import CallWatch, WatchedEngine
 from rollouts.inference.pool_state import EngineState, PoolOptions, pick_engine
@@ -142,6 +143,7 @@ class EnginePool:
         unreachable or hung (marked down); the error is added to `errors`."""
         state = self._states[index]
         state.in_flight += cost
+        tracing.engine_load(state.engine.url, state.in_flight)
         try:
             return True, await self.watch.call(index, lambda: call(state.engine))
         except EngineUnavailable as exc:
@@ -149,6 +151,7 @@ class EnginePool:
             errors.append(str(exc))
         finally:
             state.in_flight -= cost
+            tracing.engine_load(state.engine.url, state.in_flight)
         return False, None
 
     def watched(self, index: int) -> InferenceEngine:
@@ -256,7 +259,9 @@ class EnginePool:
         async with self.weights_lock:
             self.asleep = True
             with contextlib.suppress(EngineUnavailable):  # none up: none to put to sleep
-                await self._each_up(lambda e: cast(Sleeper, e).sleep(level))
+                await self._each_up(
+                    lambda e: tracing.on_engine(e.url, "sleep", cast(Sleeper, e).sleep(level))
+                )
 
     async def wake_up(self) -> None:
         """Every up engine takes its memory back (after a level-2 sleep the caller reloads the
@@ -264,7 +269,9 @@ class EnginePool:
         async with self.weights_lock:
             down = [s for s in self._states if not s.up and not s.gone]
             with contextlib.suppress(EngineUnavailable):  # none up: the sync waits for one
-                await self._each_up(lambda e: cast(Sleeper, e).wake_up())
+                await self._each_up(
+                    lambda e: tracing.on_engine(e.url, "wake up", cast(Sleeper, e).wake_up())
+                )
             for s in down:  # marked down while asleep (a slow check): awake when it is back
                 with trio.move_on_after(self.options.stall_timeout_s):
                     with contextlib.suppress(EngineError):

@@ -32,6 +32,7 @@ from typing import Any
 
 import trio
 
+from rollouts import tracing
 from rollouts.algorithms.kl import AdaptiveKL
 from rollouts.algorithms.schedule import load_schedule
 from rollouts.config import Config
@@ -219,8 +220,9 @@ async def _one_batch(ctx: _Ctx, st: LoopState) -> dict[str, float] | None:
     number = st.batches + 1
     started = time.monotonic()
     rollout, gen_s = await ctx.batches.next(number)
+    wait_s = tracing.phase("generate", time.monotonic() - started, batch=number)
     prep = prepare_groups(rollout.groups, str(st.version), ctx.bound)
-    metrics, times = _batch_metrics(rollout, prep, gen_s, time.monotonic() - started, ctx.is_async)
+    metrics, times = _batch_metrics(rollout, prep, gen_s, wait_s, ctx.is_async)
     if ctx.hooks.report_batch is not None:  # failures said and written, trained or not
         ctx.hooks.report_batch(st.step + 1, number, rollout)
     if not prep.groups:
@@ -254,7 +256,10 @@ async def _one_batch(ctx: _Ctx, st: LoopState) -> dict[str, float] | None:
     st.empty_in_a_row = st.empty_since_step = 0
     st.step_metrics = metrics  # what a rescue checkpoint stores if the step fails from here
     times |= await _after_training(ctx, st, metrics)
-    return metrics | _timing(times, time.monotonic() - started, rollout, st.version)
+    tracing.samples_trained(rollout.groups, prep.groups, step)
+    step_s = tracing.phase(f"step {step}", time.monotonic() - started, batch=number)
+    tracing.flush()
+    return metrics | _timing(times, step_s, rollout, st.version)
 
 
 @contextlib.asynccontextmanager
@@ -268,7 +273,7 @@ async def _engines_asleep(ctx: _Ctx, times: dict[str, float]) -> AsyncIterator[N
         return
     started = time.monotonic()
     await ctx.engines.sleep(level)
-    times["sleep"] = time.monotonic() - started
+    times["sleep"] = tracing.phase("sleep", time.monotonic() - started)
     try:
         yield
     except BaseException:
@@ -278,7 +283,7 @@ async def _engines_asleep(ctx: _Ctx, times: dict[str, float]) -> AsyncIterator[N
         raise
     started = time.monotonic()
     await ctx.engines.wake_up()
-    times["wake"] = time.monotonic() - started
+    times["wake"] = tracing.phase("wake", time.monotonic() - started)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -317,18 +322,20 @@ async def _after_training(ctx: _Ctx, st: LoopState, metrics: dict[str, float]) -
     due = _due(ctx, st, ctx.hooks.should_stop())
     times: dict[str, float] = {}
     if due.sync:
-        times["sync"] = await _timed(_sync, ctx, st, metrics, due)
+        times["sync"] = await _timed("sync", _sync, ctx, st, metrics, due)
     if due.eval:
-        times["eval"] = await _timed(_evaluate, ctx, st, metrics, due)
+        times["eval"] = await _timed("eval", _evaluate, ctx, st, metrics, due)
     if due.checkpoint:
-        times["checkpoint"] = await _timed(_checkpoint, ctx, st, metrics, due)
+        times["checkpoint"] = await _timed("checkpoint", _checkpoint, ctx, st, metrics, due)
     return times
 
 
-async def _timed(phase: Any, ctx: _Ctx, st: LoopState, metrics: dict, due: _Due) -> float:
+async def _timed(
+    name: str, phase: Any, ctx: _Ctx, st: LoopState, metrics: dict, due: _Due
+) -> float:
     started = time.monotonic()
     await phase(ctx, st, metrics, due)
-    return time.monotonic() - started
+    return tracing.phase(name, time.monotonic() - started)
 
 
 async def _sync(ctx: _Ctx, st: LoopState, metrics: dict[str, float], due: _Due) -> None:

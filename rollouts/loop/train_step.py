@@ -12,6 +12,7 @@ import dataclasses
 import time
 from typing import Any
 
+from rollouts import tracing
 from rollouts.algorithms.algorithm import Algorithm
 from rollouts.algorithms.kl import kl_reward_penalties, sequence_mean_kl
 from rollouts.algorithms.loss_fn import make_loss_fn
@@ -124,12 +125,12 @@ async def _batch_with_logprobs(
     started = time.monotonic()
     values = await _critic_values(backend, groups, algorithm)
     if values is not None:
-        times["values"] = time.monotonic() - started
+        times["values"] = tracing.phase("values", time.monotonic() - started)
     if algorithm.kl_in_reward and ref is not None:
         started = time.monotonic()
         algo = algorithm.config
         batch, extra, kl = await _kl_in_reward_batch(groups, algo, config, backend, ref, values)
-        times["logprobs"] = time.monotonic() - started
+        times["logprobs"] = tracing.phase("logprobs", time.monotonic() - started)
         # the KL is in the reward, not the loss (the controller, if any, already steered it)
         applied = algorithm.with_kl_in_reward_applied()
         return _Prepared(batch=batch, algorithm=applied, extra=extra, times=times, reward_kl=kl)
@@ -137,7 +138,8 @@ async def _batch_with_logprobs(
     batch = train_batch_of(groups, algorithm.config, max_new_tokens=max_new, values=values)
     n_mini = len(mini_batches(groups, algorithm.config.mini_batch_size))
     separate = algorithm.needs_old_logprobs_pass(n_mini)
-    batch, times["logprobs"] = await _logprobs_for(batch, backend, ref, algorithm, separate)
+    batch, seconds = await _logprobs_for(batch, backend, ref, algorithm, separate)
+    times["logprobs"] = tracing.phase("logprobs", seconds)
     return _Prepared(batch=batch, algorithm=algorithm, extra={}, times=times)
 
 
@@ -169,7 +171,7 @@ async def train_step(
                 per_epoch[-1][key] = per_epoch[-1].get(key, 0.0) + float(value)
             per_epoch[-1]["_n"] += 1.0
             n_updates += 1
-    times["train"] = time.monotonic() - started
+    times["train"] = tracing.phase("train", time.monotonic() - started, updates=n_updates)
     metrics = {k: v / n_updates for k, v in summed.items()}  # mean over optimizer updates
     metrics = prefixed(metrics, "train") | prepared.extra
     if algo.ppo_epochs > 1 or algorithm.needs_critic:

@@ -52,6 +52,7 @@ from typing import Any
 
 import trio
 
+from rollouts import tracing
 from rollouts.config import RewardConfig, RolloutConfig
 from rollouts.config.rollout import EXTERNAL_CONCURRENCY
 from rollouts.data.buffer import DataBuffer
@@ -232,7 +233,10 @@ class AsyncRolloutManager:
         )
         if n == 0:
             return
-        groups = self.buffer.get_groups(n, self.config.n_samples_per_prompt)
+        groups = [
+            tracing.samples_queued(g, run.number)
+            for g in self.buffer.get_groups(n, self.config.n_samples_per_prompt)
+        ]
         run.state = dataclasses.replace(
             run.state,
             in_flight=run.state.in_flight + len(groups),
@@ -248,7 +252,9 @@ class AsyncRolloutManager:
     ) -> None:
         samples = list(group)
         times = [0.0] * len(samples)
+        tracing.samples_stage(samples, "generate", begin=True)
         await self.runner.run(run, samples, times)
+        tracing.samples_stage(samples, "generate", begin=False)
         gen_tokens = sum(
             max(new.response_length - old.response_length, 0)
             for old, new in zip(group, samples, strict=True)
@@ -270,7 +276,10 @@ class AsyncRolloutManager:
 
     async def _score(self, samples: list[Sample], reward: Callable[..., Any]) -> Group:
         """A group's samples scored concurrently, each bounded by `reward_timeout_s`."""
-        return await score_group(samples, reward, self.config.reward_timeout_s)
+        tracing.samples_stage(samples, "reward", begin=True)
+        scored = await score_group(samples, reward, self.config.reward_timeout_s)
+        tracing.samples_stage(scored, "reward", begin=False)
+        return scored
 
     async def _abort_until_cancelled(self, batch_id: str) -> None:
         """Abort this batch's surplus requests (by request-id prefix), and again while draining
@@ -317,6 +326,8 @@ class AsyncRolloutManager:
             run.partial.append(group)
             return
         run.dropped["surplus" if verdict.keep else verdict.reason] += 1
+        for s in group:
+            tracing.sample_ends(s, f"dropped: {'surplus' if verdict.keep else verdict.reason}")
         run.gen_time_s["discarded"] += result.gen_time_s
         run.counts["discarded_tokens"] += response_tokens(group)
 

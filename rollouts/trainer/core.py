@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from rollouts import tracing
 from rollouts.config.training import LogprobPositions, MicroBatchLayout
 from rollouts.trainer.batching import (
     LAYOUTS,
@@ -211,14 +212,18 @@ class TrainerCore:
                 continue
             plan = plans[k]
             mb = self._tensors(plan, local)
-            lps, ents, vals = self._run(mb, want_entropy, want_values, entropy_grad)
-            outputs = ModelOutputs(logprobs=tuple(lps), entropy=tuple(ents), values=tuple(vals))
-            # the loss reads the batch's tensors beside the outputs: on the model's device
-            loss, metrics = loss_fn(outputs, local.select(plan.indices).to(self.device))
+            with tracing.span(
+                "trainer", "forward", micro_batch=k, tokens=plan.computed_tokens(lengths)
+            ):
+                lps, ents, vals = self._run(mb, want_entropy, want_values, entropy_grad)
+                outputs = ModelOutputs(logprobs=tuple(lps), entropy=tuple(ents), values=tuple(vals))
+                # the loss reads the batch's tensors beside the outputs: on the model's device
+                loss, metrics = loss_fn(outputs, local.select(plan.indices).to(self.device))
             assert loss.dim() == 0, f"loss_fn must return a scalar, got {tuple(loss.shape)=}"
             if not torch.isfinite(loss.detach()).item():
                 nonfinite += 1.0
-            (loss * self.collective.world_size).backward()
+            with tracing.span("trainer", "backward", micro_batch=k):
+                (loss * self.collective.world_size).backward()
             for key, value in {"loss": float(loss.detach()), **metrics}.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
         tokens = (real_tokens, computed_tokens, padded_tokens)
@@ -250,6 +255,10 @@ class TrainerCore:
     def optim_step(self) -> Metrics:
         """Clip the (global) gradient norm to `max_grad_norm` and step; skip (and count) the step
         when the loss or the gradient is not finite."""
+        with tracing.span("trainer", "optimizer step"):
+            return self._optim_step()
+
+    def _optim_step(self) -> Metrics:
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = float(self.collective.clip_grad_norm(params, self.settings.max_grad_norm))
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -282,11 +291,13 @@ class TrainerCore:
 
     def compute_logprobs(self, batch: TrainBatch) -> tuple[Any, ...]:
         """Logprobs of every sequence (local ones computed here, then gathered across ranks)."""
-        return self._per_token(batch, values=False)
+        with tracing.span("trainer", "logprobs", sequences=len(batch.input_ids)):
+            return self._per_token(batch, values=False)
 
     def compute_values(self, batch: TrainBatch) -> tuple[Any, ...]:
         """Critic values of every sequence, aligned like logprobs (`values[t]` = V(tokens < t))."""
-        return self._per_token(batch, values=True)
+        with tracing.span("trainer", "values", sequences=len(batch.input_ids)):
+            return self._per_token(batch, values=True)
 
     @torch.no_grad()
     def _per_token(self, batch: TrainBatch, *, values: bool) -> tuple[Any, ...]:

@@ -19,6 +19,7 @@ every rank with the adapters off. A checkpoint holds `adapter/` (and `model/`, m
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import json
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
@@ -89,7 +90,7 @@ class FSDPBackend:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train")
 
     def _submit(self, fn: Callable[..., T], *args: Any) -> TrainFuture[T]:
-        return TrainFuture(self._executor.submit(fn, *args))
+        return TrainFuture(self._executor.submit(contextvars.copy_context().run, fn, *args))
 
     def forward_backward(
         self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False

@@ -28,7 +28,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
-import os
 import pickle
 import socket
 import subprocess
@@ -38,6 +37,7 @@ from collections.abc import Collection
 from multiprocessing.connection import Connection
 from typing import Any
 
+from rollouts import tracing
 from rollouts.config import Config
 from rollouts.forkserver import ForkedProcess, fork
 from rollouts.trainer.process_wire import HOST, dumps, pack, unpack
@@ -60,9 +60,10 @@ class TrainerProcess:
         ours, theirs = socket.socketpair()
         fd = theirs.fileno()
         cmd = [sys.executable, "-m", "rollouts.trainer.process_child", str(fd)]
+        env = tracing.environment()  # the run's trace.json, when it keeps one
         self._process: subprocess.Popen | ForkedProcess = fork(
-            cmd, os.environ, {0: 0, 1: 1, 2: 2, fd: fd}
-        ) or subprocess.Popen(cmd, pass_fds=(fd,))
+            cmd, env, {0: 0, 1: 1, 2: 2, fd: fd}
+        ) or subprocess.Popen(cmd, pass_fds=(fd,), env=env)
         theirs.close()
         self.pid = self._process.pid
         self._conn = Connection(ours.detach())

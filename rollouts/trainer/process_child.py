@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from rollouts import tracing
 from rollouts.gcpolicy import freeze_startup_objects
 from rollouts.progress_bars import quiet_progress_bars
 from rollouts.trainer.process_wire import HOST, pack, unpack
@@ -55,8 +56,12 @@ class _Host:
         self.start_cores: set[int] | None = None  # this thread's cores before `init` pinned it
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self.writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self.tracer = tracing.from_environment()  # the driver's trace.json, when it keeps one
+        tracing.install(self.tracer)
 
     def reply(self, call_id: int, ok: bool, value: Any, where: str = "") -> None:
+        if self.tracer is not None:  # the call's spans reach the run's trace before its reply
+            self.tracer.flush()
         try:
             message = pickle.dumps((call_id, ok, value, where), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:  # a result or an error that does not pickle

@@ -15,6 +15,7 @@ adapter's own files and the base model's logprobs (the adapters off: the free re
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import json
 import os
 import warnings
@@ -24,6 +25,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from rollouts import tracing
 from rollouts.trainer import lora
 from rollouts.trainer.core import LocalCollective, TrainerCore
 from rollouts.trainer.hf_files import write_engine_files
@@ -132,7 +134,7 @@ class PyTorchBackend:
         self._submit(os.sched_setaffinity, 0, set(cores)).result()
 
     def _submit(self, fn: Callable[..., T], *args: Any) -> TrainFuture[T]:
-        return TrainFuture(self._executor.submit(fn, *args))
+        return TrainFuture(self._executor.submit(contextvars.copy_context().run, fn, *args))
 
     def forward_backward(
         self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False
@@ -220,6 +222,10 @@ class PyTorchBackend:
         return self._submit(self._save_checkpoint, Path(path))
 
     def _save_checkpoint(self, path: Path) -> None:
+        with tracing.span("trainer", "checkpoint write", path=path.name):
+            self._write_checkpoint(path)
+
+    def _write_checkpoint(self, path: Path) -> None:
         if self.adapters:
             lora.save_adapter(self.lm, self.tokenizer, path / lora.ADAPTER_DIR)
             if self.save_merged:

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import trio
 
+from rollouts import tracing
 from rollouts.inference.protocol import AdapterLoader, InferenceEngine
 from rollouts.inference.sync import (
     Delivered,
@@ -68,25 +69,26 @@ async def _attempt(
     is a probe); resume runs even when the pause or load fails."""
     clock = _Clock()
     times: dict[str, float] = {}
+    lane = tracing.engine_lane(engine.url)
     with trio.fail_after(options.timeout_s):
         try:
             await engine.pause(options.pause)
-            times["pause_s"] = clock.lap()
+            times["pause_s"] = tracing.phase("pause", clock.lap(), lane)
             await load_from_disk(engine, path, version, adapter)
-            times["load_s"] = clock.lap()
+            times["load_s"] = tracing.phase("weight load", clock.lap(), lane, version=version)
         finally:
             with trio.CancelScope(shield=True), trio.fail_after(RESUME_TIMEOUT_S):
                 await engine.resume()
-            times["resume_s"] = clock.lap()
+            times["resume_s"] = tracing.phase("resume", clock.lap(), lane)
         served = await engine.weight_version()
-        times["verify_s"] = clock.lap()
+        times["verify_s"] = tracing.phase("version check", clock.lap(), lane)
         if served != version:
             raise RuntimeError(
                 f"engine serves weight_version {served!r} after the reload, not {version!r}"
             )
         if probe is not None:
             times["content_gap"] = await check_engine(engine, probe)
-            times["check_s"] = clock.lap()
+            times["check_s"] = tracing.phase("content check", clock.lap(), lane)
     return times
 
 

@@ -31,9 +31,11 @@ from typing import Any, Protocol
 
 import trio
 
+from rollouts import tracing
 from rollouts.config import Config
 from rollouts.inference.pool import EnginePool
 from rollouts.inference.sync import SyncOptions
+from rollouts.tracing import SYNC_LANE
 from rollouts.trainer.protocol import LoraAdapters, TrainingBackend
 from rollouts.weights.check import (
     WeightProbe,
@@ -61,7 +63,7 @@ async def _write(write: Callable[..., Any], *args: Any) -> tuple[Any, Metrics]:
     """`write(*args)` on a worker thread; its result and `{"write_s": seconds}`."""
     started = time.monotonic()
     result = await trio.to_thread.run_sync(write, *args)
-    return result, {"write_s": time.monotonic() - started}
+    return result, {"write_s": tracing.phase("write", time.monotonic() - started, SYNC_LANE)}
 
 
 class WeightPublisher(Protocol):

@@ -27,7 +27,8 @@ class FinishedRun:
 def _build_run(root: Path) -> subprocess.CompletedProcess:
     from tests.training.test_train_e2e import _config, _train
 
-    done = _train("--mode", "sft+rl", "--config", str(_config(root)))
+    config = _config(root, logging={"trace": True})  # RUN/trace.json: tests/training/test_trace.py
+    done = _train("--mode", "sft+rl", "--config", str(config))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 

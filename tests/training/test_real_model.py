@@ -114,7 +114,8 @@ def test_two_rl_steps_on_the_real_model(real_run: tuple[Path, str]) -> None:
     assert rows[0]["eval/scored"] == 2.0, rows[0]
     sampled = json.loads((run / "rollouts.jsonl").read_text().splitlines()[0])
     (user,) = sampled["prompt"]
-    assert user["role"] == "user" and user["content"].endswith("?\nGive the final answer as a number.")
+    assert user["role"] == "user", user
+    assert user["content"].endswith("?\nGive the final answer as a number."), user
     assert "\n#### " in sampled["label"], sampled
     assert "Writing model shards" not in console
     assert "Loading weights" not in console
