@@ -28,6 +28,8 @@ from typing import Any
 
 import trio
 
+from rollouts import tracing
+
 STARTUP_TIMEOUT_S = 60.0  # a worker's imports (sympy: 1-2 s) on a loaded machine
 REAP_TIMEOUT_S = 5.0  # a SIGKILLed worker is gone in milliseconds; never wait forever
 EXIT_GRACE_S = 1.0  # a worker that closed its stdout is exiting: its status, not our SIGKILL
@@ -156,7 +158,8 @@ class WorkerPool:
         async with self.limiter:
             worker = self._idle_worker() or await self._start()
             try:
-                reply = await worker.ask(request)
+                with tracing.span(f"{self.name} worker {worker.pid}", "grade"):  # a rewards lane
+                    reply = await worker.ask(request)
             except _EndOfStream:
                 self._discard(worker, grace_s=EXIT_GRACE_S)
                 how = describe_exit(worker.process.returncode)
