@@ -220,7 +220,7 @@ async def _one_batch(ctx: _Ctx, st: LoopState) -> dict[str, float] | None:
     number = st.batches + 1
     started = time.monotonic()
     rollout, gen_s = await ctx.batches.next(number)
-    wait_s = tracing.phase("generate", time.monotonic() - started, batch=number)
+    wait_s = tracing.phase("generate", time.monotonic() - started, start_s=started, batch=number)
     prep = prepare_groups(rollout.groups, str(st.version), ctx.bound)
     metrics, times = _batch_metrics(rollout, prep, gen_s, wait_s, ctx.is_async)
     if ctx.hooks.report_batch is not None:  # failures said and written, trained or not
@@ -257,7 +257,7 @@ async def _one_batch(ctx: _Ctx, st: LoopState) -> dict[str, float] | None:
     st.step_metrics = metrics  # what a rescue checkpoint stores if the step fails from here
     times |= await _after_training(ctx, st, metrics)
     tracing.samples_trained(rollout.groups, prep.groups, step)
-    step_s = tracing.phase(f"step {step}", time.monotonic() - started, batch=number)
+    step_s = tracing.phase(f"step {step}", time.monotonic() - started, start_s=started)
     tracing.flush()
     return metrics | _timing(times, step_s, rollout, st.version)
 
@@ -273,7 +273,7 @@ async def _engines_asleep(ctx: _Ctx, times: dict[str, float]) -> AsyncIterator[N
         return
     started = time.monotonic()
     await ctx.engines.sleep(level)
-    times["sleep"] = tracing.phase("sleep", time.monotonic() - started)
+    times["sleep"] = tracing.phase("sleep", time.monotonic() - started, start_s=started)
     try:
         yield
     except BaseException:
@@ -283,7 +283,7 @@ async def _engines_asleep(ctx: _Ctx, times: dict[str, float]) -> AsyncIterator[N
         raise
     started = time.monotonic()
     await ctx.engines.wake_up()
-    times["wake"] = tracing.phase("wake", time.monotonic() - started)
+    times["wake"] = tracing.phase("wake", time.monotonic() - started, start_s=started)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -335,7 +335,7 @@ async def _timed(
 ) -> float:
     started = time.monotonic()
     await phase(ctx, st, metrics, due)
-    return tracing.phase(name, time.monotonic() - started)
+    return tracing.phase(name, time.monotonic() - started, start_s=started)
 
 
 async def _sync(ctx: _Ctx, st: LoopState, metrics: dict[str, float], due: _Due) -> None:

@@ -125,12 +125,12 @@ async def _batch_with_logprobs(
     started = time.monotonic()
     values = await _critic_values(backend, groups, algorithm)
     if values is not None:
-        times["values"] = tracing.phase("values", time.monotonic() - started)
+        times["values"] = tracing.phase("values", time.monotonic() - started, start_s=started)
     if algorithm.kl_in_reward and ref is not None:
         started = time.monotonic()
         algo = algorithm.config
         batch, extra, kl = await _kl_in_reward_batch(groups, algo, config, backend, ref, values)
-        times["logprobs"] = tracing.phase("logprobs", time.monotonic() - started)
+        times["logprobs"] = tracing.phase("logprobs", time.monotonic() - started, start_s=started)
         # the KL is in the reward, not the loss (the controller, if any, already steered it)
         applied = algorithm.with_kl_in_reward_applied()
         return _Prepared(batch=batch, algorithm=applied, extra=extra, times=times, reward_kl=kl)
@@ -171,7 +171,8 @@ async def train_step(
                 per_epoch[-1][key] = per_epoch[-1].get(key, 0.0) + float(value)
             per_epoch[-1]["_n"] += 1.0
             n_updates += 1
-    times["train"] = tracing.phase("train", time.monotonic() - started, updates=n_updates)
+    seconds = time.monotonic() - started
+    times["train"] = tracing.phase("train", seconds, start_s=started, updates=n_updates)
     metrics = {k: v / n_updates for k, v in summed.items()}  # mean over optimizer updates
     metrics = prefixed(metrics, "train") | prepared.extra
     if algo.ppo_epochs > 1 or algorithm.needs_critic:
