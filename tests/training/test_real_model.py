@@ -69,7 +69,7 @@ scheduler = "constant"
 batch_size = 2
 n_samples_per_prompt = 2
 over_sampling_factor = 1.0
-reward_fn = "math"
+reward_fn = "tests.training.varied_reward.varied_reward"
 [rollout.sampling]
 max_new_tokens = 6
 [engines.builtin]
@@ -102,8 +102,9 @@ def real_run(
 
 
 def test_two_rl_steps_on_the_real_model(real_run: tuple[Path, str]) -> None:
-    """The GSM8K twin's path (issue 48): GSM8K-format parquet, its questions through the user
-    template and the chat template, graded by math-verify in its workers."""
+    """The GSM8K twin's data path (issue 48): GSM8K-format parquet, its questions through the
+    user template and the model's chat template (a varied reward: 6 tokens answer nothing, and
+    the next test needs the weights to move; the math reward's run is the mixture test's)."""
     run, console = real_run
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(STEPS + 1))

@@ -112,7 +112,22 @@ def _mixture(tmp: Path, config: Path) -> list[MixtureSource]:
     ]
 
 
-def _expected_order(sources: list[MixtureSource], steps: int, batch_size: int) -> list[list[str]]:
+def _expected_order(tmp: Path, steps: int, batch_size: int) -> list[list[int]]:
+    buffer = DataBuffer(load_prompts(tmp / "data/train.jsonl"), seed=0)
+    return [sorted(g[0].index for g in buffer.get_groups(batch_size, 1)) for _ in range(steps)]
+
+
+def _order(rollouts: Path) -> dict[int, list[int]]:
+    by_step: dict[int, set[int]] = {}
+    for line in rollouts.read_text().splitlines():
+        row = json.loads(line)
+        by_step.setdefault(row["step"], set()).add(row["index"])
+    return {step: sorted(idx) for step, idx in by_step.items()}
+
+
+def _expected_mixture_order(
+    sources: list[MixtureSource], steps: int, batch_size: int
+) -> list[list[str]]:
     """Each step's prompts (source and row) as an unbroken run draws them."""
     buffer = DataBuffer.mixture(sources, seed=0)
     groups = [buffer.get_groups(batch_size, 1) for _ in range(steps)]
@@ -123,7 +138,7 @@ def _named(source: str, prompt: object) -> str:
     return f"{source}: {json.dumps(list(prompt) if isinstance(prompt, tuple) else prompt)}"
 
 
-def _order(rollouts: Path) -> dict[int, list[str]]:
+def _mixture_order(rollouts: Path) -> dict[int, list[str]]:
     by_step: dict[int, set[str]] = {}
     for line in rollouts.read_text().splitlines():
         row = json.loads(line)
@@ -132,9 +147,10 @@ def _order(rollouts: Path) -> dict[int, list[str]]:
 
 
 def test_sigkill_mid_run_then_resume_continues_exactly(tmp_path: Path) -> None:
-    """A mixture of a JSONL and a parquet source (issue 48): after a SIGKILL and --resume,
-    every step trained the prompts an unbroken run draws, and each step logs its sources."""
-    config = _config(tmp_path, training={"rl_steps": 6})
+    """A mixture of a JSONL and a parquet source, graded by math-verify (issue 48): after a
+    SIGKILL and --resume, every step trained the prompts an unbroken run draws, and each step
+    logs its sources."""
+    config = _config(tmp_path, training={"rl_steps": 6}, rollout={"reward_fn": "math"})
     sources = _mixture(tmp_path, config)
     run = tmp_path / "run"
     cmd = [sys.executable, str(TRAIN), "--mode", "sft+rl", "--config", str(config)]
@@ -157,13 +173,15 @@ def test_sigkill_mid_run_then_resume_continues_exactly(tmp_path: Path) -> None:
     done = _train("--mode", "sft+rl", "--config", str(config), "--resume")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert _steps(run / "metrics.jsonl") == [0, 1, 2, 3, 4, 5, 6]  # no duplicate, no gap
-    order = _order(run / "rollouts.jsonl")
-    assert [order[s] for s in range(1, 7)] == _expected_order(sources, 6, 2)
+    order = _mixture_order(run / "rollouts.jsonl")
+    assert [order[s] for s in range(1, 7)] == _expected_mixture_order(sources, 6, 2)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[6]["source/a/drawn"] + rows[6]["source/b/drawn"] == 12.0, rows[6]
     drawn = sum(rows[6][f"source/{n}/samples"] for n in "ab" if f"source/{n}/samples" in rows[6])
     assert drawn == 4.0, rows[6]  # 2 prompts x 2 samples, by source
     assert "eval/a/accuracy" in rows[0] and "eval/b/accuracy" not in rows[0], rows[0]
+    assert all(r.get("rollout/reward_failed", 0.0) == 0.0 for r in rows[1:]), rows
+    assert rows[0]["eval/a/scored"] == 8.0 and rows[0]["eval/failed"] == 0.0, rows[0]  # graded
 
 
 def test_rl_only_from_a_model_directory(tmp_path: Path) -> None:
