@@ -15,7 +15,19 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-PHASES = ("generate", "sleep", "values", "logprobs", "train", "wake", "sync", "eval", "checkpoint")
+PHASES = (
+    "generate",
+    "load_batch",  # a replay's: the stored batch read
+    "sleep",
+    "values",
+    "logprobs",
+    "train",
+    "wake",
+    "save_batch",
+    "sync",
+    "eval",
+    "checkpoint",
+)
 _NUMBER = (int, float)
 
 

@@ -21,6 +21,9 @@ BestMode = Literal["max", "min"]
 OnCorrupt = Literal["stop", "fall_back"]  # a resume whose checkpoint fails verification
 WandbMode = Literal["offline", "online", "disabled"]
 RunMode = Literal["sft", "rl", "sft+rl"]  # train.py --mode: the phases a run runs
+# the RL phase's halves: both (generate, then train), --rollout-only (generate and store the
+# batches, no trainer) or --replay RUN (train on RUN's stored batches, no engines)
+RLHalves = Literal["both", "rollout-only", "replay"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -191,6 +194,9 @@ class LoggingConfig(_Section):
     # RUN/trace.json: a timeline of the run (driver, engines, trainer, weight syncs, rewards, each
     # sample's life) in the Chrome trace format, for ui.perfetto.dev (`rollouts/tracing.py`)
     trace: bool = False
+    # each RL step's batch as trained in RUN/batches/step_NNNNNN/ (token ids, masks, rewards,
+    # the engine's logprobs, advantages...): `--replay RUN` trains on them with no engines
+    save_batches: bool = False
 
     def problems(self) -> list[str]:
         p: list[str] = []

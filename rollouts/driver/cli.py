@@ -3,6 +3,7 @@
     python integration_training/train.py --mode sft|rl|sft+rl --config configs/X.toml \
         [--set key=value ...] [--resume | --resume-step N] [--nproc N] [--debug]
         [--nnodes K --rdzv-endpoint HOST:PORT [--node-rank R]]
+        [--rollout-only | --replay RUN_DIR]     (with --mode rl: driver/halves.py)
 
 An operating error (bad data, a plugin that cannot load, a reward that always fails, a full
 disk) prints its message alone; the traceback goes to the run directory's error.log (and to the
@@ -24,7 +25,7 @@ import typing
 from pathlib import Path
 from typing import NoReturn
 
-from rollouts.config import Config, ConfigError, RunMode, load_config
+from rollouts.config import Config, ConfigError, RLHalves, RunMode, load_config
 from rollouts.driver.errors import report_error
 from rollouts.driver.launch import needs_torchrun, srun_ranks, torchrun_command
 from rollouts.driver.lock import RunInUse, hold_run_locks  # light: no torch before the lock
@@ -70,6 +71,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--node-rank", type=int, default=-1, help="this node's rank; -1 = assigned at rendezvous"
     )
+    halves = parser.add_mutually_exclusive_group()
+    halves.add_argument(
+        "--rollout-only",
+        action="store_true",
+        help="(--mode rl) generate and score training.rl_steps batches with the starting "
+        "weights and store them in RUN/batches for a later --replay: no trainer, no weight sync",
+    )
+    halves.add_argument(
+        "--replay",
+        default=None,
+        metavar="RUN_DIR",
+        help="(--mode rl) train on the batches RUN_DIR stored (logging.save_batches or "
+        "--rollout-only) with no engines: no generation, no weight sync, no evaluation",
+    )
     parser.add_argument(
         "--debug",
         action="store_true",
@@ -94,6 +109,10 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    refused = halves_problem(args, config)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
     try:
         if needs_torchrun(config, os.environ):
             _relaunch(args, config)
@@ -106,12 +125,48 @@ def run(args: argparse.Namespace) -> int:
                 resume=args.resume or args.resume_step is not None,
                 config_path=args.config,
                 resume_step=args.resume_step,
+                halves=halves_of(args),
+                replay_dir=Path(args.replay) if args.replay else None,
             )
     except Exception as e:  # an operating error: its message alone (see driver/errors.py)
         run_dir = Path(config.run.output_dir) if config.run.output_dir else None
         if isinstance(e, RunInUse):  # the directory is the other run's: its error.log too
             run_dir = None
         return report_error(e, run_dir, debug=args.debug)
+
+
+def halves_of(args: argparse.Namespace) -> RLHalves:
+    """Which halves of the RL phase the command runs (`--rollout-only`, `--replay`)."""
+    if args.rollout_only:
+        return "rollout-only"
+    return "replay" if args.replay else "both"
+
+
+def halves_problem(args: argparse.Namespace, config: Config) -> str:
+    """Why `--rollout-only` / `--replay` cannot run as asked ("" when they can), before any
+    heavy import: the flag and the fix."""
+    halves = halves_of(args)
+    flag = "--rollout-only" if halves == "rollout-only" else "--replay"
+    if halves != "both" and args.mode != "rl":
+        return (
+            f"{flag} runs the RL phase alone: use --mode rl (to start from an SFT model: "
+            "--set model.path=RUN/checkpoints/sft/step_NNNNNN/model)"
+        )
+    if halves == "rollout-only" and (args.resume or args.resume_step is not None):
+        return (
+            "--rollout-only keeps no checkpoint to resume: run it again (it rewrites its batches)"
+        )
+    if halves != "replay":
+        return ""
+    replay = Path(args.replay).resolve()
+    if not replay.is_dir():
+        return f"--replay {args.replay}: no such run directory"
+    if config.run.output_dir and Path(config.run.output_dir).resolve() == replay:
+        return (
+            f"--replay {args.replay} is this run's own run.output_dir: replay into another one "
+            "(--set run.output_dir=...)"
+        )
+    return ""
 
 
 def _driver_locks(config: Config) -> contextlib.AbstractContextManager[object]:

@@ -61,6 +61,10 @@ def torchrun_command(args: argparse.Namespace, config: Config) -> list[str]:
         cmd += ["--resume-step", str(args.resume_step)]
     if args.debug:
         cmd.append("--debug")
+    if args.rollout_only:
+        cmd.append("--rollout-only")
+    if args.replay:
+        cmd += ["--replay", str(Path(args.replay).resolve())]
     return cmd
 
 

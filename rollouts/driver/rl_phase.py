@@ -44,6 +44,7 @@ from rollouts.driver.trainer_io import BackendFactory, checkpoint_root, save
 from rollouts.engine_kinds import engine_kind
 from rollouts.gateway import open_agent_generate
 from rollouts.gcpolicy import freeze_startup_objects
+from rollouts.loop.batch_files import batch_writer
 from rollouts.loop.rl import RLHooks, run_rl_training
 from rollouts.rewards.named import load_reward_fn
 from rollouts.rewards.protocol import RewardFn
@@ -319,6 +320,7 @@ async def _rl_with_manager(
                 start_step=r.step,
                 start_version=r.version,
                 loop_state=r.loop_state,
+                save_batches=batch_writer(config, run.run_dir, r.step),
             )
         finally:
             logger.close()

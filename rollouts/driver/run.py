@@ -9,6 +9,7 @@ Resume (`--resume`): each phase continues from its latest checkpoint, verified f
 (`resume.py`: a corrupt one stops the run, or falls back with checkpoint.on_corrupt), with the
 DataBuffer (order, epoch, partial groups), RNG, optimizer, schedule, step and weight version.
 `--resume-step N` picks step N of the phase being resumed (RL once it has checkpoints).
+`--rollout-only` and `--replay RUN` run the RL phase's halves apart (`halves.py`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import torch
 import trio
 
 from rollouts import tracing
-from rollouts.config import Config, RunMode
+from rollouts.config import Config, RLHalves, RunMode
 from rollouts.driver.engines import cpu_beside_engines, cpu_share
+from rollouts.driver.halves import replay_phase, rollout_only_phase
 from rollouts.driver.launch import shares_node_with_driver
 from rollouts.driver.placement import placement_of
 from rollouts.driver.resume import resume_steps, verify_start_model
@@ -58,16 +60,19 @@ async def _main(
     config_path: str,
     hub: BackendHub | None = None,
     resume_step: int | None = None,
+    halves: RLHalves = "both",
+    replay_dir: Path | None = None,
 ) -> int:
     started = time.monotonic()
     _sft_threads(config)
     run_dir = prepare_run_dir(config, config_path, resume)
     make_backend = await _mirrored_factory(hub, config, run_dir)
-    if mode in ("rl", "sft+rl"):  # before any work: can the engines reach the weights?
+    if mode in ("rl", "sft+rl") and halves == "both":  # first: can engines reach the weights?
         sync_root = run_sync_root(config.weight_sync.dir, config.run.name, run_dir)
         config, reach = resolve_reach(config, sync_root)
         print(reach, flush=True)
-    prepare_data(config)
+    if halves != "replay":  # a replay reads no prompt
+        prepare_data(config)
     model_dir = prepare_base_model(config)
     rl_root = checkpoint_root(config, run_dir, "rl")
     sft_step, rl_step = resume_steps(mode, rl_root, resume_step)
@@ -78,7 +83,9 @@ async def _main(
     tracing.install(tracer)  # this run's tasks and threads see it (a trainer process: its env)
     try:
         steps = (sft_step, rl_step)
-        await _phases(mode, config, run_dir, model_dir, resume, stop, make_backend, steps)
+        await _phases(
+            mode, config, run_dir, model_dir, resume, stop, make_backend, steps, halves, replay_dir
+        )
     finally:
         if tracer is not None:
             tracer.close()
@@ -100,8 +107,10 @@ async def _phases(
     stop: StopFlag,
     make_backend: BackendFactory | None,
     steps: tuple[int | None, int | None],
+    halves: RLHalves,
+    replay_dir: Path | None,
 ) -> None:
-    """SFT, then RL, as `mode` asks, under the signal watcher."""
+    """SFT, then RL (or one of its halves), as `mode` asks, under the signal watcher."""
     sft_step, rl_step = steps
     async with trio.open_nursery() as nursery:
         nursery.start_soon(watch_signals, stop, nursery.cancel_scope)
@@ -112,7 +121,10 @@ async def _phases(
             print(f"[train] SFT model: {model_dir}", flush=True)
             # the SFT backend is gone: its memory back to the OS before RL builds its own
             release_garbage()
-        if mode in ("rl", "sft+rl") and not stop():
+        if mode in ("rl", "sft+rl") and not stop() and halves != "both":
+            args = (config, run_dir, model_dir, resume, stop, make_backend, rl_step)
+            await _one_half(halves, replay_dir, *args)
+        elif mode in ("rl", "sft+rl") and not stop():
             await rl_phase(
                 config,
                 run_dir,
@@ -123,6 +135,26 @@ async def _phases(
                 resume_step=rl_step,
             )
         nursery.cancel_scope.cancel()
+
+
+async def _one_half(
+    halves: RLHalves,
+    replay_dir: Path | None,
+    config: Config,
+    run_dir: Path,
+    model_dir: Path,
+    resume: bool,
+    stop: StopFlag,
+    make_backend: BackendFactory | None,
+    rl_step: int | None,
+) -> None:
+    """The RL phase's halves apart (`halves.py`): rollout-only, or the replay of a run's
+    stored batches."""
+    if halves == "rollout-only":
+        await rollout_only_phase(config, run_dir, model_dir, stop)
+        return
+    assert halves == "replay" and replay_dir is not None, f"{halves=} {replay_dir=}"
+    await replay_phase(config, run_dir, model_dir, replay_dir, resume, stop, make_backend, rl_step)
 
 
 def _sft_threads(config: Config) -> None:
@@ -154,17 +186,22 @@ def run_training(
     resume: bool = False,
     config_path: str = "",
     resume_step: int | None = None,
+    halves: RLHalves = "both",
+    replay_dir: Path | None = None,
 ) -> int:
     """Run `mode` ("sft", "rl" or "sft+rl") for `config`; the process exit code.
     The caller holds the run's locks (`lock.hold_run_locks`; train.py takes them before importing
     this). `resume_step`: --resume-step N (with `resume`), step N of the phase being resumed.
+    `halves`: the RL phase's halves apart (--mode rl): "rollout-only", or "replay" of the
+    batches `replay_dir` stored.
 
     Under torchrun with several ranks (the FSDP backend), rank 0 runs the driver and the other
     ranks mirror its backend calls (`trainer/mirror.py`).
     """
     quiet_progress_bars()
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return trio.run(_main, mode, config, resume, config_path, None, resume_step)
+        args = (mode, config, resume, config_path, None, resume_step, halves, replay_dir)
+        return trio.run(_main, *args)
     from rollouts.trainer.mirror import BackendHub
 
     if config.training.backend != "fsdp":
@@ -175,7 +212,8 @@ def run_training(
         hub.follow()
         return 0
     try:
-        return trio.run(_main, mode, config, resume, config_path, hub, resume_step)
+        args = (mode, config, resume, config_path, hub, resume_step, halves, replay_dir)
+        return trio.run(_main, *args)
     finally:
         hub.shutdown()
 

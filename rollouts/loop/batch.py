@@ -22,7 +22,7 @@ from rollouts.failures import failure_metrics
 from rollouts.loop.episodes import episode_metrics
 from rollouts.rewards.shaping import scored_reward
 from rollouts.rollout.planning import split_stale_groups
-from rollouts.types import Sample, Status, TrainBatch
+from rollouts.types import RolloutBatch, Sample, Status, TrainBatch
 
 TRAINABLE = (Status.COMPLETED, Status.TRUNCATED)
 Group = tuple[Sample, ...]
@@ -221,3 +221,24 @@ def rollout_metrics(groups: Sequence[Group], meta: Mapping[str, Any]) -> dict[st
 def prefixed(metrics: Mapping[str, float], prefix: str) -> dict[str, float]:
     """`{prefix/key: value}`, for a backend's unprefixed metrics."""
     return {f"{prefix}/{k}" if "/" not in k else k: float(v) for k, v in metrics.items()}
+
+
+def step_timing(
+    times: dict[str, float], step_s: float, rollout: RolloutBatch, version: int
+) -> dict[str, float]:
+    """A step's phase times (`time/<phase>_s`, the rest `time/idle_s`) and throughput."""
+    out = {f"time/{k}_s": v for k, v in times.items()}
+    out["time/idle_s"] = max(step_s - sum(times.values()), 0.0)
+    n_samples = sum(len(g) for g in rollout.groups)
+    tokens = float(rollout.metadata.get("generated_tokens", 0))
+    out |= {
+        "perf/step_time_s": step_s,
+        "perf/samples_per_s": n_samples / step_s if step_s > 0 else 0.0,
+        "perf/generated_tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+        "perf/compute_fraction": sum(times.get(k, 0.0) for k in ("generate", "logprobs", "train"))
+        / step_s
+        if step_s > 0
+        else 0.0,
+        "policy/version": float(version),
+    }
+    return out

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import trio
 
-from rollouts.loop.sources import BatchSource
+from rollouts.loop.sources import Batches
 from rollouts.loop.state import LoopState, RLHooks
 
 
 async def checkpoint(
-    hooks: RLHooks, batches: BatchSource, st: LoopState, metrics: dict[str, float]
+    hooks: RLHooks, batches: Batches, st: LoopState, metrics: dict[str, float]
 ) -> None:
     """Checkpoint step `st.step`: with the buffer state (and the batch made ahead, if one is
     held) from which the run goes on."""
@@ -38,7 +38,7 @@ async def checkpoint(
     st.checkpointed = st.step
 
 
-async def checkpoint_unsaved(hooks: RLHooks, batches: BatchSource, st: LoopState) -> bool:
+async def checkpoint_unsaved(hooks: RLHooks, batches: Batches, st: LoopState) -> bool:
     """Checkpoint the last step when it has none yet (and some step was trained)."""
     if st.in_backend or st.step <= st.checkpointed:
         return False
@@ -48,7 +48,7 @@ async def checkpoint_unsaved(hooks: RLHooks, batches: BatchSource, st: LoopState
 
 
 async def rescue_checkpoint(
-    error: Exception, hooks: RLHooks, batches: BatchSource, st: LoopState
+    error: Exception, hooks: RLHooks, batches: Batches, st: LoopState
 ) -> None:
     """Checkpoint the last trained step before `error` stops the run, when it came from outside
     the backend (the engines died, a weight sync or evaluation failed, a reward function raised)

@@ -19,7 +19,9 @@ resumed run's engines serve what the uninterrupted run's would.
 
 The loop never knows which backend, engine or weight delivery it drives: the weights go out
 through the `WeightPublisher` the driver chose once, and checkpoints and evaluation come in as
-`RLHooks` (`rollouts/driver/rl_phase.py`).
+`RLHooks` (`rollouts/driver/rl_phase.py`). With `logging.save_batches` each step's batch is
+written as trained (`batch_files.py`); a replay (`replay`: the stored batches of a run, read
+back) runs these steps with no engines, no weight sync and no staleness filter.
 """
 
 from __future__ import annotations
@@ -44,10 +46,12 @@ from rollouts.loop.batch import (
     PreparedGroups,
     prepare_groups,
     rollout_metrics,
+    step_timing,
 )
+from rollouts.loop.batch_files import BatchWriter
 from rollouts.loop.checkpoints import checkpoint, checkpoint_unsaved, rescue_checkpoint
 from rollouts.loop.empty_steps import empty_batch_reason, no_update_error
-from rollouts.loop.sources import BatchSource
+from rollouts.loop.sources import Batches, BatchSource
 from rollouts.loop.state import (
     MAX_EMPTY_BATCHES,
     LoopState,
@@ -73,38 +77,47 @@ __all__ = ["RLHooks", "RLResult", "ReferencePolicy", "run_rl_training", "train_s
 
 async def run_rl_training(
     backend: TrainingBackend,
-    data_buffer: DataBuffer,
-    rollout_manager: AsyncRolloutManager,
-    engines: EnginePool,
+    data_buffer: DataBuffer | None,
+    rollout_manager: AsyncRolloutManager | None,
+    engines: EnginePool | None,
     config: Config,
     metrics_logger: StepLog,
     *,
-    weights: WeightPublisher,
+    weights: WeightPublisher | None,
     hooks: RLHooks,
     reward_fn: Any = None,
     ref: ReferencePolicy | None = None,
     start_step: int = 0,
     start_version: int = 0,
     loop_state: dict[str, Any] | None = None,
+    replay: Batches | None = None,
+    save_batches: BatchWriter | None = None,
 ) -> RLResult:
-    """Run RL steps `start_step + 1 .. training.rl_steps` (see the module docstring).
-
-    `loop_state` is what the checkpoint hook was given last (a resumed run passes it back).
-    """
-    is_async = config.rollout.mode == "async"
+    """Run RL steps `start_step + 1 .. training.rl_steps` (see the module docstring). `loop_state`:
+    what the checkpoint hook was given last (a resumed run passes it back); `replay`: stored
+    batches to train on, with no engines (no buffer, manager, publisher); `save_batches`: where
+    each step's batch is written as trained."""
+    assert (replay is None) == (engines is not None), "a replay runs without engines"
+    assert (engines is None) == (weights is None), f"{engines=} without {weights=}"
+    is_async = config.rollout.mode == "async" and replay is None
     st = loop_state_from(
         loop_state, AdaptiveKL.from_config(config.algorithm), start_step, start_version
     )
     bound = staleness_bound(
         config.rollout.max_staleness, config.rollout.mode, config.weight_sync.every
     )
-    batches = BatchSource(
-        rollout_manager,
-        reward_fn,
-        data_buffer,
-        lambda number: (str(train_version(st, number)), bound),
-        weights.idle,
-    )
+    batches: Batches
+    if replay is None:
+        assert rollout_manager is not None and data_buffer is not None and weights is not None
+        batches = BatchSource(
+            rollout_manager,
+            reward_fn,
+            data_buffer,
+            lambda number: (str(train_version(st, number)), bound),
+            weights.idle,
+        )
+    else:  # the stored groups passed the run's filter already (rollout-only: all version 0)
+        batches, bound = replay, None
     held = batches.restore_held((loop_state or {}).get("next_batch"))
     assert held is None or held == st.batches + 1, f"{held=} does not follow {st.batches=}"
     ctx = _Ctx(
@@ -118,6 +131,7 @@ async def run_rl_training(
         schedule=load_schedule(config.algorithm),
         bound=bound,
         is_async=is_async,
+        saver=save_batches,
     )
     await _steps(ctx, st, metrics_logger, held=held is not None)
     return RLResult(steps=st.step, weight_version=str(st.version), last_metrics=st.metrics)
@@ -135,12 +149,13 @@ async def _steps(ctx: _Ctx, st: LoopState, metrics_logger: StepLog, *, held: boo
             if ctx.hooks.should_stop():  # (a step that saw it first has its checkpoint already)
                 await checkpoint_unsaved(ctx.hooks, ctx.batches, st)
                 break
-        await ctx.weights.settle()  # a delivery still in flight: its error is the run's
+        if ctx.weights is not None:  # a delivery still in flight: its error is the run's
+            await ctx.weights.settle()
         nursery.cancel_scope.cancel()
 
 
 async def _one_step_or_empty(
-    ctx: _Ctx, st: LoopState, engines: EnginePool, metrics_logger: StepLog
+    ctx: _Ctx, st: LoopState, engines: EnginePool | None, metrics_logger: StepLog
 ) -> None:
     """One batch: a step, logged (with the engines' load after it), or a batch that trained
     nothing; an error first checkpoints the last trained step (`rescue_checkpoint`)."""
@@ -151,8 +166,8 @@ async def _one_step_or_empty(
         raise
     if metrics is None:
         return
-    with trio.move_on_after(5.0):  # the engines' load after the batch
-        with contextlib.suppress(EngineError):
+    if engines is not None:  # (a replay has none)
+        with trio.move_on_after(5.0), contextlib.suppress(EngineError):  # their load after it
             metrics["engines/load"] = float((await engines.load()).total)
     metrics_logger.log(st.step, metrics)
     st.metrics = metrics
@@ -162,16 +177,17 @@ async def _one_step_or_empty(
 class _Ctx:
     """What every batch of a run uses (fixed for the run)."""
 
-    engines: EnginePool
+    engines: EnginePool | None  # None: a replay
     backend: TrainingBackend
-    batches: BatchSource
+    batches: Batches
     config: Config
     hooks: RLHooks
-    weights: WeightPublisher
+    weights: WeightPublisher | None  # None: a replay
     ref: ReferencePolicy | None
     schedule: Any
-    bound: int  # the staleness bound, computed once
+    bound: int | None  # the staleness bound, computed once (None: a replay keeps every group)
     is_async: bool
+    saver: BatchWriter | None = None  # logging.save_batches
 
     @property
     def total(self) -> int:
@@ -179,7 +195,12 @@ class _Ctx:
 
 
 def _batch_metrics(
-    rollout: RolloutBatch, prep: PreparedGroups, gen_s: float, wait_s: float, is_async: bool
+    rollout: RolloutBatch,
+    prep: PreparedGroups,
+    gen_s: float,
+    wait_s: float,
+    is_async: bool,
+    phase: str = "generate",
 ) -> tuple[dict[str, float], dict[str, float]]:
     """A batch's rollout metrics and its first phase time."""
     metrics = rollout_metrics(prep.groups, rollout.metadata)
@@ -197,7 +218,7 @@ def _batch_metrics(
     }
     if is_async:
         metrics["time/generate_overlapped_s"] = gen_s
-    return metrics, {"generate": wait_s if is_async else gen_s}
+    return metrics, {phase: wait_s if is_async else gen_s}
 
 
 def _count_empty(st: LoopState, number: int, rollout: RolloutBatch, prep: PreparedGroups) -> None:
@@ -220,9 +241,10 @@ async def _one_batch(ctx: _Ctx, st: LoopState) -> dict[str, float] | None:
     number = st.batches + 1
     started = time.monotonic()
     rollout, gen_s = await ctx.batches.next(number)
-    wait_s = tracing.phase("generate", time.monotonic() - started, start_s=started, batch=number)
+    waited = time.monotonic() - started
+    wait_s = tracing.phase(ctx.batches.phase, waited, start_s=started, batch=number)
     prep = prepare_groups(rollout.groups, str(st.version), ctx.bound)
-    metrics, times = _batch_metrics(rollout, prep, gen_s, wait_s, ctx.is_async)
+    metrics, times = _batch_metrics(rollout, prep, gen_s, wait_s, ctx.is_async, ctx.batches.phase)
     if ctx.hooks.report_batch is not None:  # failures said and written, trained or not
         ctx.hooks.report_batch(st.step + 1, number, rollout)
     if not prep.groups:
@@ -255,11 +277,14 @@ async def _one_batch(ctx: _Ctx, st: LoopState) -> dict[str, float] | None:
     metrics["policy/version"] = float(st.version)
     st.empty_in_a_row = st.empty_since_step = 0
     st.step_metrics = metrics  # what a rescue checkpoint stores if the step fails from here
+    if ctx.saver is not None:  # the batch as trained, at the version it trained at
+        args = (step, number, st.version - 1, prep.groups, rollout.metadata, trained.batch)
+        times["save_batch"] = tracing.phase("save_batch", await ctx.saver.write(*args))
     times |= await _after_training(ctx, st, metrics)
     tracing.samples_trained(rollout.groups, prep.groups, step)
     step_s = tracing.phase(f"step {step}", time.monotonic() - started, start_s=started)
     tracing.flush()
-    return metrics | _timing(times, step_s, rollout, st.version)
+    return metrics | step_timing(times, step_s, rollout, st.version)
 
 
 @contextlib.asynccontextmanager
@@ -268,7 +293,7 @@ async def _engines_asleep(ctx: _Ctx, times: dict[str, float]) -> AsyncIterator[N
     trains and wake before the step's weight sync (which reloads a level-2 sleep's weights).
     On an error they are woken (bounded, its own error dropped) so a next run finds them up."""
     level = ctx.config.engines.sleep_level
-    if not level:
+    if not level or ctx.engines is None:
         yield
         return
     started = time.monotonic()
@@ -309,7 +334,7 @@ def _due(ctx: _Ctx, st: LoopState, stopping: bool) -> _Due:
     # a checkpoint step syncs too: a resumed run's engines start on its weights
     sync_due = step % c.weight_sync.every == 0 or eval_due or checkpoint_due
     return _Due(
-        sync=sync_due and st.synced != st.version,
+        sync=sync_due and st.synced != st.version and ctx.weights is not None,
         urgent=eval_due or stopping or step == ctx.total,
         eval=eval_due,
         checkpoint=checkpoint_due,
@@ -341,11 +366,13 @@ async def _timed(
 async def _sync(ctx: _Ctx, st: LoopState, metrics: dict[str, float], due: _Due) -> None:
     """Give the engines the step's weights (an overlapped publisher: in the background, unless
     urgent); the `sync/*` figures known now go on the step's line."""
+    assert ctx.weights is not None, "a replay has no engines to sync"
     metrics |= await ctx.weights.publish(str(st.version), urgent=due.urgent)
     st.synced = st.version
 
 
 async def _evaluate(ctx: _Ctx, st: LoopState, metrics: dict[str, float], due: _Due) -> None:
+    assert ctx.weights is not None, "a replay has no engines to evaluate on"
     metrics |= await ctx.weights.settle()  # the engines serve the newest weights (none in flight)
     assert ctx.hooks.evaluate is not None
     metrics |= await ctx.hooks.evaluate(st.step)
@@ -355,23 +382,3 @@ async def _checkpoint(ctx: _Ctx, st: LoopState, metrics: dict[str, float], due: 
     if due.periodic and ctx.is_async:  # kept in the checkpoint: see the module docstring
         await ctx.batches.take_ahead(st.step_batch + 1)
     await checkpoint(ctx.hooks, ctx.batches, st, metrics)
-
-
-def _timing(
-    times: dict[str, float], step_s: float, rollout: RolloutBatch, version: int
-) -> dict[str, float]:
-    out = {f"time/{k}_s": v for k, v in times.items()}
-    out["time/idle_s"] = max(step_s - sum(times.values()), 0.0)
-    n_samples = sum(len(g) for g in rollout.groups)
-    tokens = float(rollout.metadata.get("generated_tokens", 0))
-    out |= {
-        "perf/step_time_s": step_s,
-        "perf/samples_per_s": n_samples / step_s if step_s > 0 else 0.0,
-        "perf/generated_tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
-        "perf/compute_fraction": sum(times.get(k, 0.0) for k in ("generate", "logprobs", "train"))
-        / step_s
-        if step_s > 0
-        else 0.0,
-        "policy/version": float(version),
-    }
-    return out

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -44,6 +44,30 @@ def batch_from_dict(data: dict[str, Any]) -> Made:
     return batch, float(data["gen_s"])
 
 
+class Batches(Protocol):
+    """What the RL loop takes its batches from: `BatchSource` (the engines) or a replay's
+    stored batches (`loop/halves.py` `ReplaySource`). `phase` names the step's time of taking
+    one (`time/<phase>_s`)."""
+
+    phase: str
+
+    async def next(self, number: int) -> Made: ...
+
+    def restore_held(self, state: dict[str, Any] | None) -> int | None: ...
+
+    def start_producer(self, nursery: trio.Nursery, first: int, last: int) -> None: ...
+
+    def raise_limit(self, last: int) -> None: ...
+
+    def forget_before(self, number: int) -> None: ...
+
+    async def take_ahead(self, number: int) -> None: ...
+
+    def held_state(self) -> dict[str, Any] | None: ...
+
+    def state_for_resume(self, next_number: int) -> dict[str, Any]: ...
+
+
 class BatchSource:
     """Where the next rollout batch comes from: made now (sync) or by a producer task (async).
 
@@ -59,6 +83,7 @@ class BatchSource:
         staleness: Callable[[int], tuple[str, int]],
         engines_ready: Callable[[], Awaitable[None]] | None = None,  # no delivery in flight
     ) -> None:
+        self.phase = "generate"
         self.manager = manager
         self.reward_fn = reward_fn
         self.buffer = buffer

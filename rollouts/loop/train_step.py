@@ -38,6 +38,7 @@ class StepResult:
     metrics: dict[str, float]
     times: dict[str, float]
     reward_kl: float | None = None  # None: the KL is not in the reward (no controller input)
+    batch: TrainBatch | None = None  # the batch as trained (`logging.save_batches` stores it)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -179,7 +180,7 @@ async def train_step(
         metrics |= epoch_metrics(per_epoch)
     metrics["train/updates"] = float(n_updates)
     metrics["train/tokens"] = float(sum(len(t) for t in batch.input_ids))
-    return StepResult(metrics=metrics, times=times, reward_kl=prepared.reward_kl)
+    return StepResult(metrics=metrics, times=times, reward_kl=prepared.reward_kl, batch=batch)
 
 
 def _renormalised(batch: TrainBatch, indices: list[int]) -> TrainBatch:
