@@ -1,4 +1,4 @@
-"""The `rollouts` command: `init`, `make-tiny-model`, `models`, `serve`, `train`, `plot`.
+"""The `rollouts` command: `init`, `make-tiny-model`, `models`, `serve`, `train`, `plot`, `show`.
 
 Each subcommand lives in its own module and is imported only when asked for, so
 `rollouts make-tiny-model` does not pay for importing the server or the trainer.
@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "serve": ("rollouts.engine.cli", "run the built-in engine server"),
     "train": ("rollouts.driver.cli", "train: --mode sft|rl|sft+rl --config X.toml"),
     "plot": ("rollouts.driver.plot", "write PNG plots of a run's metrics.jsonl"),
+    "show": ("rollouts.driver.show", "a run at a glance: steps, phase times, slow samples"),
 }
 
 

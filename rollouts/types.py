@@ -162,6 +162,9 @@ class RolloutBatch:
 
 
 FULL_PRECISION = "full_precision"  # TrainBatch.metadata key: logprobs without autocast
+# TrainBatch.metadata key: `compute_logprobs` gives, at each trained token, 1.0 where the model's
+# argmax is that token and 0.0 where it is not, instead of its logprob (SFT's held-out accuracy)
+ARGMAX_MATCH = "argmax_match"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -23,6 +23,7 @@ from rollouts.config import WandbMode
 from rollouts.data.loaders import SOURCE_KEY
 from rollouts.failures import failure_reason
 from rollouts.rewards.shaping import scored_reward
+from rollouts.rollout.sample_runs import TIMING_KEY
 from rollouts.trainer.disk_errors import write_error
 from rollouts.types import Sample, Status, sample_to_dict
 
@@ -137,9 +138,11 @@ CONSOLE_KEYS = (
     ("train/loss", "loss", "{:.4f}"),
     ("sft/loss", "loss", "{:.4f}"),
     ("sft/eval_loss", "eval_loss", "{:.4f}"),
+    ("sft/eval_accuracy", "eval_acc", "{:.3f}"),
     ("train/kl", "kl", "{:.4f}"),
     ("train/entropy", "ent", "{:.3f}"),
     ("train/grad_norm", "gnorm", "{:.2f}"),
+    ("groups/all_equal_frac", "flat", "{:.2f}"),  # groups whose rewards are all equal
     ("rollout/response_length_mean", "len", "{:.1f}"),
     ("perf/step_time_s", "s/step", "{:.2f}"),
 )
@@ -262,10 +265,11 @@ class MetricsLogger:
     def log_samples(
         self, step: int, samples: Sequence[Sample], decode: Any, *, held_out: bool = False
     ) -> None:
-        """Append (prompt, response text, scored reward, status; an episode's messages and
-        counts; the reverse KL to the teacher when distilling) of `samples` to rollouts.jsonl
-        (`held_out`: eval_rollouts.jsonl); a FAILED
-        sample's row also has its `error` (in full) and `failure` (its reason)."""
+        """Append (prompt, response text and tokens, scored reward, status; its times: waiting
+        for a slot, generating, scoring; an episode's messages and counts; the reverse KL to the
+        teacher when distilling) of `samples` to rollouts.jsonl (`held_out`:
+        eval_rollouts.jsonl); a FAILED sample's row also has its `error` (in full) and
+        `failure` (its reason)."""
         path = self.eval_path if held_out else self.rollouts_path
         if path is None or not samples:
             return
@@ -282,7 +286,10 @@ class MetricsLogger:
                 "label": row["label"],
                 "status": row["status"],
                 "weight_versions": row["weight_versions"],
+                "response_tokens": s.response_length,
             }
+            if TIMING_KEY in s.metadata:  # {"queue_s", "generate_s", "reward_s"}: seconds
+                out["timing"] = dict(s.metadata[TIMING_KEY])
             if SOURCE_KEY in s.metadata:  # a mixture's: the source the prompt came from
                 out["source"] = s.metadata[SOURCE_KEY]
             if s.status is Status.FAILED:

@@ -1,7 +1,8 @@
 """`rollouts plot RUN_DIR`: PNG plots of a run's metrics.jsonl (needs matplotlib, the `plot` extra).
 
-One PNG per panel: reward, accuracy, KL, entropy, response length, and the phase-time breakdown
-(stacked bars of generate / reward / logprobs / train / checkpoint / sync / idle per step).
+One PNG per panel: reward, accuracy, KL, entropy, response length, the learning signal (the
+share of groups whose rewards are all equal, pass@k), the advantages, and the phase-time
+breakdown (stacked bars of generate / reward / logprobs / train / checkpoint / sync / idle).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ PANELS = {
     "entropy": ("train/entropy",),
     "response_length": ("rollout/response_length_mean",),
     "loss": ("train/loss", "sft/loss", "sft/eval_loss"),
+    "signal": ("groups/all_equal_frac", "groups/pass_at_k", "groups/all_correct_frac"),
+    "advantages": ("adv/abs_mean", "adv/std", "adv/zero_frac", "reward/spread_mean"),
 }
 PHASES = ("generate", "reward", "logprobs", "train", "checkpoint", "sync", "idle")
 

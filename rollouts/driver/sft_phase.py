@@ -116,7 +116,12 @@ async def _train_sft(
         should_stop=run.stop,
     )
     logger.close()
-    print(f"[train] SFT done: loss {result.final_loss:.4f} eval {result.eval_loss}")
+    held_out = (
+        f"; held-out loss {result.eval_loss:.4f}, token accuracy {result.eval_accuracy:.3f}"
+        if result.eval_loss is not None and result.eval_accuracy is not None
+        else ""
+    )
+    print(f"[train] SFT done: loss {result.final_loss:.4f}{held_out}", flush=True)
 
 
 async def _final_model(

@@ -22,6 +22,7 @@ from rollouts.failures import failure_metrics
 from rollouts.loop.episodes import episode_metrics
 from rollouts.rewards.shaping import scored_reward
 from rollouts.rollout.planning import split_stale_groups
+from rollouts.rollout.signal import SIGNAL_KEY, group_signal, signal_counts, signal_metrics
 from rollouts.types import RolloutBatch, Sample, Status, TrainBatch
 
 TRAINABLE = (Status.COMPLETED, Status.TRUNCATED)
@@ -184,6 +185,9 @@ def rollout_metrics(groups: Sequence[Group], meta: Mapping[str, Any]) -> dict[st
 
     The `reward/*` figures are of the rewards as scored (`scored_reward`), before shaping; a
     FAILED sample has none (it is counted by reason in `rollout/reward_failed/*`, never a 0).
+    The `groups/*` figures (`rollout/signal.py`) are over every group the batch saw reach a
+    verdict, the ones a filter dropped too, as the manager counted them (`meta["group_signal"]`);
+    without those counts, over `groups`.
     """
     samples = [s for g in groups for s in g]
     rewards = [scalar(r) for s in samples if (r := scored_reward(s)) is not None]
@@ -200,6 +204,8 @@ def rollout_metrics(groups: Sequence[Group], meta: Mapping[str, Any]) -> dict[st
         ),
         "rollout/groups_kept": float(len(groups)),
     }
+    counts = meta.get(SIGNAL_KEY) or signal_counts(group_signal(g) for g in groups)
+    out |= signal_metrics(counts)  # groups with no signal (all equal), pass@k, reward spread
     out |= episode_metrics(samples)  # multi-turn episodes: tool calls, turns, ends
     out |= source_metrics(samples)  # a mixture: reward, accuracy and samples of each source
     reverse_kl, scored_tokens = reverse_kl_per_token(groups)
@@ -216,6 +222,29 @@ def rollout_metrics(groups: Sequence[Group], meta: Mapping[str, Any]) -> dict[st
             out |= {name: float(v) for name, v in value.items()}
     # rollout/reward_failed, rollout/generate_failed and their reasons (failed samples)
     return out | failure_metrics(meta.get("failures", {}), "rollout")
+
+
+def advantage_metrics(
+    advantages: Sequence[torch.Tensor], loss_mask: Sequence[torch.Tensor]
+) -> dict[str, float]:
+    """The distribution of the advantages of the trained tokens (loss_mask 1): `adv/mean`,
+    `std`, `abs_mean`, `min`, `max` and `zero_frac` (|A| <= 1e-8: tokens that teach nothing);
+    nothing when the batch has no advantages (a loss that makes its own, or no trained token)."""
+    assert not advantages or len(advantages) == len(loss_mask), (
+        f"{len(advantages)=} != {len(loss_mask)=}"
+    )
+    trained = [a.float()[m > 0] for a, m in zip(advantages, loss_mask, strict=True)]
+    if not trained or sum(t.numel() for t in trained) == 0:
+        return {}
+    flat = torch.cat(trained).double()
+    return {
+        "adv/mean": float(flat.mean()),
+        "adv/std": float(flat.std(correction=0)),
+        "adv/abs_mean": float(flat.abs().mean()),
+        "adv/min": float(flat.min()),
+        "adv/max": float(flat.max()),
+        "adv/zero_frac": float((flat.abs() <= 1e-8).double().mean()),
+    }
 
 
 def prefixed(metrics: Mapping[str, float], prefix: str) -> dict[str, float]:

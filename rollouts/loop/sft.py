@@ -4,6 +4,8 @@ Conversations are tokenised once with masks from the chat template (assistant tu
 multi-turn correct: `rollouts.data.sft.tokenize_conversation`), split into train and held-out
 eval, and batched in a seeded per-epoch order. The loss is the masked token-mean NLL normalised
 by the batch's global token count, so micro-batching inside the backend does not change it.
+The held-out set is scored by its loss (`sft/eval_loss`) and its per-token accuracy
+(`sft/eval_accuracy`: the share of trained tokens that are the model's argmax), a second pass.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from rollouts.data.limits import TokenLimit
 from rollouts.data.sft import tokenize_conversation
 from rollouts.loop.state import StepLog
 from rollouts.trainer.protocol import TrainingBackend
-from rollouts.types import Message, ModelOutputs, PlainLoss, TrainBatch
+from rollouts.types import ARGMAX_MATCH, Message, ModelOutputs, PlainLoss, TrainBatch
 
 TokenizedConversation = tuple[list[int], list[int]]
 MAX_NAMED = 5  # overlong conversations named in the error; the rest are counted
@@ -108,18 +110,32 @@ def total_sft_steps(config: Config, num_train: int) -> int:
     return t.sft_steps or t.sft_epochs * math.ceil(num_train / t.sft_batch_size)
 
 
-async def eval_loss(
+def masked_mean(values: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> float:
+    """The mean of `values` over the tokens whose mask is 1 (NaN with none)."""
+    assert len(values) == len(masks), f"{len(values)=} != {len(masks)=}"
+    total = sum(float((v * m).sum()) for v, m in zip(values, masks, strict=True))
+    count = sum(float(m.sum()) for m in masks)
+    return total / count if count else math.nan
+
+
+async def eval_metrics(
     backend: TrainingBackend, examples: Sequence[TokenizedConversation], batch_size: int
-) -> float:
-    """Token-mean NLL of the held-out examples under the current weights."""
-    total, count = 0.0, 0.0
+) -> dict[str, float]:
+    """`sft/eval_loss` (token-mean NLL) and `sft/eval_accuracy` (the share of trained tokens
+    that are the model's argmax) of the held-out examples under the current weights."""
+    logprobs: list[torch.Tensor] = []
+    hits: list[torch.Tensor] = []
+    masks: list[torch.Tensor] = []
     for start in range(0, len(examples), batch_size):
         batch = make_sft_batch(examples[start : start + batch_size])
-        logprobs = await backend.compute_logprobs(batch)
-        for lp, mask in zip(logprobs, batch.loss_mask, strict=True):
-            total -= float((lp * mask).sum())
-            count += float(mask.sum())
-    return total / max(count, 1.0)
+        logprobs += await backend.compute_logprobs(batch)
+        argmax = dataclasses.replace(batch, metadata={ARGMAX_MATCH: True})
+        hits += await backend.compute_logprobs(argmax)
+        masks += batch.loss_mask
+    return {
+        "sft/eval_loss": -masked_mean(logprobs, masks),
+        "sft/eval_accuracy": masked_mean(hits, masks),
+    }
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -129,6 +145,7 @@ class SFTResult:
     steps: int
     final_loss: float
     eval_loss: float | None
+    eval_accuracy: float | None = None
 
 
 async def run_sft_training(
@@ -152,11 +169,11 @@ async def run_sft_training(
     t = config.training
     total = total_sft_steps(config, len(examples))
     loss = math.nan
-    last_eval: float | None = None
+    last_eval: dict[str, float] = {}
     step = start_step
     if eval_examples and start_step == 0:  # "before", so the summary shows what SFT changed
-        last_eval = await eval_loss(backend, eval_examples, t.sft_batch_size)
-        metrics_logger.log(0, {"sft/eval_loss": last_eval})
+        last_eval = await eval_metrics(backend, eval_examples, t.sft_batch_size)
+        metrics_logger.log(0, last_eval)
     for step in range(start_step + 1, total + 1):
         started = time.monotonic()
         idx = batch_indices(len(examples), t.sft_batch_size, step - 1, config.run.seed)
@@ -168,8 +185,8 @@ async def run_sft_training(
         metrics["sft/tokens_per_s"] = batch.num_global_tokens / (time.monotonic() - started)
         eval_now = t.eval_every and step % t.eval_every == 0
         if eval_examples and (eval_now or step == total):
-            last_eval = await eval_loss(backend, eval_examples, t.sft_batch_size)
-            metrics["sft/eval_loss"] = last_eval
+            last_eval = await eval_metrics(backend, eval_examples, t.sft_batch_size)
+            metrics |= last_eval
         metrics["perf/step_time_s"] = time.monotonic() - started
         metrics_logger.log(step, metrics)
         every = config.checkpoint.every
@@ -178,4 +195,9 @@ async def run_sft_training(
             await checkpoint(step)
         if stop:
             break
-    return SFTResult(steps=step, final_loss=loss, eval_loss=last_eval)
+    return SFTResult(
+        steps=step,
+        final_loss=loss,
+        eval_loss=last_eval.get("sft/eval_loss"),
+        eval_accuracy=last_eval.get("sft/eval_accuracy"),
+    )

@@ -19,6 +19,7 @@ from rollouts.algorithms.loss_fn import make_loss_fn
 from rollouts.algorithms.pairwise import groups_of
 from rollouts.config import AlgorithmConfig, Config
 from rollouts.loop.batch import (
+    advantage_metrics,
     epoch_metrics,
     mini_batches,
     prefixed,
@@ -180,6 +181,7 @@ async def train_step(
         metrics |= epoch_metrics(per_epoch)
     metrics["train/updates"] = float(n_updates)
     metrics["train/tokens"] = float(sum(len(t) for t in batch.input_ids))
+    metrics |= advantage_metrics(batch.advantages, batch.loss_mask)  # adv/*: what was trained
     return StepResult(metrics=metrics, times=times, reward_kl=prepared.reward_kl, batch=batch)
 
 

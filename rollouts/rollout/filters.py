@@ -28,10 +28,14 @@ def _std(values: Sequence[float]) -> float:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
 
 
+def rewards_vary(vectors: Sequence[tuple[float, ...]], eps: float = 1e-6) -> bool:
+    """Whether a group's rewards differ: more than one, and some component's std above eps."""
+    return len(vectors) > 1 and any(_std(column) > eps for column in zip(*vectors, strict=True))
+
+
 def check_reward_nonzero_std(group: Sequence[Sample], eps: float = 1e-6) -> FilterResult:
     """Drop groups whose rewards are all equal: they carry no group-relative signal."""
-    vectors = [reward_vector(s.reward) for s in group]
-    if len(group) > 1 and any(_std(column) > eps for column in zip(*vectors, strict=True)):
+    if rewards_vary([reward_vector(s.reward) for s in group], eps):
         return KEEP
     return FilterResult(keep=False, reason="zero_reward_std")
 

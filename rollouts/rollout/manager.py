@@ -39,6 +39,12 @@ filters saw them as scored; the scored reward stays in `metadata["raw_reward"]`.
 
 With a teacher (on-policy distillation, `teacher.py`), each finished group is scored by it
 after the reward, while the rest of the batch generates: the samples carry `teacher_logprobs`.
+
+Each group that reaches a verdict (kept, dropped by a filter or as surplus; not one saved for a
+later batch) is described by `signal.group_signal`; their counts leave in
+`metadata["group_signal"]` (the step's `groups/*`: how many groups carried no signal). Each
+sample carries its times in `metadata["timing"]` (`sample_runs.with_timing`): waiting for a
+slot, generating, and its group's scoring.
 """
 
 from __future__ import annotations
@@ -95,7 +101,9 @@ from rollouts.rollout.sample_runs import (
     SampleRunner,
     is_unfinished,
     reset_sample,
+    with_timing,
 )
+from rollouts.rollout.signal import SIGNAL_KEY, group_signal, signal_counts
 from rollouts.rollout.teacher import Teacher
 from rollouts.types import RolloutBatch, Sample, Status
 
@@ -251,26 +259,38 @@ class AsyncRolloutManager:
         self, run: BatchRun, group: Group, send: trio.MemorySendChannel[GroupResult]
     ) -> None:
         samples = list(group)
-        times = [0.0] * len(samples)
+        times, starts = [0.0] * len(samples), [0.0] * len(samples)
+        submitted = time.perf_counter()
         tracing.samples_stage(samples, "generate", begin=True)
-        await self.runner.run(run, samples, times)
+        await self.runner.run(run, samples, times, starts)
         tracing.samples_stage(samples, "generate", begin=False)
         gen_tokens = sum(
             max(new.response_length - old.response_length, 0)
             for old, new in zip(group, samples, strict=True)
         )
+        scoring: dict[str, float] = {}  # the group's scoring times (none for an unfinished one)
         try:
-            scored = (
-                tuple(samples) if is_unfinished(samples) else await self._score(samples, run.reward)
-            )
+            t0 = time.perf_counter()
+            scored = tuple(samples)
+            if not is_unfinished(samples):
+                scored = await self._score(samples, run.reward)
+                scoring["reward_s"] = time.perf_counter() - t0
             if self.teacher is not None and not is_unfinished(scored):
+                t0 = time.perf_counter()
                 scored = await self.teacher.score_group(scored)
+                scoring["teacher_s"] = time.perf_counter() - t0
         except EngineUnavailable as e:  # no teacher engine left: the batch is lost
             SampleRunner.lose(run, e)
             return
         except RewardServiceUnavailable as e:  # no judge engine left: the same
             SampleRunner.lose(run, EngineUnavailable(str(e)))
             return
+        scored = tuple(
+            with_timing(s, {"queue_s": max(t - submitted, 0.0), "generate_s": g, **scoring})
+            if t > 0.0
+            else with_timing(s, scoring)  # generated in an earlier batch: its scoring only
+            for s, t, g in zip(scored, starts, times, strict=True)
+        )
         async with send:
             await send.send(GroupResult(group=scored, gen_time_s=sum(times), gen_tokens=gen_tokens))
 
@@ -317,13 +337,14 @@ class AsyncRolloutManager:
             run.partial.append(group)
             return
         verdict = run_filters(group, self.filters)
+        if verdict.keep and self.config.partial_rollouts and len(run.kept) >= run.state.target:
+            run.counts["surplus_groups_saved"] += 1  # finished work, served first next batch
+            run.partial.append(group)
+            return
+        run.signals.append(group_signal(group))  # a verdict: counted once, kept or dropped
         if verdict.keep and len(run.kept) < run.state.target:
             run.kept.append(group)
             run.state = dataclasses.replace(run.state, kept=len(run.kept))
-            return
-        if verdict.keep and self.config.partial_rollouts:
-            run.counts["surplus_groups_saved"] += 1  # finished work, served first next batch
-            run.partial.append(group)
             return
         run.dropped["surplus" if verdict.keep else verdict.reason] += 1
         for s in group:
@@ -361,6 +382,7 @@ class AsyncRolloutManager:
                 run.counts["discarded_tokens"], run.counts["generated_tokens"]
             ),
             **{k: v for k, v in run.counts.items() if k != "generated_tokens"},
+            **{SIGNAL_KEY: signal_counts(run.signals)},
         )
         failed = tuple(run.failed)
         return convert_to_batch(final_rewards(kept, self.reward_shaping), meta, failed)

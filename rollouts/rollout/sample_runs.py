@@ -3,6 +3,10 @@ engine request (`rollout.batch_groups`), under the batch's limit on samples in f
 with its request id (the batch's prefix first: what the surplus abort matches) and its sampling
 seed (`seeds.request_seed`). A generate function that raises, times out or returns no finished
 Sample fails only its sample; an engine pool with no engine left loses the whole batch.
+
+Each sample generated here is timed: how long it waited for a slot (the limit on samples in
+flight) and how long it generated; the manager adds its group's scoring and keeps the three in
+the sample's `metadata["timing"]` (`with_timing`), for rollouts.jsonl and `rollouts show`.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import collections
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import trio
@@ -26,11 +30,13 @@ from rollouts.rollout.generate import DONE_STATUSES, fail_sample, generate_group
 from rollouts.rollout.planning import RoundState
 from rollouts.rollout.protocol import GenerateContext
 from rollouts.rollout.seeds import request_seed
+from rollouts.rollout.signal import GroupSignal
 from rollouts.rollout.trajectory import without_tokens
 from rollouts.types import Sample, Status
 from rollouts.wire.generation import SamplingParams
 
 Group = tuple[Sample, ...]
+TIMING_KEY = "timing"  # Sample.metadata: {"queue_s", "generate_s", "reward_s"[, "teacher_s"]}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,11 +70,23 @@ class BatchRun:
     scope: trio.CancelScope | None = None  # the batch's nursery (a lost batch cancels it)
     counts: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     gen_time_s: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    signals: list[GroupSignal | None] = dataclasses.field(default_factory=list)  # per verdict
 
 
 def reset_sample(sample: Sample) -> Sample:
     """A sample back to PENDING with nothing generated (restart from the prompt)."""
     return dataclasses.replace(without_tokens(sample), reward=None, status=Status.PENDING)
+
+
+def with_timing(sample: Sample, timing: Mapping[str, float]) -> Sample:
+    """The sample with `timing` added to its `metadata["timing"]` (seconds, summed over the
+    batches that worked on it: a partial rollout resumed later waits and generates again)."""
+    assert all(v >= 0.0 for v in timing.values()), f"negative time in {timing=}"
+    if not timing:
+        return sample
+    before = sample.metadata.get(TIMING_KEY, {})
+    summed = {**before, **{k: float(before.get(k, 0.0)) + v for k, v in timing.items()}}
+    return dataclasses.replace(sample, metadata={**sample.metadata, TIMING_KEY: summed})
 
 
 def is_unfinished(group: Sequence[Sample]) -> bool:
@@ -95,14 +113,18 @@ class SampleRunner:
         """How errors name the generate function: 'generate_fn pkg.mod.fn'."""
         return f"generate_fn {dotted_name(self.generate_fn)}"
 
-    async def run(self, run: BatchRun, samples: list[Sample], times: list[float]) -> None:
-        """Generate the group's unfinished samples in place (`samples[i]`, `times[i]`)."""
+    async def run(
+        self, run: BatchRun, samples: list[Sample], times: list[float], starts: list[float]
+    ) -> None:
+        """Generate the group's unfinished samples in place (`samples[i]`; `times[i]` its
+        generation's seconds, `starts[i]` when it started, `time.perf_counter`)."""
+        assert len(times) == len(samples) == len(starts), f"{len(times)=} {len(samples)=}"
         if self.batch_groups:
-            await self._run_group_batched(run, samples, times)
+            await self._run_group_batched(run, samples, times, starts)
             return
         async with trio.open_nursery() as nursery:
             for i in range(len(samples)):
-                nursery.start_soon(self._run_sample, run, samples, times, i)
+                nursery.start_soon(self._run_sample, run, samples, (times, starts), i)
 
     def _seed(self, run: BatchRun, sample: Sample, i: int) -> int | None:
         """Sample i's sampling seed in this batch (None when the run gave no seed)."""
@@ -130,13 +152,18 @@ class SampleRunner:
         return f"{run.batch_id}-g{sample.group_index}-s{i}"
 
     async def _run_sample(
-        self, run: BatchRun, samples: list[Sample], times: list[float], i: int
+        self,
+        run: BatchRun,
+        samples: list[Sample],
+        clocks: tuple[list[float], list[float]],
+        i: int,
     ) -> None:
         sample = samples[i]
+        times, starts = clocks
         async with run.limiter:
             if run.aborting or sample.status in DONE_STATUSES:
                 return  # not started (stays PENDING / ABORTED) or finished in an earlier batch
-            t0 = time.perf_counter()
+            t0 = starts[i] = time.perf_counter()
             try:
                 out = await self.threads.call(
                     "generate_fn (rollout.generate_timeout_s)",
@@ -162,7 +189,7 @@ class SampleRunner:
             self._count_resume(run, sample, out)
 
     async def _run_group_batched(
-        self, run: BatchRun, samples: list[Sample], times: list[float]
+        self, run: BatchRun, samples: list[Sample], times: list[float], starts: list[float]
     ) -> None:
         """The group's unfinished samples as one batch request (in chunks of at most
         `max_concurrency`, the samples in flight the limiter allows)."""
@@ -196,7 +223,7 @@ class SampleRunner:
                     after = [fail_sample(s, error) for s in before]
                 elapsed = time.perf_counter() - t0
                 for i, old, new in zip(chunk, before, after, strict=True):
-                    times[i], samples[i] = elapsed, new
+                    times[i], starts[i], samples[i] = elapsed, t0, new
                     self._count_resume(run, old, new)
 
     @staticmethod

@@ -31,7 +31,7 @@ from rollouts.trainer.batching import (
 from rollouts.trainer.model import TokenLogprobModel, move_to, split_per_sequence
 from rollouts.trainer.prefix_plan import plan_shared_prefixes
 from rollouts.trainer.protocol import Metrics, NonFiniteError
-from rollouts.types import FULL_PRECISION, LossFn, ModelOutputs, TrainBatch
+from rollouts.types import ARGMAX_MATCH, FULL_PRECISION, LossFn, ModelOutputs, TrainBatch
 
 LOGPROB_POSITIONS = typing.get_args(LogprobPositions)
 
@@ -163,10 +163,15 @@ class TrainerCore:
         want_entropy: bool,
         want_values: bool = False,
         entropy_grad: bool = True,
+        argmax_match: bool = False,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         with self._autocast():
             lp_N, ent_N, val_N = self.model(
-                move_to(mb, self.device), want_entropy, want_values, entropy_grad
+                move_to(mb, self.device),
+                want_entropy,
+                want_values,
+                entropy_grad,
+                argmax_match=argmax_match,
             )
         lps = split_per_sequence(lp_N, mb.split_sizes)
         ents = split_per_sequence(ent_N, mb.split_sizes) if want_entropy else []
@@ -320,7 +325,8 @@ class TrainerCore:
                 self._run(self._filler_micro_batch(), False, values)
                 continue
             mb = self._tensors(plans[k], local)
-            lps, _, vals = self._run(mb, False, values)
+            argmax = bool(batch.metadata.get(ARGMAX_MATCH))  # 1.0/0.0 in place of logprobs
+            lps, _, vals = self._run(mb, False, values, argmax_match=argmax)
             for i, t in zip(plans[k].indices, vals if values else lps, strict=True):
                 out[local_idx[i]] = t.float().cpu()
         return self.collective.gather(out, lengths)

@@ -47,10 +47,15 @@ def _chunk_stats(
     targets_N: torch.Tensor,
     want_entropy: bool,
     entropy_grad: bool = True,
+    argmax_match: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of each target and (optionally) the entropy of its predicting distribution;
-    without `entropy_grad` the entropy is a detached metric (no [N, V] graph kept for it)."""
+    without `entropy_grad` the entropy is a detached metric (no [N, V] graph kept for it).
+    `argmax_match`: 1.0 where the target is the logits' argmax, else 0.0, in place of logprobs."""
     logits_N_V = head(hidden_N_H).float()
+    if argmax_match:
+        hits_N = (logits_N_V.argmax(dim=-1) == targets_N).float()
+        return hits_N, torch.zeros_like(hits_N)
     lse_N = torch.logsumexp(logits_N_V, dim=-1)
     logprobs_N = logits_N_V.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1) - lse_N
     if not want_entropy:
@@ -68,6 +73,7 @@ def token_stats(
     chunk_size: int,
     want_entropy: bool,
     entropy_grad: bool = True,
+    argmax_match: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`_chunk_stats` over chunks of `chunk_size` rows; chunks are recomputed in backward, so
     one chunk (the auto size, on a small vocabulary) costs no recompute."""
@@ -75,11 +81,11 @@ def token_stats(
     assert chunk_size >= 1, f"{chunk_size=}"
     n = hidden_N_H.shape[0]
     if n <= chunk_size:
-        return _chunk_stats(head, hidden_N_H, targets_N, want_entropy, entropy_grad)
+        return _chunk_stats(head, hidden_N_H, targets_N, want_entropy, entropy_grad, argmax_match)
     outs = []
     for s in range(0, n, chunk_size):
         h, t = hidden_N_H[s : s + chunk_size], targets_N[s : s + chunk_size]
-        args = (head, h, t, want_entropy, entropy_grad)
+        args = (head, h, t, want_entropy, entropy_grad, argmax_match)
         if torch.is_grad_enabled():
             outs.append(checkpoint(_chunk_stats, *args, use_reentrant=False))
         else:
@@ -116,11 +122,14 @@ class TokenLogprobModel(nn.Module):
         want_entropy: bool = False,
         want_values: bool = False,
         entropy_grad: bool = True,
+        *,
+        argmax_match: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Flat [N] logprobs, entropies and values of every next-token prediction in `mb`.
 
         Entropies are zeros unless `want_entropy` (detached unless `entropy_grad`: a metric
-        only); values are empty unless `want_values`.
+        only); values are empty unless `want_values`. `argmax_match` (no grad): 1.0 where the
+        target is the argmax, else 0.0, in place of the logprobs (SFT's held-out accuracy).
         """
         decoder = self.lm.get_decoder()
         if mb.prefix is None:
@@ -135,7 +144,9 @@ class TokenLogprobModel(nn.Module):
             hidden_T_H = self._shared_prefix_states(decoder, mb, mb.prefix)
         hidden_N_H = hidden_T_H[mb.pred_idx]
         targets_N = mb.targets
-        lp_N, ent_N = self._head_stats(mb, hidden_N_H, targets_N, want_entropy, entropy_grad)
+        lp_N, ent_N = self._head_stats(
+            mb, hidden_N_H, targets_N, (want_entropy, entropy_grad, argmax_match)
+        )
         if not want_values:
             return lp_N, ent_N, lp_N.new_zeros(0)
         if self.value_head is None:
@@ -175,20 +186,16 @@ class TokenLogprobModel(nn.Module):
         mb: MicroBatchTensors,
         hidden_N_H: torch.Tensor,
         targets_N: torch.Tensor,
-        want_entropy: bool,
-        entropy_grad: bool,
+        wants: tuple[bool, bool, bool],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`token_stats` at the predictions `mb.head_idx` names (all when None); the others
-        hold 0: their targets are not trained, so no loss or metric reads them."""
+        hold 0: their targets are not trained, so no loss or metric reads them. `wants`:
+        (want_entropy, entropy_grad, argmax_match)."""
         head = self.lm.get_output_embeddings()
         idx = mb.head_idx
         if idx is None:
-            return token_stats(
-                head, hidden_N_H, targets_N, self.chunk_size, want_entropy, entropy_grad
-            )
-        lp_M, ent_M = token_stats(
-            head, hidden_N_H[idx], targets_N[idx], self.chunk_size, want_entropy, entropy_grad
-        )
+            return token_stats(head, hidden_N_H, targets_N, self.chunk_size, *wants)
+        lp_M, ent_M = token_stats(head, hidden_N_H[idx], targets_N[idx], self.chunk_size, *wants)
         n = hidden_N_H.shape[0]
         lp_N = lp_M.new_zeros(n).index_copy(0, idx, lp_M)
         return lp_N, ent_M.new_zeros(n).index_copy(0, idx, ent_M)

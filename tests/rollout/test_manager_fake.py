@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from rollouts.config import LengthShapingConfig, RewardConfig
+from rollouts.loop.batch import rollout_metrics
 from rollouts.rewards.computers import rank_normalize
 from rollouts.rewards.shaping import scored_reward
 from rollouts.rollout.manager import AsyncRolloutManager
+from rollouts.rollout.sample_runs import TIMING_KEY
 from tests.rollout import manager_cases as cases
 from tests.rollout.fakes import RandomEngine
 
@@ -66,3 +68,35 @@ async def test_a_batch_leaves_with_its_final_rewards(engine, tok) -> None:
     plain = AsyncRolloutManager(cases.make_buffer(), config, engine, tokenizer=tok)
     batch = await plain.generate_batch(cases.alternating_reward(lambda g: False))
     assert all("raw_reward" not in s.metadata for g in batch.groups for s in g)  # as scored
+
+
+async def test_the_groups_a_filter_dropped_count_in_the_signal_and_samples_are_timed(
+    engine, tok
+) -> None:
+    """Groups 0 and 2 (all rewards 1.0) are dropped by check_reward_nonzero_std, 1 and 3
+    (rewards 1, 0) kept: half the groups the batch saw carried no signal, though none of the
+    kept ones shows it. Every kept sample says how long it waited, generated and was scored."""
+    config = cases.make_config(
+        batch_size=2,
+        n_samples_per_prompt=2,
+        over_sampling_factor=1.0,
+        filters=["check_reward_nonzero_std"],
+    )
+    manager = AsyncRolloutManager(cases.make_buffer(), config, engine, tokenizer=tok)
+    batch = await manager.generate_batch(cases.alternating_reward(lambda g: g % 2 == 0))
+    assert [g[0].group_index for g in batch.groups] == [1, 3]
+    assert batch.metadata["group_signal"] == {
+        "groups": 4.0,
+        "all_equal": 2.0,
+        "all_correct": 2.0,
+        "passed": 4.0,
+        "spread_sum": 2.0,
+    }
+    metrics = rollout_metrics(batch.groups, batch.metadata)
+    assert metrics["groups/all_equal_frac"] == 0.5 and metrics["groups/pass_at_k"] == 1.0
+    assert metrics["reward/spread_mean"] == 0.5
+    assert rollout_metrics(batch.groups, {})["groups/all_equal_frac"] == 0.0  # kept alone
+    for s in batch.samples:
+        timing = s.metadata[TIMING_KEY]
+        assert set(timing) == {"queue_s", "generate_s", "reward_s"}, timing
+        assert timing["generate_s"] > 0.0 and min(timing.values()) >= 0.0, timing

@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollouts.config import config_from_dict
 from rollouts.data.limits import TokenLimit, model_context
@@ -16,6 +16,7 @@ from rollouts.driver.sft_phase import sft_phase
 from rollouts.driver.summary import finish_run, phase_line, summarize_phase
 from rollouts.loop.sft import (
     batch_indices,
+    eval_metrics,
     make_sft_batch,
     run_sft_training,
     sft_loss_fn,
@@ -61,6 +62,43 @@ def test_sft_loss_is_normalised_by_the_global_token_count() -> None:
     assert whole.item() == pytest.approx((1 + 2 + 3) / 3)
     parts = [sft_loss_fn(ModelOutputs(logprobs=(lp[i],)), batch.select([i]))[0] for i in (0, 1)]
     assert sum(p.item() for p in parts) == pytest.approx(whole.item())  # micro-batches add up
+
+
+async def test_held_out_accuracy_is_the_share_of_trained_tokens_the_model_argmaxes(
+    tiny_model_dir: Path,
+) -> None:
+    """After 3 SFT steps (some tokens right, not all), `sft/eval_accuracy` through the backend
+    (in batches of 4) equals the argmax of the HF model's own logits (the same weights) counted
+    over the loss-masked tokens; the loss beside it is their mean NLL."""
+    config = config_from_dict(
+        {
+            "model": {"path": str(tiny_model_dir)},
+            "training": {"sft_steps": 3, "sft_batch_size": 4},
+            "optim": {"lr": 3e-3, "scheduler": "constant"},
+        }
+    )
+    examples = tokenize_all(AutoTokenizer.from_pretrained(tiny_model_dir), CONVERSATIONS, None)
+    backend = create_pytorch_backend(config, total_steps=3)
+    try:
+        await run_sft_training(backend, examples, config, MetricsLogger([]))
+        got = await eval_metrics(backend, examples, batch_size=4)
+        weights = backend.get_weights()
+    finally:
+        backend.close()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    model.load_state_dict(weights)
+    hits, nll, trained = 0, 0.0, 0
+    for tokens, mask in examples:
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens])).logits[0, :-1].float()
+        targets, m = torch.tensor(tokens[1:]), torch.tensor(mask[1:]).bool()
+        hits += int((logits.argmax(-1) == targets)[m].sum())
+        nll -= float(logits.log_softmax(-1).gather(-1, targets[:, None])[m].sum())
+        trained += int(m.sum())
+    assert 0 < trained == sum(sum(mask) for _, mask in examples)
+    assert 0 < hits < trained, (hits, trained)  # neither nothing nor everything right
+    assert got["sft/eval_accuracy"] == hits / trained, (hits, trained)
+    assert got["sft/eval_loss"] == pytest.approx(nll / trained, rel=1e-5)
 
 
 def test_long_conversation_is_a_clear_error(tiny_model_dir: Path) -> None:
@@ -137,6 +175,8 @@ async def test_sft_loop_lowers_the_loss_and_checkpoints(tiny_model_dir: Path) ->
     assert result.steps == 30
     assert losses[-1] < 0.5 * losses[0]
     assert [row["step"] for row in logger.history if "sft/eval_loss" in row] == [0, 10, 20, 30]
+    accuracy = [row["sft/eval_accuracy"] for row in logger.history if "sft/eval_loss" in row]
+    assert accuracy[-1] > accuracy[0] and result.eval_accuracy == accuracy[-1], accuracy
     assert saved == [10, 20, 30]
 
 
