@@ -28,23 +28,23 @@ from rollouts.driver.placement import cpu_plan, pinned
 from rollouts.driver.reference_setup import open_reference
 from rollouts.driver.resume import checkpoint_to_resume
 from rollouts.driver.rl_phase import (
-    JSON_SCALAR,
     _policy_backend,
     _rl_inputs,
     _set_trainer_threads,
     _trainer_host,
+    write_rl_checkpoint,
 )
 from rollouts.driver.rl_run import Resumed
 from rollouts.driver.served import open_judge, open_teacher
 from rollouts.driver.setup import RL_METRICS, StopFlag, make_logger, with_response_text
-from rollouts.driver.trainer_io import BackendFactory, checkpoint_root, save
+from rollouts.driver.trainer_io import BackendFactory, checkpoint_root
 from rollouts.gateway import open_agent_generate
 from rollouts.gcpolicy import freeze_startup_objects
 from rollouts.loop.batch_files import BatchWriter, batch_writer, batches_root, check_replay
 from rollouts.loop.halves import BASE_VERSION, ReplaySource, run_rollout_only
 from rollouts.loop.rl import RLHooks, run_rl_training
 from rollouts.rollout.manager import AsyncRolloutManager
-from rollouts.trainer.checkpoint import STEP_DIR, BestSpec, clean_leftovers, load_checkpoint
+from rollouts.trainer.checkpoint import STEP_DIR, clean_leftovers, load_checkpoint
 from rollouts.trainer.factories import create_backend, load_tokenizer
 from rollouts.trainer.protocol import TrainingBackend
 from rollouts.trainer.reference import ReferencePolicy
@@ -172,17 +172,8 @@ async def _checkpoint(
 ) -> None:
     """The loop's checkpoint hook, as the RL phase's (`buffer_state`: where the batches come
     from, in place of a DataBuffer's)."""
-    extra = {
-        "phase": "rl",
-        "data_buffer": buffer_state,
-        "rl_loop": loop_state or {},
-        "metrics": {k: v for k, v in (metrics or {}).items() if isinstance(v, JSON_SCALAR)},
-    }
-    c = r.config.checkpoint
-    best = BestSpec(metric=c.best_metric, mode=c.best_mode) if c.best_metric else None
-    reference = r.ref.params_to_checkpoint() if r.ref is not None else None
-    root = checkpoint_root(r.config, r.run_dir, "rl")
-    await save(r.backend, root, step, version, extra, c.keep_last, metrics, best, reference)
+    states = (buffer_state, metrics, loop_state)
+    await write_rl_checkpoint(r.config, r.run_dir, r.backend, r.ref, step, version, states)
 
 
 async def rollout_only_phase(

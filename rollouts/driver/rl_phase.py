@@ -353,14 +353,31 @@ async def _checkpoint(
 ) -> None:
     """The loop's checkpoint hook: the trainer's state, the buffer's, the loop's and the step's
     metrics (a kill between the checkpoint and its metrics line loses none)."""
+    states = (buffer_state, metrics, loop_state)
+    await write_rl_checkpoint(run.config, run.run_dir, run.backend, run.ref, step, version, states)
+
+
+async def write_rl_checkpoint(
+    config: Config,
+    run_dir: Path,
+    backend: TrainingBackend,
+    ref: Any,
+    step: int,
+    version: str,
+    states: tuple[dict[str, Any], Any, dict[str, Any] | None],
+) -> None:
+    """RL checkpoint `step`: the backend's state, the reference's (if it moves), and `states`:
+    where the prompts come from (the buffer's, or a replay's), the step's metrics and the
+    loop's state."""
+    buffer_state, metrics, loop_state = states
     extra = {
         "phase": "rl",
         "data_buffer": buffer_state,
         "rl_loop": loop_state or {},
         "metrics": {k: v for k, v in (metrics or {}).items() if isinstance(v, JSON_SCALAR)},
     }
-    c = run.config.checkpoint
+    c = config.checkpoint
     best = BestSpec(metric=c.best_metric, mode=c.best_mode) if c.best_metric else None
-    reference = run.ref.params_to_checkpoint() if run.ref is not None else None
-    root = checkpoint_root(run.config, run.run_dir, "rl")
-    await save(run.backend, root, step, version, extra, c.keep_last, metrics, best, reference)
+    reference = ref.params_to_checkpoint() if ref is not None else None
+    root = checkpoint_root(config, run_dir, "rl")
+    await save(backend, root, step, version, extra, c.keep_last, metrics, best, reference)
