@@ -75,10 +75,10 @@ def schema_problems(events: Sequence[Mapping[str, Any]]) -> list[str]:
     return problems
 
 
-def lanes(events: Sequence[Mapping[str, Any]]) -> dict[int, str]:
-    """Thread id -> lane name, from the "M" events."""
+def lanes(events: Sequence[Mapping[str, Any]]) -> dict[tuple[int, int], str]:
+    """(process id, thread id) -> lane name, from the "M" events."""
     return {
-        e["tid"]: e["args"]["name"]
+        (e["pid"], e["tid"]): e["args"]["name"]
         for e in events
         if e.get("ph") == "M" and e.get("name") == "thread_name"
     }
@@ -93,7 +93,7 @@ def overlap_problems(events: Sequence[Mapping[str, Any]], slack_us: float = 100.
             by_lane[(e["pid"], e["tid"])].append(e)
     names = lanes(events)
     problems: list[str] = []
-    for (_, tid), spans in by_lane.items():
+    for lane, spans in by_lane.items():
         stack: list[Mapping[str, Any]] = []
         for s in sorted(spans, key=lambda s: (s["ts"], -s["dur"])):
             while stack and stack[-1]["ts"] + stack[-1]["dur"] <= s["ts"] + slack_us:
@@ -101,7 +101,7 @@ def overlap_problems(events: Sequence[Mapping[str, Any]], slack_us: float = 100.
             if stack and s["ts"] + s["dur"] > stack[-1]["ts"] + stack[-1]["dur"] + slack_us:
                 parent = stack[-1]
                 problems.append(
-                    f"lane {names.get(tid, tid)!r}: {s['name']!r} at {s['ts']:.0f} overlaps "
+                    f"lane {names.get(lane, lane)!r}: {s['name']!r} at {s['ts']:.0f} overlaps "
                     f"{parent['name']!r} ({parent['ts']:.0f} + {parent['dur']:.0f} us)"
                 )
             stack.append(s)
@@ -113,8 +113,8 @@ def step_spans(
 ) -> dict[int, dict[str, float]]:
     """Step number -> {phase: seconds} of the phase spans inside that step's span, plus
     `step` (the step span's own seconds)."""
-    tids = {tid for tid, name in lanes(events).items() if name == lane}
-    spans = [e for e in events if e.get("ph") == "X" and e["tid"] in tids]
+    keys = {key for key, name in lanes(events).items() if name == lane}
+    spans = [e for e in events if e.get("ph") == "X" and (e["pid"], e["tid"]) in keys]
     out: dict[int, dict[str, float]] = {}
     for step in (s for s in spans if s["name"].startswith("step ")):
         number = int(step["name"].split()[1])

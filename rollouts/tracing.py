@@ -1,7 +1,8 @@
 """A timeline of a run, in the Chrome trace event format (`trace.json`; ui.perfetto.dev and
 chrome://tracing open it): `logging.trace = true`.
 
-Lanes are threads of one trace process: `driver` (each step and its phases), `engine <i>`
+Lanes are the threads of a trace process (one per OS process: the driver, a trainer process, a
+resumed run's driver): `driver` (each step and its phases), `engine <i>`
 (requests in flight, pauses, sleeps, weight loads), `trainer` (forward/backward per micro-batch,
 the optimizer step, checkpoint writes), `weight sync` (write, load, content check) and `rewards`.
 Spans of a lane nest and never overlap ("X" events); what overlaps by nature (the samples, each
@@ -34,7 +35,6 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 TRACE_FILE = "trace.json"
 FLUSH_EVENTS = 4096  # events buffered before a flush that nobody asked for
-_PID = 1  # one trace process: the run; its lanes are its threads
 
 _CURRENT: contextvars.ContextVar[Tracer | None] = contextvars.ContextVar("tracer", default=None)
 
@@ -48,23 +48,20 @@ def now_us() -> float:
 class Tracer:
     """Collects trace events and appends them to `path` (see the module doc)."""
 
-    def __init__(self, path: str | Path, lanes_from: int = 0) -> None:
+    def __init__(self, path: str | Path, process: str = "driver") -> None:
         self.path = Path(path)
         self._lock = threading.Lock()  # spans end in worker threads too
         self._events: list[dict[str, Any]] = []
         self._lanes: dict[str, int] = {}
-        self._next_lane = lanes_from  # a trainer process numbers its lanes apart
+        # a trace process per OS process: the driver, a trainer process, a resumed run's driver
+        # (its lanes apart from the killed run's, whose events stay in the file)
+        self.pid = os.getpid()
+        self._next_lane = 0
         self._open: dict[tuple[str, str], dict[str, Any]] = {}  # async spans not ended yet
-        if not self.path.exists() or self.path.stat().st_size == 0:
-            self._events.append(
-                {
-                    "ph": "M",
-                    "name": "process_name",
-                    "pid": _PID,
-                    "tid": 0,
-                    "args": {"name": "rollouts run"},
-                }
-            )
+        name = f"{process} (pid {self.pid})"
+        self._events.append(
+            {"ph": "M", "name": "process_name", "pid": self.pid, "tid": 0, "args": {"name": name}}
+        )
 
     def lane(self, name: str) -> int:
         """The thread id of lane `name` (named in the trace the first time it is used)."""
@@ -77,7 +74,7 @@ class Tracer:
                     {
                         "ph": "M",
                         "name": "thread_name",
-                        "pid": _PID,
+                        "pid": self.pid,
                         "tid": tid,
                         "args": {"name": name},
                     }
@@ -98,7 +95,7 @@ class Tracer:
         event = {
             "ph": "X",
             "name": name,
-            "pid": _PID,
+            "pid": self.pid,
             "tid": tid,
             "ts": start_us,
             "dur": end_us - start_us,
@@ -113,7 +110,7 @@ class Tracer:
             {
                 "ph": "C",
                 "name": name,
-                "pid": _PID,
+                "pid": self.pid,
                 "tid": self.lane(lane),
                 "ts": now_us(),
                 "args": {"value": value},
@@ -129,7 +126,7 @@ class Tracer:
             "cat": category,
             "name": name,
             "id": key,
-            "pid": _PID,
+            "pid": self.pid,
             "tid": 0,
             "ts": now_us(),
             "args": args,
@@ -152,7 +149,7 @@ class Tracer:
                 "cat": category,
                 "name": name,
                 "id": key,
-                "pid": _PID,
+                "pid": self.pid,
                 "tid": 0,
                 "ts": now_us(),
                 "args": args,
@@ -242,7 +239,6 @@ async def on_engine(url: str, name: str, awaitable: Awaitable[T]) -> T:
 
 
 TRACE_ENV = "ROLLOUTS_TRACE"  # a child process's trace file (the trainer process)
-CHILD_LANES = 1000  # a child's lanes are numbered from here, apart from the driver's
 
 
 def environment() -> dict[str, str]:
@@ -257,7 +253,7 @@ def environment() -> dict[str, str]:
 def from_environment() -> Tracer | None:
     """A child's tracer on the file its parent named (`environment`), or None."""
     path = os.environ.get(TRACE_ENV)
-    return Tracer(path, lanes_from=CHILD_LANES) if path else None
+    return Tracer(path, process="trainer process") if path else None
 
 
 def flush() -> None:

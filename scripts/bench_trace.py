@@ -27,8 +27,8 @@ from rollouts.tracing import Tracer, load_trace
 
 def per_step_events(events: list[dict], steps: int) -> collections.Counter:
     """Events of each kind a step recorded, on average (the RL steps' window)."""
-    driver = {t for t, n in lanes(events).items() if n == "driver"}
-    spans = [e for e in events if e["ph"] == "X" and e["tid"] in driver]
+    driver = {key for key, n in lanes(events).items() if n == "driver"}
+    spans = [e for e in events if e["ph"] == "X" and (e["pid"], e["tid"]) in driver]
     rl = [s for s in spans if s["name"].startswith("step ")]
     start, end = min(s["ts"] for s in rl), max(s["ts"] + s["dur"] for s in rl)
     inside = [e for e in events if e.get("ts") is not None and start <= e["ts"] <= end]
@@ -64,7 +64,7 @@ def main() -> None:
         print(f"  {p}")
     names = lanes(events)
     per_lane = collections.Counter(
-        names.get(e["tid"], "?").split(" http")[0] for e in events if e["ph"] == "X"
+        names.get((e["pid"], e["tid"]), "?").split(" http")[0] for e in events if e["ph"] == "X"
     )
     print("spans per lane: " + ", ".join(f"{k} {v}" for k, v in sorted(per_lane.items())))
     asyncs = collections.Counter(e["name"] for e in events if e["ph"] == "b")

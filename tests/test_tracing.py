@@ -5,6 +5,7 @@ writes its lane into its driver's file."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -106,8 +107,10 @@ def test_a_trainer_process_writes_its_lane_into_the_drivers_file(
         time.sleep(0.05)
     events = load_trace(tracer.path)
     assert schema_problems(events) == [] and overlap_problems(events) == []
-    trainer = {tid for tid, name in lanes(events).items() if name == "trainer"}
-    assert trainer and min(trainer) > tracing.CHILD_LANES  # the child's own lane numbers
-    child = [e["name"] for e in events if e["ph"] == "X" and e["tid"] in trainer]
+    (trainer,) = [key for key, name in lanes(events).items() if name == "trainer"]
+    assert trainer[0] == host.pid != os.getpid()  # the child's own trace process
+    processes = {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert processes == {f"driver (pid {os.getpid()})", f"trainer process (pid {host.pid})"}
+    child = [e["name"] for e in events if e["ph"] == "X" and (e["pid"], e["tid"]) == trainer]
     assert child.count("forward") == child.count("backward") > 1  # one per micro-batch
     assert child[-1] == "optimizer step"

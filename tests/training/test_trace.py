@@ -23,7 +23,9 @@ def test_the_runs_trace_holds_its_steps_lanes_and_samples(finished_run: Finished
     assert {"driver", "trainer", "weight sync"} <= names, names
     assert any(n.startswith("engine http://127.0.0.1:") for n in names), names
     spans = collections.Counter(
-        (lanes(events)[e["tid"]].split(" http")[0], e["name"]) for e in events if e["ph"] == "X"
+        (lanes(events)[(e["pid"], e["tid"])].split(" http")[0], e["name"])
+        for e in events
+        if e["ph"] == "X"
     )
     assert spans[("driver", "step 3")] == 1 and spans[("driver", "sync")] == 3, spans
     assert spans[("trainer", "forward")] == spans[("trainer", "backward")] >= 3 + 6  # RL + SFT
