@@ -15,6 +15,7 @@ DataBuffer (order, epoch, partial groups), RNG, optimizer, schedule, step and we
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -210,7 +211,13 @@ def run_training(
     if hub.rank != 0:
         _follower_threads(config)
         hub.follow()
-        return 0
+        # its work is done and its process group left: skip the interpreter's teardown, where
+        # gloo work objects still held by Python objects can abort a rank (SIGABRT, "terminate
+        # called without an active exception"; seen in CI on rank 1 of the FSDP test workers)
+        # and make torchrun report a finished run as failed
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     try:
         args = (mode, config, resume, config_path, hub, resume_step, halves, replay_dir)
         return trio.run(_main, *args)
