@@ -21,6 +21,7 @@ from typing import Any, Protocol, TextIO
 from rollouts.algorithms.advantages import reverse_kl_per_token
 from rollouts.config import WandbMode
 from rollouts.data.loaders import SOURCE_KEY
+from rollouts.driver.jsonl import read_rows
 from rollouts.failures import failure_reason
 from rollouts.rewards.shaping import scored_reward
 from rollouts.rollout.sample_runs import TIMING_KEY
@@ -52,17 +53,7 @@ def read_jsonl_rows(path: Path) -> list[dict[str, Any]]:
 
     A line that does not parse anywhere else is an error naming the file and the line.
     """
-    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
-    rows: list[dict[str, Any]] = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            if any(rest.strip() for rest in lines[number:]):
-                raise ValueError(f"{path}:{number}: not a JSON line ({e}); fix or delete it") from e
-    return rows
+    return read_rows(path)[0]
 
 
 def truncate_jsonl(path: Path, max_step: int) -> int:

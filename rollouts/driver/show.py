@@ -20,6 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from rollouts.driver import jsonl
 from rollouts.driver.show_text import (
     RL_COLUMNS,
     SFT_COLUMNS,
@@ -55,18 +56,7 @@ def read_rows(path: Path) -> tuple[list[Row], bool]:
     (a run still writing it: left out). A bad line before the last is an error naming it."""
     if not path.is_file():
         return [], False
-    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
-    rows: list[Row] = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            if any(rest.strip() for rest in lines[number:]):
-                raise ValueError(f"{path}:{number}: not a JSON line ({e})") from e
-            return rows, True
-    return rows, False
+    return jsonl.read_rows(path)
 
 
 def load_run(root: Path) -> RunFiles:
