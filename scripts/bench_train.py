@@ -33,11 +33,13 @@ import torch
 import torch.nn.functional as F
 import trio
 from bench_timing import timed
+from matmul_rate import shapes_of, train_rate
 from safetensors.torch import load_file, save_file
 
 from rollouts.config import Config, ModelConfig, OptimConfig, TrainingConfig
 from rollouts.engine.launch import engine_server
 from rollouts.inference.sglang import SGLangEngine
+from rollouts.models.sources import fetch_source
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
 from rollouts.trainer.batching import padding_fraction, plan_micro_batches
 from rollouts.trainer.factories import create_pytorch_backend
@@ -68,10 +70,19 @@ def make_batch(lengths: list[int], vocab: int) -> TrainBatch:
 
 
 def config_for(
-    model_dir: Path, device: str, budget: int, chunk: int, compile: bool = False
+    model_dir: Path,
+    device: str,
+    budget: int,
+    chunk: int,
+    compile: bool = False,
+    autocast: str = "auto",
 ) -> Config:
     training = TrainingConfig(
-        device=device, micro_batch_tokens=budget, logprob_chunk_size=chunk, rl_steps=10
+        device=device,
+        micro_batch_tokens=budget,
+        logprob_chunk_size=chunk,
+        rl_steps=10,
+        autocast=autocast,
     )
     model = ModelConfig(path=str(model_dir), compile=compile)
     return Config(model=model, optim=OptimConfig(), training=training)
@@ -82,7 +93,8 @@ def bench_fwd_bwd(model_dir: Path, args: argparse.Namespace) -> None:
     tokens = sum(lengths)
     batch = make_batch(lengths, 250)
     for chunk in (tokens, 1024):
-        backend = create_pytorch_backend(config_for(model_dir, args.device, tokens, chunk))
+        config = config_for(model_dir, args.device, tokens, chunk, autocast=args.autocast)
+        backend = create_pytorch_backend(config)
         lm, dev = backend.lm, backend.device
         ids = torch.stack(batch.input_ids).to(dev)
 
@@ -141,6 +153,26 @@ def train_step_mfu(backend, batch: TrainBatch, tokens: int, args: argparse.Names
         f"train step [{args.batch}x{args.seq}] (forward_backward + optim_step, autocast "
         f"{autocast}): {took * 1e3:.1f} ms, {tokens / took:,.0f} tok/s, "
         f"{flops / 1e12:.1f} TFLOP/s{mfu}"
+    )
+    if args.device == "cpu":
+        matmul_share(backend, tokens / took, min(tokens, backend_budget(backend)), autocast)
+
+
+def backend_budget(backend) -> int:
+    return backend.core.settings.micro_batch_tokens
+
+
+def matmul_share(backend, tokens_per_s: float, rows: int, autocast) -> None:
+    """The step's linear-layer FLOP/s (6 x the matmul parameters a token) against the bare rate
+    of the same matmuls (forward, input and weight gradients) at a micro-batch's rows, in the
+    step's matmul dtype, on this process's torch threads (`scripts/matmul_rate.py`)."""
+    shapes = shapes_of(backend.lm.config)
+    dtype = autocast or torch.float32
+    rate = train_rate(shapes, rows, dtype, torch.get_num_threads())
+    share = tokens_per_s * 6 * shapes.params / rate
+    print(
+        f"  bare {dtype} matmul rate at {rows} rows, {torch.get_num_threads()} threads: "
+        f"{rate / 1e9:.1f} GFLOP/s; the step's linear layers at {100 * share:.0f}% of it"
     )
 
 
@@ -296,6 +328,8 @@ SYNC_MODELS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    parser.add_argument("--autocast", choices=("auto", "bfloat16", "off"), default="auto")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=0, help="0 = hidden / 64")
@@ -319,8 +353,12 @@ def main() -> None:
         max_position_embeddings=max(args.seq, 512),
     )
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model(Path(tmp) / "model", dataclasses.replace(spec))
-        print(f"model: hidden {args.hidden}, {args.layers} layers, device {args.device}")
+        if args.model == "smollm2":
+            model_dir = fetch_source("smollm2-135m-instruct")
+            print(f"model: SmolLM2-135M-Instruct, device {args.device}")
+        else:
+            model_dir = make_tiny_model(Path(tmp) / "model", dataclasses.replace(spec))
+            print(f"model: hidden {args.hidden}, {args.layers} layers, device {args.device}")
         if args.only in ("all", "train"):
             bench_fwd_bwd(model_dir, args)
             bench_padding(args)

@@ -12,6 +12,8 @@ ratios.
 
     python scripts/profile_decode.py [--device cuda --dtype bfloat16] [--rows 256] \\
         [--hidden 1024 --layers 24 --heads 16 --intermediate 4096] [--steps 32] [--rounds 2]
+    taskset -c 1 python scripts/profile_decode.py --model smollm2 --dtype bfloat16 --rows 128 \\
+        --threads 1   # a real model on one core
 
 On one H200 (2026-11-26, the ~0.4B model, 256 rows): auto (CUDA graphs) 5.31 ms a step, eager
 21.85 ms, generate 25.92 ms: 4.12x and 4.88x.
@@ -35,6 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollouts.engine.batch import BatchOptions, RunningBatch, Sequence
 from rollouts.engine.sampling import SamplingSpec
+from rollouts.models.sources import fetch_source
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
 
 SYNC_OPS = ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaMemcpyAsync")
@@ -134,7 +137,11 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=0, help="0 = 4 x hidden")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2, help="unprofiled rounds")
+    parser.add_argument("--model", default="", help="a model directory, or smollm2 (not tiny)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     spec = TinyModelSpec(
         hidden_size=args.hidden,
@@ -143,7 +150,12 @@ def main() -> None:
         intermediate_size=args.intermediate or 4 * args.hidden,
         max_position_embeddings=max(512, 2 * args.steps + 64),
     )
-    model_dir = make_tiny_model(Path(tempfile.mkdtemp(prefix="profile-decode-")), spec)
+    if args.model == "smollm2":
+        model_dir = fetch_source("smollm2-135m-instruct")
+    elif args.model:
+        model_dir = Path(args.model)
+    else:
+        model_dir = make_tiny_model(Path(tempfile.mkdtemp(prefix="profile-decode-")), spec)
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
