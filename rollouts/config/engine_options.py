@@ -130,6 +130,13 @@ class EngineOptions(_Section):
         key=True,
         at_least=0,
     )
+    adapt_threads: bool = option(
+        True,
+        "on CPU with several torch threads, try one thread now and then and keep it while its "
+        "decode steps are faster: an OpenMP team beside another busy process slows to a "
+        "fraction of one thread's speed (engine/threads.py)",
+        key=True,
+    )
     cpus: tuple[int, ...] = option(
         (),
         "run on these CPU cores only, e.g. 1 or 2,3 (Linux; default: all the process may use)",

@@ -83,6 +83,7 @@ def build_core(options: EngineOptions, model: Any, tokenizer: Any) -> tuple[Engi
         pad_token_id=pad,
         decode=options.decode,
         share_prefix=options.share_prefix,
+        adapt_threads=options.adapt_threads,
     )
     info = ServerInfo(
         model_path=str(Path(options.model).resolve()),

@@ -35,6 +35,7 @@ from rollouts.engine.scheduler import (
     keep_gathering,
 )
 from rollouts.engine.sleep import SleepState, gpu_change, gpu_gib
+from rollouts.engine.threads import ThreadGovernor
 from rollouts.engine.weights import load_weights
 from rollouts.wire.generation import FinishReason
 
@@ -59,6 +60,7 @@ class CoreOptions:
     pad_token_id: int = 0
     decode: str = "auto"  # "auto": fast_decode (CUDA graphs on a GPU); "eager"; "hf": HF forward
     share_prefix: bool = True  # prefill the prefix new prompts share once (`kv.prefill`)
+    adapt_threads: bool = True  # on CPU, probe fewer torch threads beside other load (threads.py)
 
 
 class EngineCore:
@@ -95,6 +97,7 @@ class EngineCore:
                 share_prefix=options.share_prefix,
             ),
         )
+        self._threads: ThreadGovernor | None = None  # made by the worker (`run`)
         self._admitting: list[Sequence] = []  # taken from the queue, not yet in the batch
         self._stats: BusyStats | None = None  # since the batch was last empty
         self._last_submit_s = 0.0
@@ -140,6 +143,7 @@ class EngineCore:
     def run(self) -> None:
         """Worker loop: commands, then one scheduler step, until `stop`."""
         sys.setswitchinterval(GIL_SWITCH_S)
+        self._threads = self._governor()
         while True:
             with self._cv:
                 if not self._inbox and not self._stopped and not self._has_work():
@@ -156,6 +160,14 @@ class EngineCore:
             except Exception:
                 log.exception("engine step failed; failing the running requests")
                 self._fail_running()
+
+    def _governor(self) -> ThreadGovernor | None:
+        """A thread governor for a CPU engine of several torch threads (`threads.py`)."""
+        threads = torch.get_num_threads()
+        device = next(self.model.parameters()).device
+        if not self.options.adapt_threads or threads <= 1 or device.type != "cpu":
+            return None
+        return ThreadGovernor(most=threads, set_threads=torch.set_num_threads)
 
     def _has_work(self) -> bool:
         if self._when_idle and not self._batch:
@@ -178,7 +190,10 @@ class EngineCore:
             self._finish_all(self._batch.step())
             stats = self._busy()
             stats.steps, stats.rows = stats.steps + 1, stats.rows + rows
-            stats.decode_s += time.perf_counter() - start
+            took = time.perf_counter() - start
+            stats.decode_s += took
+            if self._threads is not None:
+                self._threads.step_done(rows, took)
         if not self._when_idle:
             self._admit()
         if not self._batch and self._stats is not None:
