@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import gc
 import json
 import os
 import random
@@ -39,7 +40,7 @@ from typing import Any
 GEN_TOKENS_PER_S = 100_000.0
 HERE = Path(__file__).resolve().parent
 DEFAULT_MODEL = Path.home() / ".cache/rollouts/models/smollm2-135m-instruct"
-WORDS = "the of and to in is that for it as was with be by on not he this are or his from at".split()
+WORDS = ("the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be")
 
 
 def payload(tokenizer: Any, seed: int) -> dict[str, Any]:
@@ -48,7 +49,10 @@ def payload(tokenizer: Any, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
     vocab = len(tokenizer)
-    ids = [rng.choice(digits) if rng.random() < 0.1 else rng.randrange(100, vocab) for _ in range(12288)]
+    ids = [
+        rng.choice(digits) if rng.random() < 0.1 else rng.randrange(100, vocab)
+        for _ in range(12288)
+    ]
     return {
         "ids": ids,
         "logprobs": [-abs(rng.gauss(0.0, 1.5)) for _ in ids],
@@ -122,6 +126,20 @@ class Arrivals:
         return out
 
 
+class GcClock:
+    """Seconds the cyclic garbage collector ran (every generation), from `gc.callbacks`."""
+
+    def __init__(self) -> None:
+        self.total_s, self._start = 0.0, 0.0
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.total_s += time.perf_counter() - self._start
+
+
 class RssPeak:
     """The process's RSS sampled every 20 ms on a thread: the peak while it runs."""
 
@@ -176,7 +194,9 @@ async def raw_baseline(urls: list[str], bodies: list[bytes], in_flight: int) -> 
 
         async def one(i: int) -> None:
             async with limiter:
-                r = await client.post(f"{urls[i % len(urls)]}/generate", content=bodies[i], headers=headers)
+                r = await client.post(
+                    f"{urls[i % len(urls)]}/generate", content=bodies[i], headers=headers
+                )
                 assert r.status_code == 200 and r.content, r.status_code
 
         start = time.perf_counter()
@@ -231,6 +251,7 @@ async def driver_steps(args: argparse.Namespace, urls: list[str], server_pids: l
 
     from rollouts.data.buffer import DataBuffer
     from rollouts.driver.setup import with_response_text
+    from rollouts.gcpolicy import freeze_startup_objects
     from rollouts.inference.pool import EnginePool
     from rollouts.inference.sglang import SGLangEngine
     from rollouts.loop.batch import prepare_groups, rollout_metrics
@@ -250,20 +271,24 @@ async def driver_steps(args: argparse.Namespace, urls: list[str], server_pids: l
     del bodies
     pool = EnginePool([SGLangEngine(u) for u in urls], health_interval_s=5.0)
     engines = Arrivals(pool)
-    buffer = DataBuffer(items[: -groups], seed=args.seed)
+    buffer = DataBuffer(items[:-groups], seed=args.seed)
     reward = with_response_text(last_number_reward, tok)
     manager = AsyncRolloutManager(buffer, config.rollout, engines, tokenizer=tok, seed=args.seed)
     source = BatchSource(manager, reward, buffer, lambda number: ("0", 1))
     link = StubLink()
+    freeze_startup_objects()  # as the RL phase does once it is set up
+    gc_clock = GcClock()
     backend = RemoteBackend(link, adapters=False, snapshots=False)
     out: dict[str, Any] = {}
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run_health_checks)
         for number in range(1, args.steps + 1):
             cpu0, servers0, start = own_cpu_s(), cpu_s(server_pids), time.perf_counter()
+            gc0 = gc_clock.total_s
             with RssPeak() as rss:
                 rss_start = rss.peak
                 rollout, _ = await source.next(number)
+                collected = time.perf_counter()
                 prep = prepare_groups(rollout.groups, "0", 1)
                 metrics = rollout_metrics(prep.groups, rollout.metadata)
                 trained = await train_step(backend, prep.groups, config.algorithm, config, None)
@@ -275,6 +300,8 @@ async def driver_steps(args: argparse.Namespace, urls: list[str], server_pids: l
                 "samples": samples,
                 "step_s": ready - start,
                 "tail_s": ready - engines.last,
+                "collect_s": collected - start,
+                "build_s": ready - collected,
                 "samples_per_s": samples / (ready - start),
                 "base_samples_per_s": groups * args.n / base_s,
                 "base_servers_cpu_s": base_servers,
@@ -282,6 +309,7 @@ async def driver_steps(args: argparse.Namespace, urls: list[str], server_pids: l
                 "kept_tokens": sum(s.response_length for g in prep.groups for s in g),
                 "gen_s_at_100k": tokens / GEN_TOKENS_PER_S,
                 "driver_cpu_s": own_cpu_s() - cpu0,
+                "gc_s": gc_clock.total_s - gc0,
                 "servers_cpu_s": cpu_s(server_pids) - servers0,
                 "rss_start_mb": rss_start / 2**20,
                 "rss_peak_mb": rss.peak / 2**20,
@@ -330,6 +358,7 @@ def run_child(args: argparse.Namespace, size: int, urls: list[str], pids: list[i
     cmd += ["--pids", ",".join(map(str, pids)), "--steps", str(args.steps), "--n", str(args.n)]
     cmd += ["--concurrency", str(args.concurrency), "--model", str(args.model)]
     cmd += ["--mini-batches", str(args.mini_batches), "--seed", str(args.seed)]
+    cmd += ["--profile", f"{args.profile}.{size}"] if args.profile else []
     done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -357,7 +386,7 @@ def table(rows: list[dict]) -> None:
         print(
             f"{first['samples']} -> {r['samples']} samples (x{k:.0f}): step time "
             f"x{r['step_s'] / first['step_s']:.1f}, tail x{r['tail_s'] / first['tail_s']:.1f}, "
-            f"RSS growth x{(r['rss_peak_mb'] - r['rss_start_mb']) / max(first['rss_peak_mb'] - first['rss_start_mb'], 1):.1f}"
+            f"peak RSS x{r['rss_peak_mb'] / first['rss_peak_mb']:.1f}"
         )
 
 
@@ -375,11 +404,21 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--urls", default="", help=argparse.SUPPRESS)
     parser.add_argument("--pids", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", default="", help="the child's main thread: cProfile to FILE")
     args = parser.parse_args()
     if args.child:
         import trio
 
         pids = [int(p) for p in args.pids.split(",")]
+        if args.profile:  # the main thread, in CPU seconds
+            import cProfile
+
+            prof = cProfile.Profile(time.process_time)
+            result = prof.runcall(trio.run, driver_steps, args, args.urls.split(","), pids)
+            prof.dump_stats(args.profile)
+            print(json.dumps(result))
+            return
+
         print(json.dumps(trio.run(driver_steps, args, args.urls.split(","), pids)))
         return
     from transformers import AutoTokenizer

@@ -36,7 +36,9 @@ class Pool:
         self.window = len(ids) - max(self.lengths)  # where a response may start
         assert self.window > 0, "the pool is shorter than the longest response"
         self.ids, self.ids_at = _joined([f"{t}," for t in ids])
-        self.lps, self.lps_at = _joined([f"[{lp:.6f},{t},null]," for lp, t in zip(logprobs, ids)])
+        self.lps, self.lps_at = _joined(
+            [f"[{lp:.6f},{t},null]," for lp, t in zip(logprobs, ids, strict=True)]
+        )
         escaped = [json.dumps(p)[1:-1] for p in pieces]
         self.text, self.text_at = _joined(escaped)
 
@@ -58,9 +60,17 @@ class Pool:
             length,
         )
         return (
-            b'{"text":"' + text + b'","output_ids":[' + ids + b"],\"meta_info\":" + meta
-            + b'"weight_version":"0","finish_reason":' + reason
-            + b',"output_token_logprobs":[' + lps + b'],"e2e_latency":0.0}}'
+            b'{"text":"'
+            + text
+            + b'","output_ids":['
+            + ids
+            + b'],"meta_info":'
+            + meta
+            + b'"weight_version":"0","finish_reason":'
+            + reason
+            + b',"output_token_logprobs":['
+            + lps
+            + b'],"e2e_latency":0.0}}'
         )
 
 
@@ -143,8 +153,12 @@ class Http(asyncio.Protocol):
             status, answer = b"404 Not Found", b'{"detail":"Not Found"}'
         assert self.transport is not None
         self.transport.write(
-            b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\ncontent-length: "
-            + str(len(answer)).encode() + b"\r\n\r\n" + answer
+            b"HTTP/1.1 "
+            + status
+            + b"\r\ncontent-type: application/json\r\ncontent-length: "
+            + str(len(answer)).encode()
+            + b"\r\n\r\n"
+            + answer
         )
 
 
@@ -158,7 +172,9 @@ async def serve(port: int, pool: Pool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--payload", required=True, help="JSON: ids, logprobs, pieces, lengths, eos")
+    parser.add_argument(
+        "--payload", required=True, help="JSON: ids, logprobs, pieces, lengths, eos"
+    )
     args = parser.parse_args()
     with open(args.payload) as f:
         pool = Pool(json.load(f))
