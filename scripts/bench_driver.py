@@ -187,23 +187,25 @@ async def raw_baseline(urls: list[str], bodies: list[bytes], in_flight: int) -> 
     import httpx
     import trio
 
-    limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
+    per_url = max(in_flight // len(urls), 1)  # one small pool per server, as the clients shard
+    limits = httpx.Limits(max_connections=per_url, max_keepalive_connections=per_url)
+    clients = [httpx.AsyncClient(base_url=u, limits=limits, timeout=300.0) for u in urls]
     limiter = trio.CapacityLimiter(in_flight)
     headers = {"content-type": "application/json"}
-    async with httpx.AsyncClient(limits=limits, timeout=300.0) as client:
 
-        async def one(i: int) -> None:
-            async with limiter:
-                r = await client.post(
-                    f"{urls[i % len(urls)]}/generate", content=bodies[i], headers=headers
-                )
-                assert r.status_code == 200 and r.content, r.status_code
+    async def one(i: int) -> None:
+        async with limiter:
+            r = await clients[i % len(urls)].post("/generate", content=bodies[i], headers=headers)
+            assert r.status_code == 200 and r.content, r.status_code
 
-        start = time.perf_counter()
-        async with trio.open_nursery() as nursery:
-            for i in range(len(bodies)):
-                nursery.start_soon(one, i)
-        return time.perf_counter() - start
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for i in range(len(bodies)):
+            nursery.start_soon(one, i)
+    elapsed = time.perf_counter() - start
+    for client in clients:
+        await client.aclose()
+    return elapsed
 
 
 def group_bodies(tokenizer: Any, items: list[Any], n: int, max_new: int) -> list[bytes]:
