@@ -368,10 +368,10 @@ def run_child(args: argparse.Namespace, size: int, urls: list[str], pids: list[i
 def table(rows: list[dict]) -> None:
     print(
         "| samples | driver samples/s | raw HTTP samples/s | ratio | tail | gen at 100k tok/s "
-        "| tail / gen | step / gen | driver CPU / sample | servers CPU / driver CPU "
-        "| RSS start -> peak |"
+        "| tail / gen | step / gen | driver CPU / sample | servers CPU / driver CPU | GC "
+        "| peak RSS |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['samples']} | {r['samples_per_s']:.0f} | {r['base_samples_per_s']:.0f} "
@@ -380,7 +380,7 @@ def table(rows: list[dict]) -> None:
             f"| {r['step_s'] / r['gen_s_at_100k']:.1%} "
             f"| {r['driver_cpu_s'] / r['samples'] * 1e3:.2f} ms "
             f"| {r['servers_cpu_s'] / r['driver_cpu_s']:.2f} "
-            f"| {r['rss_start_mb']:.0f} -> {r['rss_peak_mb']:.0f} MB |"
+            f"| {r['gc_s']:.1f} s | {r['rss_peak_mb']:.0f} MB |"
         )
     first = rows[0]
     for r in rows[1:]:
