@@ -6,7 +6,9 @@ from __future__ import annotations
 import gc
 import weakref
 
-from rollouts.gcpolicy import freeze_startup_objects
+import pytest
+
+from rollouts.gcpolicy import freeze_startup_objects, gc_paused
 
 
 class _Node:
@@ -31,4 +33,21 @@ def test_garbage_is_collected_and_the_survivors_are_frozen() -> None:
         assert not any(o is kept for o in gc.get_objects(generation=2))
     finally:
         gc.unfreeze()
+        gc.enable()
+
+
+def test_gc_paused_turns_the_collector_back_on_as_it_was_even_after_an_error() -> None:
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(ValueError), gc_paused():
+        raise ValueError("a bad answer")
+    assert gc.isenabled()
+    gc.disable()  # off before: it stays off
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
         gc.enable()

@@ -111,6 +111,9 @@ def test_the_advantages_of_the_trained_tokens() -> None:
             "adv/zero_frac": 0.2,
         }
     )
+    # the same tokens with a sequence of none and a float64 advantage: the same figures
+    mixed = [advantages[0].double(), torch.zeros(0), advantages[1]]
+    assert advantage_metrics(mixed, [masks[0], torch.zeros(0), masks[1]]) == got
     assert advantage_metrics((), masks[:0]) == {}  # a loss that makes its own advantages
     assert advantage_metrics([torch.zeros(2)], [torch.zeros(2)]) == {}  # no trained token
 

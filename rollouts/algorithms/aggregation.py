@@ -37,9 +37,10 @@ def global_counts(masks: Sequence[torch.Tensor], max_response_length: int = 0) -
 
     `max_response_length` is Dr.GRPO's constant T_max; 0 means the longest trained span here.
     """
-    num_tokens = float(sum(float(m.sum()) for m in masks))
-    num_seqs = float(sum(1 for m in masks if float(m.sum()) > 0))
-    longest = max((int(m.sum()) for m in masks), default=0)
+    sums = [float(m.sum()) for m in masks]  # one reduction per sequence, not three
+    num_tokens = float(sum(sums))
+    num_seqs = float(sum(1 for n in sums if n > 0))
+    longest = max((int(n) for n in sums), default=0)
     return GlobalCounts(
         num_tokens=num_tokens,
         num_seqs=num_seqs,

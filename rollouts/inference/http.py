@@ -14,11 +14,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+from collections.abc import Callable
 from typing import Any, TypedDict
 
 import httpx
 import trio
 
+from rollouts.gcpolicy import gc_paused
 from rollouts.wire.tls import tls_context
 
 
@@ -189,15 +191,21 @@ class EngineHttp:
             f"{self.url}{path}: failed after {self.options.max_retries} retries ({last})"
         )
 
-    async def json(self, method: str, path: str, **kwargs: Any) -> Any:
-        """`call`, then the body as JSON (an EngineError if it is not JSON)."""
+    async def json(
+        self, method: str, path: str, *, read: Callable[[Any], Any] | None = None, **kwargs: Any
+    ) -> Any:
+        """`call`, then the body as JSON (an EngineError if it is not JSON), and `read` of it
+        when given: both with the cyclic collector paused (`gcpolicy.gc_paused`), so a large
+        answer's temporaries are gone before it runs again."""
         response = await self.call(method, path, **kwargs)
-        try:
-            return response.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise EngineError(
-                f"{self.url}{path}: answer is not JSON: {response.text[:200]!r}"
-            ) from None
+        with gc_paused():
+            try:
+                body = response.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise EngineError(
+                    f"{self.url}{path}: answer is not JSON: {response.text[:200]!r}"
+                ) from None
+            return body if read is None else read(body)
 
     async def ok(self, path: str, timeout_s: float) -> bool:
         """True when GET `path` answers 200 within `timeout_s` (no retries)."""

@@ -70,8 +70,8 @@ class SGLangEngine:
         """POST /generate with input_ids; an abort answers 200 with the partial output."""
         submitted = self.bracket.at_submit()
         body = generate_body(input_ids, sampling, rid, self.adapters.current)
-        return self._completion(
-            await self.http.json("POST", "/generate", json_body=body), submitted
+        return await self.http.json(
+            "POST", "/generate", json_body=body, read=lambda a: self._completion(a, submitted)
         )
 
     batch_generate = True  # SGLang (and the built-in server) take a list of prompts
@@ -81,11 +81,14 @@ class SGLangEngine:
         rid); the answer is a list in the same order."""
         submitted = self.bracket.at_submit()
         body = batch_generate_body(requests, self.adapters.current)
-        answers = await self.http.json("POST", "/generate", json_body=body)
-        if not isinstance(answers, list) or len(answers) != len(requests):
-            got = len(answers) if isinstance(answers, list) else type(answers).__name__
-            raise EngineError(f"batch /generate of {len(requests)} prompts answered {got}")
-        return [self._completion(answer, submitted) for answer in answers]
+
+        def read(answers: Any) -> list[Completion]:
+            if not isinstance(answers, list) or len(answers) != len(requests):
+                got = len(answers) if isinstance(answers, list) else type(answers).__name__
+                raise EngineError(f"batch /generate of {len(requests)} prompts answered {got}")
+            return [self._completion(answer, submitted) for answer in answers]
+
+        return await self.http.json("POST", "/generate", json_body=body, read=read)
 
     def _completion(self, answer: Any, submitted: tuple[str | None, int]) -> Completion:
         """One prompt's answer -> Completion, its version from the server or the bracket."""

@@ -233,10 +233,12 @@ def advantage_metrics(
     assert not advantages or len(advantages) == len(loss_mask), (
         f"{len(advantages)=} != {len(loss_mask)=}"
     )
-    trained = [a.float()[m > 0] for a, m in zip(advantages, loss_mask, strict=True)]
-    if not trained or sum(t.numel() for t in trained) == 0:
+    if not advantages:
         return {}
-    flat = torch.cat(trained).double()
+    # one mask over the whole batch, not three tensor ops per sequence (32k sequences: seconds)
+    flat = torch.cat(advantages).float()[torch.cat(loss_mask) > 0].double()
+    if flat.numel() == 0:
+        return {}
     return {
         "adv/mean": float(flat.mean()),
         "adv/std": float(flat.std(correction=0)),
