@@ -131,10 +131,11 @@ class EngineOptions(_Section):
         at_least=0,
     )
     adapt_threads: bool = option(
-        True,
+        False,
         "on CPU with several torch threads, try one thread now and then and keep it while its "
         "decode steps are faster: an OpenMP team beside another busy process slows to a "
-        "fraction of one thread's speed (engine/threads.py)",
+        "fraction of one thread's speed (engine/threads.py); off by default: on the quiet "
+        "2-core box it cost 3-10% and beside a busy process it gained 0-9%",
         key=True,
     )
     cpus: tuple[int, ...] = option(

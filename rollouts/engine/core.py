@@ -60,7 +60,7 @@ class CoreOptions:
     pad_token_id: int = 0
     decode: str = "auto"  # "auto": fast_decode (CUDA graphs on a GPU); "eager"; "hf": HF forward
     share_prefix: bool = True  # prefill the prefix new prompts share once (`kv.prefill`)
-    adapt_threads: bool = True  # on CPU, probe fewer torch threads beside other load (threads.py)
+    adapt_threads: bool = False  # on CPU, probe one torch thread beside other load (threads.py)
 
 
 class EngineCore:
