@@ -2,9 +2,10 @@
 
 An OpenMP team waits at the end of every parallel region for its slowest thread. When another
 busy process shares one of the team's cores, the thread there gets a slice of it, and every
-region waits for that slice: on the 2-core box a 2-thread engine beside one busy process decoded
-SmolLM2 at 29 tok/s, against 183 tok/s with one thread and 284 with two on the quiet box
-(`docs/benchmarks.md`, "an engine beside other load"). Nothing in the engine can see the other
+region waits for that slice: on the 2-core box a 2-thread engine decoded SmolLM2 at 29-36 tok/s
+beside a process spinning on core 0 and a niced benchmark, 112-113 beside the spinner alone,
+against 183 tok/s with one thread and 284-342 with two on the quiet box (`docs/benchmarks.md`,
+"The built-in engine beside other load"). Nothing in the engine can see the other
 process, but it can see its own steps get slower.
 
 So every `probe_every_s` seconds of decoding (or longer: probes take at most 2% of it) the
@@ -14,8 +15,11 @@ several; all of them when it runs one) and keeps the count whose steps took less
 like with like. Beside a busy process the engine falls back to one thread at its next probe, and
 returns to all of them when the other process ends. Steps that have become `SLOWER` a row than
 the best seen at their count are probed at once (at most every `probe_every_s`), whatever the 2%.
-The thread count does not change the engine's numbers (a forward is bit-equal at one and two
-threads, `tests/engine/test_threads.py`), only its speed.
+Off by default (`--adapt-threads on`): on the quiet 2-core box an engine with it decoded 3-10%
+slower than one without in three paired runs, and beside one busy process it gained 0-9% (it
+switched to one thread, 4-8x faster a row, but late in the batch); the next step is to find
+where the quiet cost comes from. The thread count does not change the engine's numbers (a
+forward is bit-equal at one and two threads, `tests/engine/test_threads.py`), only its speed.
 """
 
 from __future__ import annotations
