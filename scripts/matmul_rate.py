@@ -63,13 +63,19 @@ def _time(fn, seconds: float) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _operands(shapes: Shapes, rows: int, dtype: torch.dtype):
+    """One layer's and the head's (in, out) pairs, an input of `rows` rows and a weight each."""
+    pairs = [*shapes.layer, shapes.head]
+    xs = [torch.randn(rows, i, dtype=dtype) for i, _ in pairs]
+    ws = [torch.randn(o, i, dtype=dtype) / i**0.5 for i, o in pairs]
+    return pairs, xs, ws
+
+
 def decode_rate(
     shapes: Shapes, rows: int, dtype: torch.dtype, threads: int, seconds: float = 3.0
 ) -> float:
     """FLOP/s of `x[rows, in] @ W[in, out]` over one layer's shapes and the head, bare."""
-    pairs = [*shapes.layer, shapes.head]
-    xs = [torch.randn(rows, i, dtype=dtype) for i, _ in pairs]
-    ws = [torch.randn(o, i, dtype=dtype) / i**0.5 for i, o in pairs]
+    pairs, xs, ws = _operands(shapes, rows, dtype)
 
     def run() -> None:
         for x, w in zip(xs, ws, strict=True):
@@ -84,9 +90,7 @@ def train_rate(
     shapes: Shapes, rows: int, dtype: torch.dtype, threads: int, seconds: float = 3.0
 ) -> float:
     """FLOP/s of each linear's forward, input-gradient and weight-gradient matmuls, bare."""
-    pairs = [*shapes.layer, shapes.head]
-    xs = [torch.randn(rows, i, dtype=dtype) for i, _ in pairs]
-    ws = [torch.randn(o, i, dtype=dtype) / i**0.5 for i, o in pairs]
+    pairs, xs, ws = _operands(shapes, rows, dtype)
     gs = [torch.randn(rows, o, dtype=dtype) for _, o in pairs]
 
     def run() -> None:
