@@ -6,7 +6,8 @@ first left out), so the sizes see the same machine. Prints the median seconds pe
 ratio against the first size given (the baseline). On the demo's tiny model with one torch thread
 this is what chose `micro_batch_tokens = 2048` in configs/demo-cpu.toml.
 
-    python scripts/bench_micro_batch.py [--model DIR] [--rounds 6] 8192 4096 2048 1024
+    python scripts/bench_micro_batch.py [--model DIR] [--rounds 6] [--autocast bfloat16]
+        [--layout prefix] 8192 4096 2048 1024
 """
 
 from __future__ import annotations
@@ -100,11 +101,14 @@ def main() -> None:
     parser.add_argument("sizes", type=int, nargs="+", help="micro_batch_tokens; first = baseline")
     parser.add_argument("--model", default="", help="an HF model directory (default: tiny)")
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--autocast", choices=("off", "bfloat16"), default="off")
+    parser.add_argument("--layout", choices=("pad", "prefix"), default="pad")
     args = parser.parse_args()
     torch.set_num_threads(cpu_share(0, "cpu", 1))
     with tempfile.TemporaryDirectory(prefix="bench-mb-") as tmp:
         config, model_dir = bench_model(Path(tmp), args.model)
-        variants = {size: {"micro_batch_tokens": size} for size in args.sizes}
+        fixed = {"autocast": args.autocast, "micro_batch_layout": args.layout}
+        variants = {size: {"micro_batch_tokens": size, **fixed} for size in args.sizes}
         backends = variant_backends(config, model_dir, variants)
         vocab = backends[args.sizes[0]].lm.config.vocab_size
         batch = build_train_batch(rl_groups(min(vocab, 40)), config.algorithm)

@@ -16,6 +16,11 @@ import pytest
 from rollouts.engine.launch import ENGINE_PRELOAD
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
 
+# The suite's configs leave precision to the schema defaults and check fp32 exactness: it reads
+# this CPU as one without bf16 units, so "auto" resolves to fp32 as on any such CPU, in every
+# process it starts (config/auto.py; tests/test_config_auto.py covers both sides of the rule).
+os.environ["ROLLOUTS_CPU_BF16"] = "0"
+
 FORKSERVER = pytest.StashKey[tuple[list[subprocess.Popen], str]]()
 # what the suite's programs import: the trainer process, the driver (and the built-in engine's)
 PRELOAD = (

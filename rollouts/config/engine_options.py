@@ -18,10 +18,12 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Literal
 
 from rollouts.config.base import _Section
-from rollouts.config.model import AttnImplementation, ModelDtype
+from rollouts.config.model import AttnImplementation
 from rollouts.engine_kinds import LogprobsFrom
 
-EngineAutocast = Literal["off", "bfloat16", "float16"]  # the engine's numerics (precision.py)
+# the engine's numerics (precision.py); "auto": config/auto.py
+EngineAutocast = Literal["auto", "off", "bfloat16", "float16"]
+EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]  # "auto": config/auto.py
 DecodePath = Literal[
     "auto", "eager", "hf"
 ]  # the engine's own step (graphs on a GPU) | no graphs | HF
@@ -79,7 +81,13 @@ class EngineOptions(_Section):
         flag=False,
         at_least=0,
     )
-    max_batch: int = option(64, "sequences decoded together", key=True, at_least=1)
+    max_batch: int = option(
+        256,
+        "sequences decoded together (every shipped config decodes a step's 128-256 at once: "
+        "more rows a step, more tokens/s)",
+        key=True,
+        at_least=1,
+    )
     max_queue: int = option(1024, "waiting sequences; then 503", key=True, at_least=1)
     max_prefill: int = option(64, "new sequences per step", at_least=1)
     logprobs_from: LogprobsFrom = option(
@@ -88,17 +96,21 @@ class EngineOptions(_Section):
         key=True,
     )
     device: str = option("cpu", "the device the model runs on", key=True)
-    dtype: ModelDtype = option(
-        "float32",
+    dtype: EngineDtype = option(
+        "auto",
         "the served weights' dtype; bfloat16 serves what a bf16 trainer computes (the weight "
-        "sync's content check then allows bf16's tolerance)",
+        "sync's content check then allows bf16's tolerance). 'auto': a run's engines hold bf16 "
+        "weights where training.autocast resolves to bf16, else the trainer's model.dtype "
+        "(config/auto.py); a standalone server float32",
         key=True,
     )
     autocast: EngineAutocast = option(
-        "off",
+        "auto",
         "compute what a trainer under torch.autocast in this dtype computes (with dtype "
         "float32): linear weights held in it, embeddings, norms and the residual stream float32, "
-        "every forward under autocast; about a 16-bit engine's speed on CPU",
+        "every forward under autocast; about a 16-bit engine's speed on CPU. 'auto': a run's "
+        "engines follow training.autocast (config/auto.py); a standalone server computes in "
+        "its dtype",
         key=True,
     )
     attn_implementation: AttnImplementation = option(
@@ -185,7 +197,7 @@ def bound_problems(values: Mapping[str, Any], name: Callable[[str], str]) -> lis
         if (why := _bound(values[f.name], option_of(f))) is not None
     ]
     autocast, dtype = values["autocast"], values["dtype"]
-    if autocast != "off" and dtype != "float32":
+    if autocast not in ("off", "auto") and dtype not in ("float32", "auto"):
         out.append(
             f'{name("autocast")} = "{autocast}" needs {name("dtype")} = "float32" '
             f'(autocast reads fp32 weights), not "{dtype}"'

@@ -11,7 +11,7 @@ TinyTokenizer = Literal["char", "bpe"]
 # a packaged real model, built on first use (`rollouts.models.sources.SOURCES`); "" = none
 ModelSourceName = Literal["", "smollm2-135m-instruct"]
 ModelDtype = Literal["float32", "bfloat16", "float16"]
-AttnImplementation = Literal["sdpa", "eager"]
+AttnImplementation = Literal["auto", "sdpa", "eager"]  # "auto": eager on CPU, sdpa on CUDA
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -105,7 +105,7 @@ class ModelConfig(_Section):
     source: ModelSourceName = ""  # a packaged real model (built on first use)
     tokenizer_path: str = ""  # "" = same as path
     dtype: ModelDtype = "float32"
-    attn_implementation: AttnImplementation = "sdpa"
+    attn_implementation: AttnImplementation = "auto"
     gradient_checkpointing: bool = False
     # torch.compile each decoder layer of the trained model (dynamic shapes; the first step
     # compiles: tens of seconds on CPU, cached on disk for the next run)

@@ -11,7 +11,7 @@ Scheduler = Literal["cosine", "constant"]
 TrainingBackendName = Literal["pytorch", "fsdp"]
 TrainingDevice = Literal["auto", "cpu", "cuda"]
 # length-bucketed, right-padded | one packed row | shared prompts run once (trainer/prefix_plan.py)
-MicroBatchLayout = Literal["pad", "pack", "prefix"]
+MicroBatchLayout = Literal["auto", "pad", "pack", "prefix"]
 LogprobPositions = Literal["trained", "all"]
 CpuPlacement = Literal["auto", "colocate", "split", "off"]
 TrainerProcessMode = Literal["auto", "on", "off"]
@@ -68,7 +68,7 @@ class TrainingConfig(_Section):
     rdzv_endpoint: str = ""  # HOST:PORT of the rendezvous, reachable from every node
     device: TrainingDevice = "auto"
     torch_threads: int = 0  # trainer's torch threads; 0 = a share of the cores (CPU + builtin)
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 0  # 0 = auto: 2048 on CPU, 4096 on CUDA (config/auto.py)
     rl_steps: int = 10
     sft_steps: int = 0  # 0 = sft_epochs over the data
     sft_epochs: int = 1
@@ -81,8 +81,9 @@ class TrainingConfig(_Section):
     logprob_chunk_size: int = 0
     # "pad": right-padded rows of similar length; "pack": one row of sequences end to end;
     # "prefix": sequences that begin alike (a GRPO group's prompt) run those tokens once, the
-    # rest padded (one device only: training.backend = "pytorch", nproc = nnodes = 1)
-    micro_batch_layout: MicroBatchLayout = "pad"
+    # rest padded (one device only: training.backend = "pytorch", nproc = nnodes = 1);
+    # "auto": "prefix" where it can run and prompts come in groups, else "pad"
+    micro_batch_layout: MicroBatchLayout = "auto"
     # "trained": the LM head (logprobs, entropy) runs only on tokens with loss_mask = 1, the
     # others read 0 (prompts cost no head: verl and TRL do the same); "all": every position,
     # for a custom loss that reads the logprobs of untrained tokens
@@ -97,15 +98,12 @@ class TrainingConfig(_Section):
     # "on": always (one-device backend); "off": train in the driver's process
     trainer_process: TrainerProcessMode = "auto"
     # forward and backward under torch.autocast, fp32 master weights and optimizer: "auto" =
-    # bfloat16 on CUDA, off on CPU; "bfloat16" also on CPU (fast where it has AVX-512 BF16 /
-    # AMX; the content check then allows bf16's tolerance); "off": fp32 everywhere
+    # bfloat16 on CUDA, and on a CPU with bf16 units (AVX-512 BF16 / AMX) when the run starts
+    # its engines, else off (config/auto.py); "bfloat16" everywhere (the content check then
+    # allows bf16's tolerance; slow on a CPU that emulates bf16); "off": fp32 everywhere
     autocast: Autocast = "auto"
     # the SFT phase's autocast: "" = `autocast`; else one of its values for SFT alone
     sft_autocast: SftAutocast = ""
-
-    def autocasts(self, device_type: str) -> bool:
-        """Whether forward and backward run under bf16 autocast on `device_type`."""
-        return self.autocast == "bfloat16" or (self.autocast == "auto" and device_type == "cuda")
 
     def for_sft(self) -> TrainingConfig:
         """This section as the SFT phase trains with it (`sft_autocast` in place of `autocast`)."""
@@ -125,7 +123,11 @@ class TrainingConfig(_Section):
             "node001:29500)",
         )
         _check(p, self.torch_threads >= 0, "training.torch_threads: must be >= 0 (0 = default)")
-        _check(p, self.micro_batch_tokens >= 1, "training.micro_batch_tokens: must be >= 1")
+        _check(
+            p,
+            self.micro_batch_tokens >= 0,
+            "training.micro_batch_tokens: must be >= 1, or 0 (auto: 2048 on CPU, 4096 on CUDA)",
+        )
         _check(p, self.rl_steps >= 0, "training.rl_steps: must be >= 0")
         _check(p, self.sft_steps >= 0, "training.sft_steps: must be >= 0")
         _check(p, self.sft_epochs >= 1, "training.sft_epochs: must be >= 1")

@@ -24,6 +24,7 @@ from pathlib import Path
 import trio
 
 from rollouts.config import Config
+from rollouts.config.auto import attention, engine_autocast, engine_dtype
 from rollouts.driver.launch import local_world_size
 from rollouts.driver.placement import CpuPlan
 from rollouts.engine.launch import EngineSpec, serve_engines
@@ -96,7 +97,9 @@ def builtin_spec(
         model=str(model_dir),
         port=0,
         api_key=e.api_key,
-        attn_implementation=config.model.attn_implementation,
+        attn_implementation=attention(config.model.attn_implementation, e.builtin.device),
+        dtype=engine_dtype(config, e.builtin),
+        autocast=engine_autocast(config, e.builtin),
         torch_threads=engine_threads(config, plan),
         weight_version=version,
         weights_roots=tuple(str(Path(r).resolve()) for r in weights_roots),

@@ -25,6 +25,7 @@ import trio
 
 from rollouts import tracing
 from rollouts.config import Config, RLHalves, RunMode
+from rollouts.config.auto import chosen
 from rollouts.driver.engines import cpu_beside_engines, cpu_share
 from rollouts.driver.halves import replay_phase, rollout_only_phase
 from rollouts.driver.launch import shares_node_with_driver
@@ -67,6 +68,8 @@ async def _main(
     started = time.monotonic()
     _sft_threads(config)
     run_dir = prepare_run_dir(config, config_path, resume)
+    if auto := chosen(config):
+        print(f"[train] auto: {auto}", flush=True)
     make_backend = await _mirrored_factory(hub, config, run_dir)
     if mode in ("rl", "sft+rl") and halves == "both":  # first: can engines reach the weights?
         sync_root = run_sync_root(config.weight_sync.dir, config.run.name, run_dir)

@@ -24,6 +24,7 @@ from typing import Any
 import trio
 
 from rollouts.config import Config
+from rollouts.config.auto import engine_numerics
 from rollouts.config.served import ServedModelConfig
 from rollouts.driver.engines import open_engines
 from rollouts.engine_kinds import engine_kind
@@ -99,14 +100,14 @@ def check_tokenizers(student: Any, teacher_dir: Path) -> None:
         )
 
 
-def served_dtype(section: ServedModelConfig) -> str:
+def served_dtype(config: Config, section: ServedModelConfig) -> str:
     """The dtype a served model's engines compute in: the built-in engines' (their autocast's
     where one is on); servers at URLs: float32 (`<name>.check_tolerance` covers a bf16 one)."""
     e = section.engines
     if not engine_kind(e.kind).started_here:
         return "float32"
     b = e.builtin
-    return b.dtype if b.autocast == "off" else b.autocast
+    return engine_numerics(config, b)
 
 
 def local_probe(model_dir: Path, ids: tuple[int, ...], tolerance: float, stat: str) -> WeightProbe:
@@ -137,7 +138,7 @@ async def check_served_engines(
 ) -> None:
     """Every engine of `pool` serves the model at `model_dir` (`WeightContentError` if not)."""
     name = section.KEY
-    dtype = served_dtype(section)
+    dtype = served_dtype(config, section)
     tolerance = tolerance_for(dtype, section.check_tolerance)
     ids = probe_ids(len(load_tokenizer(model_dir)), config.weight_sync.check_tokens, 0)
     probe = await trio.to_thread.run_sync(

@@ -19,6 +19,7 @@ import trio
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
+from rollouts.config.auto import attention
 from rollouts.config.engine_options import EngineOptions
 from rollouts.engine import (
     adapter_routes,
@@ -41,9 +42,10 @@ def load_model(options: EngineOptions) -> tuple[Any, Any]:
     """The HF model (eval mode, on the device) and its tokenizer from `options.model`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = getattr(torch, options.dtype)
+    dtype = getattr(torch, "float32" if options.dtype == "auto" else options.dtype)
+    attn = attention(options.attn_implementation, torch.device(options.device).type)
     model = AutoModelForCausalLM.from_pretrained(
-        options.model, dtype=dtype, attn_implementation=options.attn_implementation
+        options.model, dtype=dtype, attn_implementation=attn
     )
     model = model.to(options.device).eval()
     if model.device.type == "cpu":  # own the memory: CPU tensors may map the files, which a
@@ -156,7 +158,7 @@ async def serve(options: EngineOptions, *, task_status: Any = trio.TASK_STATUS_I
         url = f"http://{options.host}:{options.port}"
         log.info("rollouts engine server on %s (model %s)", url, options.model)
         log.info("decode steps: %s", core.decode_path)
-        if options.autocast != "off":
+        if options.autocast not in ("off", "auto"):
             log.info(
                 "numerics: a %s autocast trainer's (linear weights %s, the rest float32)",
                 options.autocast,

@@ -31,7 +31,7 @@ import torch
 from rollouts.config.engine_options import EngineAutocast
 
 AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-assert set(AUTOCAST_DTYPES) == set(typing.get_args(EngineAutocast)) - {"off"}, (
+assert set(AUTOCAST_DTYPES) == set(typing.get_args(EngineAutocast)) - {"off", "auto"}, (
     f"{sorted(AUTOCAST_DTYPES)=} != the options' {typing.get_args(EngineAutocast)}"
 )
 _ATTR = "_rollouts_autocast"  # the autocast dtype, set on the model by `mix`
@@ -40,8 +40,9 @@ _ATTR = "_rollouts_autocast"  # the autocast dtype, set on the model by `mix`
 def mix(model: Any, autocast: str) -> None:
     """Put `model` (fp32, loaded) into the mixed precision of a trainer under `autocast`:
     linear weights (and biases) in that dtype, the rest fp32, a tied LM head untied into a copy
-    in that dtype. A no-op for "off"."""
-    if autocast == "off":
+    in that dtype. A no-op for "off", and for "auto": a run resolves it for the engines it
+    starts (config/auto.py); a standalone server has no trainer to follow."""
+    if autocast in ("off", "auto"):
         return
     dtype = AUTOCAST_DTYPES[autocast]
     params = list(model.parameters())

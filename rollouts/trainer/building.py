@@ -20,6 +20,13 @@ import torch
 
 from rollouts.algorithms.advantages import needs_critic
 from rollouts.config import Config, ModelConfig, OptimConfig, Scheduler
+from rollouts.config.auto import (
+    attention,
+    engine_dtype,
+    micro_batch_layout,
+    micro_batch_tokens,
+    trainer_autocasts,
+)
 from rollouts.config.model import ModelDtype
 from rollouts.engine_kinds import engine_kind
 from rollouts.trainer.core import BackendSettings
@@ -45,8 +52,11 @@ def load_hf_model(
     assert dtype in typing.get_args(ModelDtype), f"{dtype=} not in {typing.get_args(ModelDtype)}"
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"model.path = {str(path)!r}: no config.json (not an HF model)")
+    device_type = (device or torch.device("cpu")).type
     lm = AutoModelForCausalLM.from_pretrained(
-        path, dtype=getattr(torch, dtype), attn_implementation=model.attn_implementation
+        path,
+        dtype=getattr(torch, dtype),
+        attn_implementation=attention(model.attn_implementation, device_type),
     )
     lm.config.use_cache = False
     if model.gradient_checkpointing:
@@ -172,16 +182,21 @@ def create_warmup_cosine_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def backend_settings(config: Config, device: torch.device, pad_id: int = 0) -> BackendSettings:
-    """BackendSettings from `[training]` and `[optim]` (bf16 autocast: `training.autocast`)."""
+def backend_settings(
+    config: Config, device: torch.device, pad_id: int = 0, layout: str = "", hidden_size: int = 0
+) -> BackendSettings:
+    """BackendSettings from `[training]` and `[optim]` (bf16 autocast: `training.autocast`; the
+    "auto" keys by config/auto.py's rules). `layout`: the micro-batch layout, when the caller
+    chose it ("" = `training.micro_batch_layout`'s); `hidden_size`: the model's, which sizes an
+    "auto" micro-batch."""
     t = config.training
     return BackendSettings(
-        micro_batch_tokens=t.micro_batch_tokens,
-        layout=t.micro_batch_layout,
+        micro_batch_tokens=micro_batch_tokens(t.micro_batch_tokens, device.type, hidden_size),
+        layout=layout or micro_batch_layout(config),
         logprob_chunk_size=t.logprob_chunk_size,
         max_grad_norm=config.optim.max_grad_norm,
         max_consecutive_nonfinite=t.max_consecutive_nonfinite,
-        autocast_dtype=torch.bfloat16 if config.training.autocasts(device.type) else None,
+        autocast_dtype=torch.bfloat16 if trainer_autocasts(config, device.type) else None,
         engine_dtype=engine_weights_dtype(config),
         pad_id=pad_id,
         logprob_positions=t.logprob_positions,
@@ -194,7 +209,7 @@ def engine_weights_dtype(config: Config) -> torch.dtype | None:
     name = config.weight_sync.dtype
     if name == "auto":
         here = engine_kind(config.engines.kind).started_here
-        name = config.engines.builtin.dtype if here else "float32"
+        name = engine_dtype(config, config.engines.builtin) if here else "float32"
     return None if name == "float32" else getattr(torch, name)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rollouts.config import Config
+from rollouts.config.auto import micro_batch_layout
 from rollouts.trainer.building import (
     backend_settings,
     create_adamw_optimizer,
@@ -64,11 +65,14 @@ def create_pytorch_backend(
     m = config.model
     lm = load_hf_model(path, m, device)
     problem = shared_prefix_problem(lm)
-    if config.training.micro_batch_layout == "prefix" and problem:
-        raise ValueError(
-            f"training.micro_batch_layout = 'prefix' cannot train {path}: {problem}; set "
-            "training.micro_batch_layout = 'pad'"
-        )
+    layout = micro_batch_layout(config)
+    if layout == "prefix" and problem:
+        if config.training.micro_batch_layout == "prefix":
+            raise ValueError(
+                f"training.micro_batch_layout = 'prefix' cannot train {path}: {problem}; set "
+                "training.micro_batch_layout = 'pad'"
+            )
+        layout = "pad"  # "auto": the layout every model can train
     tokenizer = load_tokenizer(m.tokenizer_path or path)
     head = make_value_head(lm) if wants_value_head(config, value_head) else None
     if m.lora.enabled:  # only the adapters train: the optimizer holds only their state
@@ -77,7 +81,8 @@ def create_pytorch_backend(
     steps = config.training.rl_steps if total_steps is None else total_steps
     scheduler = create_warmup_cosine_scheduler(optimizer, config.optim, steps)
     pad_id = tokenizer.pad_token_id or 0
-    settings = backend_settings(config, device, pad_id)
+    hidden = int(getattr(lm.config, "hidden_size", 0) or 0)
+    settings = backend_settings(config, device, pad_id, layout, hidden)
     core = TrainerCore(
         model=TokenLogprobModel(lm, settings.logprob_chunk_size, head),
         optimizer=optimizer,

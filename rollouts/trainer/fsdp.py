@@ -317,7 +317,12 @@ def create_fsdp_backend(
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
-        settings=f.backend_settings(config, device, tokenizer.pad_token_id or 0),
+        settings=f.backend_settings(
+            config,
+            device,
+            tokenizer.pad_token_id or 0,
+            hidden_size=int(getattr(lm.config, "hidden_size", 0) or 0),
+        ),
         device=device,
         collective=DistCollective(model),
     )

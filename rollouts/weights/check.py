@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from rollouts.config import Config
+from rollouts.config.auto import engine_numerics
 from rollouts.engine_kinds import engine_kind
 from rollouts.types import FULL_PRECISION, TrainBatch
 
@@ -177,7 +178,7 @@ def probe_dtype(config: Config) -> str:
     if not engine_kind(config.engines.kind).started_here:
         return trainer
     b = config.engines.builtin
-    served = b.dtype if b.autocast == "off" else b.autocast  # autocast: bf16 matmuls
+    served = engine_numerics(config, b)  # autocast: bf16 matmuls
     return max(trainer, served, key=TOLERANCE.__getitem__)
 
 

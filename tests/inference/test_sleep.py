@@ -104,7 +104,9 @@ async def test_sglang_release_and_resume_through_the_client(tiny_model_dir: Path
     async with engine_server(tiny_model_dir, weight_version="0", max_batch=4) as url:
         engine = SGLangEngine(url)
         before = (await engine.generate(PROMPT, GREEDY)).output_ids
-        long = SamplingParams(max_new_tokens=100, temperature=1.0, ignore_eos=True)
+        # long enough that it still runs when the release is asked (100 tokens finished first
+        # once, on a loaded box); the context is 512
+        long = SamplingParams(max_new_tokens=400, temperature=1.0, ignore_eos=True)
         async with trio.open_nursery() as nursery:  # SGLang releases only an idle server
             nursery.start_soon(engine.generate, PROMPT, long)
             while (await engine.load()).running == 0:

@@ -115,7 +115,15 @@ def _with(config: Config, **training) -> Config:
 
 
 def _assert_same_step(config: Config, batch: TrainBatch, budget: int, positions: str) -> None:
-    pad = _step(_with(config, micro_batch_tokens=budget, logprob_positions=positions), batch)
+    pad = _step(
+        _with(
+            config,
+            micro_batch_tokens=budget,
+            logprob_positions=positions,
+            micro_batch_layout="pad",
+        ),
+        batch,
+    )
     pre = _step(
         _with(
             config,
@@ -181,6 +189,10 @@ def test_a_sliding_window_model_is_refused_with_the_fix(qwen2_dir: Path, tmp_pat
     config.save_pretrained(model_dir)
     with pytest.raises(ValueError, match="micro_batch_layout = 'pad'"):
         create_pytorch_backend(_with(tiny_config(model_dir), micro_batch_layout="prefix"))
+    # left at "auto", the layout every model trains: "pad"
+    backend = create_pytorch_backend(_with(tiny_config(model_dir), micro_batch_layout="auto"))
+    assert backend.core.settings.layout == "pad"
+    backend.close()
 
 
 def test_the_config_refuses_prefix_with_fsdp_or_gradient_checkpointing(tmp_path: Path) -> None:

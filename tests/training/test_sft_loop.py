@@ -246,4 +246,4 @@ async def test_sft_trains_with_sft_autocast_and_rl_keeps_autocast(
 
     await sft_phase(config, tmp_path / "run", tiny_model_dir, False, StopFlag(), recording_backend)
     assert built == [trains_with == "bfloat16"]
-    assert config.training.autocasts("cpu")  # the RL phase's section is unchanged
+    assert config.training.autocast == "bfloat16"  # the RL phase's section is unchanged
