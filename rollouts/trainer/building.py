@@ -116,11 +116,15 @@ def load_tokenizer(path: str | Path) -> Any:
 def create_adamw_optimizer(
     params: Iterable[torch.nn.Parameter], optim: OptimConfig, lr: float | None = None
 ) -> torch.optim.AdamW:
-    """AdamW from `[optim]` (`lr` overrides optim.lr, e.g. for SFT). On CUDA the fused kernel
-    (one launch for every parameter; PyTorch's default there is `foreach`, a launch per op and
-    group): the same update, 8 ms of a 118 ms step of the ~0.4B model on an H200 with foreach."""
+    """AdamW from `[optim]` (`lr` overrides optim.lr, e.g. for SFT), with the fused kernel:
+    - on CUDA, one launch for every parameter (PyTorch's default there is `foreach`, a launch per
+      op and group): the same update, 8 ms of a 118 ms step of the ~0.4B model on an H200 with
+      foreach;
+    - on CPU for plain tensors (not FSDP's DTensors), one parallel pass (PyTorch's default there
+      is a loop over the tensors): SmolLM2's 134.5 M fp32 parameters in 0.070 s against 0.322 s,
+      weights within 6e-8 of the loop's after 3 steps (scripts/bench_adamw.py)."""
     trained = [p for p in params if p.requires_grad]
-    fused = bool(trained) and all(p.is_cuda and p.is_floating_point() for p in trained)
+    fused = bool(trained) and all(_fusable(p) for p in trained)
     return torch.optim.AdamW(
         trained,
         lr=optim.lr if lr is None else lr,
@@ -129,6 +133,12 @@ def create_adamw_optimizer(
         weight_decay=optim.weight_decay,
         fused=True if fused else None,
     )
+
+
+def _fusable(p: torch.Tensor) -> bool:
+    if not p.is_floating_point():
+        return False
+    return p.is_cuda or (p.device.type == "cpu" and type(p.data) is torch.Tensor)
 
 
 def wants_value_head(config: Config, value_head: bool | None) -> bool:
