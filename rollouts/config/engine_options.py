@@ -82,9 +82,9 @@ class EngineOptions(_Section):
         at_least=0,
     )
     max_batch: int = option(
-        256,
-        "sequences decoded together (every shipped config decodes a step's 128-256 at once: "
-        "more rows a step, more tokens/s)",
+        128,
+        "sequences decoded together (every shipped CPU config decodes its 128 a step at once; "
+        "the KV cache is allocated for this many rows)",
         key=True,
         at_least=1,
     )
