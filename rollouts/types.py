@@ -54,7 +54,9 @@ class Sample:
     logprob of each response token (len == response_length). `weight_versions` lists every policy
     version that produced part of the response (several when a partial rollout was resumed).
     `teacher_logprobs` (on-policy distillation): the teacher's logprob of each response token
-    given everything before it (len == response_length), once scored.
+    given everything before it (len == response_length), once scored; `teacher_top` (top-k
+    distillation, `algorithm.distill.top_k`): at each response token's position, the teacher's
+    k likeliest (token id, logprob), in rank order.
     """
 
     index: int  # dataset index of the prompt
@@ -70,6 +72,7 @@ class Sample:
     weight_versions: tuple[str, ...] = ()
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     teacher_logprobs: tuple[float, ...] = ()
+    teacher_top: tuple[tuple[tuple[int, float], ...], ...] = ()
 
     def __post_init__(self) -> None:
         assert len(self.tokens) == len(self.loss_mask), (
@@ -84,6 +87,9 @@ class Sample:
         assert set(self.loss_mask) <= {0, 1}, "loss_mask values must be 0 or 1"
         assert not self.teacher_logprobs or len(self.teacher_logprobs) == self.response_length, (
             f"{len(self.teacher_logprobs)=} != {self.response_length=}"
+        )
+        assert not self.teacher_top or len(self.teacher_top) == self.response_length, (
+            f"{len(self.teacher_top)=} != {self.response_length=}"
         )
 
     @property
@@ -112,6 +118,7 @@ def sample_to_dict(sample: Sample) -> dict[str, Any]:
     out["prompt"] = sample.prompt if isinstance(sample.prompt, str) else list(sample.prompt)
     for key in ("tokens", "loss_mask", "rollout_logprobs", "weight_versions", "teacher_logprobs"):
         out[key] = list(out[key])
+    out["teacher_top"] = [[list(pair) for pair in step] for step in sample.teacher_top]
     out["reward"] = list(sample.reward) if isinstance(sample.reward, tuple) else sample.reward
     out["metadata"] = dict(sample.metadata)
     return out
@@ -135,6 +142,9 @@ def sample_from_dict(data: Mapping[str, Any]) -> Sample:
         weight_versions=tuple(data.get("weight_versions", ())),
         metadata=dict(data.get("metadata", {})),
         teacher_logprobs=tuple(data.get("teacher_logprobs", ())),
+        teacher_top=tuple(
+            tuple((int(t), float(lp)) for t, lp in step) for step in data.get("teacher_top", ())
+        ),
     )
 
 
@@ -186,6 +196,10 @@ class TrainBatch:
     ref_logprobs: tuple[Any, ...] = ()  # [T_i] float, reference model's
     returns: tuple[Any, ...] = ()  # [T_i] float (PPO with a critic)
     old_values: tuple[Any, ...] = ()  # [T_i] float (PPO with a critic)
+    # top-k distillation: [T_i, K] the teacher's K likeliest tokens predicting token t, and
+    # their logprobs (prompt positions: id 0, logprob 0; their loss mask is 0)
+    teacher_top_ids: tuple[Any, ...] = ()
+    teacher_top_logprobs: tuple[Any, ...] = ()
     num_global_tokens: float = 0.0
     num_global_seqs: float = 0.0
     max_response_length: int = 0
@@ -201,6 +215,8 @@ class TrainBatch:
             "ref_logprobs",
             "returns",
             "old_values",
+            "teacher_top_ids",
+            "teacher_top_logprobs",
         ):
             field = getattr(self, name)
             assert not field or len(field) == n, f"{name}: {len(field)=} != {n=}"
@@ -242,6 +258,8 @@ class ModelOutputs:
     logprobs: tuple[Any, ...]
     entropy: tuple[Any, ...] = ()
     values: tuple[Any, ...] = ()
+    # [T_i, K]: log p(the teacher's top-K tokens | tokens < t), when the batch carries them
+    top_logprobs: tuple[Any, ...] = ()
 
 
 class LossFn(Protocol):

@@ -1,7 +1,8 @@
 """On-policy distillation against GRPO from the same base model, seed by seed.
 
     python scripts/distill_vs_grpo.py OUT [--seeds 0 1 2] [--grpo-steps 24] [--distill-steps 12]
-        [--eval-every 2] [--teacher runs/smollm2-teacher-model]
+        [--eval-every 2] [--teacher runs/smollm2-teacher-model] [--top-k K] [--only METHOD]
+        [--set KEY=VALUE ...]
 
 For each seed it runs, one after the other on the whole machine:
   - GRPO: configs/smollm2-lora-cpu.toml for --grpo-steps steps;
@@ -38,6 +39,9 @@ def run(method: str, seed: int, steps: int, args: argparse.Namespace) -> dict:
     ]
     if method == "distill":
         sets.append(f"teacher.path={args.teacher}")
+        if args.top_k is not None:
+            sets.append(f"algorithm.distill.top_k={args.top_k}")
+    sets += args.set
     cmd = [sys.executable, str(TRAIN), "--mode", "rl", "--config", CONFIGS[method]]
     for s in sets:
         cmd += ["--set", s]
@@ -67,6 +71,13 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=2)
     parser.add_argument("--teacher", default="runs/smollm2-teacher-model")
     parser.add_argument("--only", choices=sorted(CONFIGS), help="run one method only")
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="algorithm.distill.top_k of the distillation runs (default: the config's)",
+    )
+    parser.add_argument("--set", action="append", default=[], help="KEY=VALUE for every run")
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[int, dict]] = {m: {} for m in CONFIGS}

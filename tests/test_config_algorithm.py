@@ -112,6 +112,13 @@ def test_distillation_and_its_teacher_need_each_other() -> None:
     assert "teacher.engines.max_retries: must be >= 0" in problems
     assert any(p.startswith("teacher.engines.urls: must list") for p in problems)
     assert any(p.startswith("algorithm.distill.task_advantage = 'gae'") for p in problems)
+    with pytest.raises(ConfigError, match=r"algorithm.distill.top_k = 21: must be in \[0, 20\]"):
+        config_from_dict(
+            {
+                "algorithm": {"advantage": "distill", "distill": {"top_k": 21}},
+                "teacher": {"path": "/x"},
+            }
+        )
     with pytest.raises(ConfigError, match=r"temperature-scaled distribution"):
         config_from_dict(
             {

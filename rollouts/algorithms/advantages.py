@@ -263,10 +263,14 @@ def reverse_kl_per_token(groups: Groups) -> tuple[float, int]:
 
 
 def _distill(groups: Groups, rewards: PerToken, config: AlgorithmConfig) -> PerToken:
-    """coef x the reverse KL's advantage, plus task_weight x the task reward's advantage
-    (`algorithm.distill.task_advantage`, a critic-free estimator) when one is named."""
+    """coef x the reverse KL's advantage (0 with `top_k`: its term is in the loss), plus
+    task_weight x the task reward's advantage (`algorithm.distill.task_advantage`, a
+    critic-free estimator) when one is named."""
     d = config.distill
-    out = tuple(tuple(distill_token_advantages(s, d.coef) for s in group) for group in groups)
+    if d.top_k:  # the teacher's top-k is learnt in the loss (loss_fn), not from an advantage
+        out = tuple(tuple(torch.zeros(len(s.tokens)) for s in group) for group in groups)
+    else:
+        out = tuple(tuple(distill_token_advantages(s, d.coef) for s in group) for group in groups)
     if not d.task_advantage:
         return out
     task_config = dataclasses.replace(config, advantage=d.task_advantage)

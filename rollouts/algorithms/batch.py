@@ -39,6 +39,24 @@ def rollout_logprobs_tensor(sample: Sample) -> torch.Tensor:
     return out
 
 
+def teacher_top_tensors(sample: Sample, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[len(tokens), k] the teacher's top-k ids and logprobs at each response token's position
+    (top-k distillation); prompt rows hold id 0 and logprob 0 (untrained)."""
+    n = sample.response_length
+    ids = torch.zeros((len(sample.tokens), k), dtype=torch.long)
+    lps = torch.zeros((len(sample.tokens), k), dtype=torch.float32)
+    if n:
+        if len(sample.teacher_top) != n or any(len(step) != k for step in sample.teacher_top):
+            raise ValueError(
+                f"sample {sample.index} (group {sample.group_index}): top-k distillation needs "
+                f"the teacher's {k} likeliest tokens at each of its {n} response tokens; it has "
+                f"{len(sample.teacher_top)} positions"
+            )
+        ids[-n:] = torch.tensor([[t for t, _ in step] for step in sample.teacher_top])
+        lps[-n:] = torch.tensor([[lp for _, lp in step] for step in sample.teacher_top])
+    return ids, lps
+
+
 def make_train_batch(
     samples: Sequence[Sample],
     advantages: Sequence[torch.Tensor],
@@ -53,7 +71,8 @@ def make_train_batch(
     `advantages[i]` is aligned with `samples[i].tokens` (what `compute_advantages` returns,
     flattened). `max_response_length` is Dr.GRPO's constant T_max (e.g. the sampling budget
     max_new_tokens); 0 = the longest response here. `rollout_logprobs` are included when every
-    sample has them. `old_logprobs` / `ref_logprobs` are filled in later by the backend
+    sample has them; the teacher's top-k when a sample has them (then every one must).
+    `old_logprobs` / `ref_logprobs` are filled in later by the backend
     (`dataclasses.replace(batch, old_logprobs=...)`); the normalisers do not depend on them.
     """
     assert len(samples) == len(advantages), f"{len(samples)=} != {len(advantages)=}"
@@ -74,6 +93,8 @@ def make_train_batch(
     )
     longest = max((s.response_length for s in samples), default=0)
     counts = global_counts(masks, max_response_length or longest)
+    k = next((len(s.teacher_top[0]) for s in samples if s.teacher_top), 0)
+    top = [teacher_top_tensors(s, k) for s in samples] if k else []
     return TrainBatch(
         input_ids=tuple(input_ids),
         loss_mask=tuple(masks),
@@ -81,6 +102,8 @@ def make_train_batch(
         rollout_logprobs=tuple(rollout_logprobs_tensor(s) for s in samples) if with_rollout else (),
         returns=tuple(r.float() for r in returns),
         old_values=tuple(v.float() for v in old_values),
+        teacher_top_ids=tuple(ids for ids, _ in top),
+        teacher_top_logprobs=tuple(lps for _, lps in top),
         num_global_tokens=counts.num_tokens,
         num_global_seqs=counts.num_seqs,
         max_response_length=counts.max_response_length,

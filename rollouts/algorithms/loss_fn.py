@@ -4,6 +4,7 @@ total = policy term (`policy_loss.POLICY_LOSSES[config.policy_loss].term`)
         - entropy_coef * agg(entropy)
         + kl.coef * agg(kl(logp, logp_ref))   [kl.into = "loss"]
         + gae.value_coef * agg(value_loss)    [a critic's estimator, when the backend gives values]
+        + distill.coef * agg(KL(teacher_K || student))   [distill.top_k: the teacher's top-K]
 Every term is aggregated with `config.loss_agg` and the batch's GLOBAL counts, so a backend sums
 the micro-batch losses' gradients (over micro-batches and data-parallel ranks: a backend whose
 all-reduce AVERAGES gradients over DP ranks must multiply the loss by the world size). Metrics are
@@ -96,6 +97,8 @@ def _extra_terms(config, outputs, batch, logp, mask, counts, total, metrics):
         total = total + _kl_term(config, logp, batch, mask, counts, metrics)
     if algorithm.needs_values:
         total = total + _value_term(config, outputs, batch, mask, counts, metrics)
+    if config.advantage == "distill" and config.distill.top_k:
+        total = total + _top_k_term(config, outputs, batch, mask, counts, metrics)
     metrics["loss"] = float(total.detach())
     return total, metrics
 
@@ -142,3 +145,25 @@ def _value_term(config, outputs, batch, mask, counts, metrics) -> torch.Tensor:
     metrics["value_loss"] = float(agg.detach())
     metrics["value_clipfrac"] = token_mean(clipped, mask, counts)
     return config.gae.value_coef * agg
+
+
+def top_k_kl(teacher_BTK: torch.Tensor, student_BTK: torch.Tensor) -> torch.Tensor:
+    """[B, T] KL(teacher || student) over the teacher's K likeliest tokens: the teacher's K
+    renormalised against the student's full-vocabulary logprobs of the same tokens. It is >= 0
+    (the student's K sum to at most 1) and 0 only where the student puts all its mass on the
+    K, in the teacher's proportions."""
+    log_t = torch.log_softmax(teacher_BTK.float(), dim=-1)
+    return (log_t.exp() * (log_t - student_BTK)).sum(-1)
+
+
+def _top_k_term(config, outputs, batch, mask, counts, metrics) -> torch.Tensor:
+    if not outputs.top_logprobs or not batch.teacher_top_logprobs:
+        raise ValueError(
+            f"algorithm.distill.top_k = {config.distill.top_k} needs the teacher's top-k on the "
+            "batch (TrainBatch.teacher_top_*, from teacher-scored samples) and the backend's "
+            "logprobs of them (ModelOutputs.top_logprobs)"
+        )
+    kl = top_k_kl(pad(batch.teacher_top_logprobs, mask.device), pad(outputs.top_logprobs))
+    agg = aggregate(kl, mask, config.loss_agg, counts)
+    metrics["top_k_kl"] = token_mean(kl, mask, counts)
+    return config.distill.coef * agg

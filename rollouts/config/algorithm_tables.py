@@ -209,13 +209,20 @@ class DistillConfig(_Section):
     Each sampled token's advantage is coef * -(log pi_student - log pi_teacher), the negative
     per-token reverse KL of the student's own sample (its logprobs as the engine sampled it,
     the teacher's as it scored the same tokens); `task_advantage` adds the task reward's
-    advantage (a critic-free estimator's), weighted by `task_weight`."""
+    advantage (a critic-free estimator's), weighted by `task_weight`.
+
+    `top_k` = K > 0 learns the teacher's distribution instead of its opinion of the one sampled
+    token: at every sampled token's position the teacher returns its K likeliest tokens, and
+    the loss adds coef * KL(teacher || student) over them (the teacher's K renormalised; the
+    student's full-vocabulary logprobs of those K), aggregated as the policy loss is. The
+    sampled token's advantage is then 0 (a task advantage still applies)."""
 
     KEY: ClassVar[str] = "algorithm.distill"
 
     coef: float = 1.0
     task_advantage: str = ""  # "" = none; "grpo", "dr_grpo" or "rloo"
     task_weight: float = 1.0
+    top_k: int = 0  # 0 = the sampled token's reverse KL; 1..20 = the teacher's top-K in the loss
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -230,5 +237,11 @@ class DistillConfig(_Section):
             p,
             self.task_weight >= 0.0,
             f"algorithm.distill.task_weight = {self.task_weight}: must be >= 0",
+        )
+        _check(
+            p,
+            0 <= self.top_k <= 20,
+            f"algorithm.distill.top_k = {self.top_k}: must be in [0, 20] (engines return at "
+            "most 20 logprobs a position; 0 = the sampled token's reverse KL)",
         )
         return p

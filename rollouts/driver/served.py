@@ -182,7 +182,11 @@ async def open_teacher(config: Config, student_tokenizer: Any) -> AsyncIterator[
         if served is None:
             yield None
             return
-        yield Teacher(engines=served[0], max_concurrency=config.teacher.max_concurrency)
+        yield Teacher(
+            engines=served[0],
+            max_concurrency=config.teacher.max_concurrency,
+            top_k=config.algorithm.distill.top_k,
+        )
 
 
 @contextlib.asynccontextmanager

@@ -1,24 +1,23 @@
 """EnginePool: several engines behind the one InferenceEngine Protocol.
 
 Each request goes to the least-loaded healthy engine (loads counted by the pool itself: its own
-in-flight requests per engine, no extra HTTP). An engine whose call fails with EngineUnavailable
-is marked down and the request is retried on another (at most once per engine; once more after
-waiting, bounded, for an engine to come back when none is left); a periodic health check
-(`run_health_checks`, started by the owner in its nursery) brings it back once /health is
-200 and it serves the pool's weights: an engine that comes back with other weights (restarted on
-the starting model, or an external server restarted by hand) first reloads the pool's current
-weights (`set_weights`) and proves their version, under `weights_lock` so that it never
-interleaves with a weight sync. Each engine has its own health-check loop, so one that waits
-for the weights lock never delays another's. An engine that stops answering /health for
-`stall_timeout_s` (hung: SIGSTOPped, deadlocked, swapping) is marked down at once and its calls
-in flight end (`hung.CallWatch`): a generation goes to the other engines (from its prompt, or
-the partial response it was resumed from: a hung engine gives back no tokens), a weight sync
-given `watched` engines goes on without it, instead of waiting out the request timeout while
-the other engines sit idle; when it answers again it is resumed (a pause it took while hung)
-and reloaded before it gets a request. Control calls (pause, resume, weights, abort) go to
-every engine that is up, concurrently. A weight sync is the pool's too (`sync`: wait, lock,
-deliver, mark down, record; a `Delivery` only delivers). Each engine's state is one
-`EngineState` record, written only here.
+in-flight requests per engine, no extra HTTP). An engine whose call fails with EngineUnavailable is
+marked down and the request is retried on another (at most once per engine; once more after waiting,
+bounded, for an engine to come back when none is left); a periodic health check
+(`run_health_checks`, started by the owner in its nursery) brings it back once /health is 200 and it
+serves the pool's weights: an engine that comes back with other weights (restarted on the starting
+model, or an external server restarted by hand) first reloads the pool's current weights
+(`set_weights`) and proves their version, under `weights_lock` so that it never interleaves with a
+weight sync. Each engine has its own health-check loop, so one that waits for the weights lock never
+delays another's. An engine that stops answering /health for `stall_timeout_s` (hung: SIGSTOPped,
+deadlocked, swapping) is marked down at once and its calls in flight end (`hung.CallWatch`): a
+generation goes to the other engines (from its prompt, or the partial response it was resumed from:
+a hung engine gives back no tokens), a weight sync given `watched` engines goes on without it,
+instead of waiting out the request timeout while the other engines sit idle; when it answers again
+it is resumed (a pause it took while hung) and reloaded before it gets a request. Control calls
+(pause, resume, weights, abort) go to every engine that is up, concurrently. A weight sync is the
+pool's too (`sync`: wait, lock, deliver, mark down, record; a `Delivery` only delivers). Each
+engine's state is one `EngineState` record, written only here.
 """
 
 from __future__ import annotations
@@ -105,16 +104,18 @@ class EnginePool:
     async def generate(
         self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None
     ) -> Completion:
-        """Generate on the least-loaded healthy engine; on EngineUnavailable try the next one.
-
-        When no engine is up, wait up to `wait_for_up_s` for a health check to bring one back.
-        """
+        """Generate on the least-loaded healthy engine; on EngineUnavailable try the next one;
+        with none up, wait up to `wait_for_up_s` for a health check to bring one back."""
         return await self._on_an_engine(1, lambda e: e.generate(input_ids, sampling, rid))
 
     async def prompt_logprobs(self, input_ids: Sequence[int]) -> tuple[float, ...]:
         """Each token's logprob given the ones before it, on the least-loaded healthy engine
         (a teacher's scoring: `rollout/teacher.py`); moved on and waited for as `generate`."""
         return await self._on_an_engine(1, lambda e: e.prompt_logprobs(input_ids))
+
+    async def prompt_top_logprobs(self, input_ids: Sequence[int], top: int) -> Any:
+        """`prompt_logprobs` and the `top` likeliest (id, logprob) at each position."""
+        return await self._on_an_engine(1, lambda e: e.prompt_top_logprobs(input_ids, top))
 
     async def _on_an_engine(self, cost: int, call: Callable[[Any], Awaitable[Any]]) -> Any:
         """`call` on the least-loaded engine that is up (counting `cost` requests in flight

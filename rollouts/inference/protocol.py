@@ -73,6 +73,13 @@ class InferenceEngine(Protocol):
         (raw logits, teacher-forced): what a weight sync's content check compares."""
         ...
 
+    async def prompt_top_logprobs(
+        self, input_ids: Sequence[int], top: int
+    ) -> tuple[tuple[float, ...], tuple[tuple[tuple[int, float], ...], ...]]:
+        """`prompt_logprobs`, and at each position the `top` likeliest (token id, logprob) in
+        rank order: a teacher's distribution for top-k distillation."""
+        ...
+
     async def load(self) -> EngineLoad:
         """Running and waiting request counts."""
         ...

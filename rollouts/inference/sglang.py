@@ -24,6 +24,7 @@ from rollouts.inference.protocol import (
     adapter_name,
 )
 from rollouts.inference.sglang_wire import (
+    TopLogprobs,
     batch_generate_body,
     distributed_update_body,
     generate_body,
@@ -32,6 +33,7 @@ from rollouts.inference.sglang_wire import (
     one_answer,
     parse_generate,
     parse_input_logprobs,
+    parse_input_top_logprobs,
 )
 from rollouts.inference.versions import SyncBracket, completion_version, span_versions
 from rollouts.wire.generation import (
@@ -197,6 +199,16 @@ class SGLangEngine:
         body = input_logprobs_body(input_ids, self.adapters.current)
         answer = await self.http.json("POST", "/generate", json_body=body)
         return parse_input_logprobs(answer, input_ids)
+
+    async def prompt_top_logprobs(
+        self, input_ids: Sequence[int], top: int
+    ) -> tuple[tuple[float, ...], TopLogprobs]:
+        """As `prompt_logprobs`, with the `top` likeliest (id, logprob) at each position."""
+        body = input_logprobs_body(input_ids, self.adapters.current, top)
+        answer = await self.http.json("POST", "/generate", json_body=body)
+        return parse_input_logprobs(answer, input_ids), parse_input_top_logprobs(
+            answer, input_ids, top
+        )
 
     async def health(self) -> bool:
         """GET /health is 200; while this client has the engine paused, GET /model_info is.

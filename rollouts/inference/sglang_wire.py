@@ -87,8 +87,11 @@ def batch_generate_body(
     return body
 
 
-def input_logprobs_body(input_ids: Sequence[int], adapter: str | None = None) -> dict[str, Any]:
-    """POST /generate asking for the prompt tokens' logprobs (`logprob_start_len` 0)."""
+def input_logprobs_body(
+    input_ids: Sequence[int], adapter: str | None = None, top: int = 0
+) -> dict[str, Any]:
+    """POST /generate asking for the prompt tokens' logprobs (`logprob_start_len` 0), and with
+    `top` the `top` likeliest tokens at each position (`top_logprobs_num`)."""
     assert len(input_ids) >= 2, "a prompt-logprobs probe needs two tokens"
     body: dict[str, Any] = {
         "input_ids": list(input_ids),
@@ -96,9 +99,31 @@ def input_logprobs_body(input_ids: Sequence[int], adapter: str | None = None) ->
         "return_logprob": True,
         "logprob_start_len": 0,
     }
+    if top:
+        body["top_logprobs_num"] = top
     if adapter is not None:
         body["lora_path"] = adapter
     return body
+
+
+TopLogprobs = tuple[tuple[tuple[int, float], ...], ...]  # per position: (token id, logprob) x k
+
+
+def parse_input_top_logprobs(answer: Any, input_ids: Sequence[int], top: int) -> TopLogprobs:
+    """meta_info.input_top_logprobs (per prompt token a list of `[logprob, token_id, text]`,
+    the first position empty) -> the `top` likeliest (id, logprob) predicting each of
+    `input_ids[1:]`."""
+    entries = one_answer(answer)["meta_info"].get("input_top_logprobs")
+    if not isinstance(entries, list) or len(entries) != len(input_ids):
+        got = len(entries) if isinstance(entries, list) else entries
+        raise EngineError(f"/generate gave {got!r} input_top_logprobs for {len(input_ids)}")
+    out = []
+    for t in range(1, len(input_ids)):
+        step = entries[t]
+        if not isinstance(step, list) or len(step) != top or any(e[0] is None for e in step):
+            raise EngineError(f"input_top_logprobs[{t}] = {step!r}: not {top} (logprob, id)")
+        out.append(tuple((int(e[1]), float(e[0])) for e in step))
+    return tuple(out)
 
 
 def parse_input_logprobs(answer: Any, input_ids: Sequence[int]) -> tuple[float, ...]:

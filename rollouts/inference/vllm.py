@@ -14,153 +14,33 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, Unpack
+from typing import Unpack
 
 from rollouts.inference.adapters import AdapterSlots
 from rollouts.inference.http import EngineError, EngineHttp, EngineHttpArgs, EngineRequestError
 from rollouts.inference.protocol import EngineLoad, TensorSpecLike, WeightGroupSpec, adapter_name
-from rollouts.inference.sglang_wire import shared_sampling_fields
+from rollouts.inference.sglang_wire import TopLogprobs
 from rollouts.inference.versions import SyncBracket, completion_version, span_versions
+from rollouts.inference.vllm_wire import (
+    completion_body,
+    completion_request_id,
+    parse_completion,
+    parse_prompt_logprobs,
+    parse_prompt_top_logprobs,
+    prompt_logprobs_body,
+    reports_weight_versions,
+    transfer_init_info,
+    transfer_update_info,
+)
 from rollouts.wire.generation import (
     PAUSE_MODES,
     Completion,
-    FinishReason,
     PauseMode,
     SamplingParams,
 )
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 5.0
-FINISH = {
-    "stop": FinishReason.STOP,
-    "length": FinishReason.LENGTH,
-    "abort": FinishReason.ABORT,
-    "error": FinishReason.ERROR,
-    "repetition": FinishReason.STOP,
-}
-
-
-def completion_body(
-    input_ids: Sequence[int], sampling: SamplingParams, rid: str | None, model: str | None
-) -> dict[str, Any]:
-    """The POST /v1/completions body for one token-id prompt (vLLM field names)."""
-    assert len(input_ids) > 0, "input_ids must not be empty"
-    body: dict[str, Any] = {
-        "prompt": list(input_ids),
-        "max_tokens": sampling.max_new_tokens,
-        **shared_sampling_fields(sampling),  # as the SGLang client: the same decoded text
-        "include_stop_str_in_output": sampling.no_stop_trim,
-        "n": 1,
-        "logprobs": 0,
-        "return_token_ids": True,
-        "return_tokens_as_token_ids": True,
-        "return_weight_versions": True,
-    }
-    if model is not None:
-        body["model"] = model
-    if sampling.seed is not None:
-        body["seed"] = sampling.seed
-    if rid is not None:
-        body["request_id"] = rid
-    return body
-
-
-def completion_request_id(rid: str, prompt_index: int = 0) -> str:
-    """The id vLLM's /abort_requests knows a /v1/completions request by: its `request_id`
-    prefixed `cmpl-` (the answer's `id`) and suffixed with the prompt's index."""
-    return f"cmpl-{rid}-{prompt_index}"
-
-
-def parse_completion(answer: Any, version: str) -> Completion:
-    """A /v1/completions answer with one choice -> Completion served by weight `version`."""
-    choices = answer.get("choices") if isinstance(answer, dict) else None
-    if not choices:
-        raise EngineError(f"/v1/completions answer has no choices: {str(answer)[:200]}")
-    choice = choices[0]
-    if choice.get("token_ids") is None:
-        raise EngineError("/v1/completions answer has no token_ids (return_token_ids ignored?)")
-    output_ids = tuple(int(t) for t in choice["token_ids"])
-    logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
-    if len(logprobs) != len(output_ids):
-        raise EngineError(f"{len(logprobs)} logprobs for {len(output_ids)} output tokens")
-    usage = answer.get("usage") or {}
-    prompt_ids = choice.get("prompt_token_ids")
-    prompt_tokens = len(prompt_ids) if prompt_ids is not None else usage.get("prompt_tokens", 0)
-    return Completion(
-        output_ids=output_ids,
-        logprobs=tuple(float(x) for x in logprobs),
-        finish_reason=FINISH.get(choice.get("finish_reason"), FinishReason.ERROR),
-        weight_version=version,
-        prompt_tokens=int(prompt_tokens),
-        completion_tokens=len(output_ids),
-        text=str(choice.get("text", "")),
-        matched_stop=choice.get("stop_reason"),
-    )
-
-
-def prompt_logprobs_body(input_ids: Sequence[int], model: str | None) -> dict[str, Any]:
-    """POST /v1/completions asking for the prompt tokens' logprobs (one output token)."""
-    assert len(input_ids) >= 2, "a prompt-logprobs probe needs two tokens"
-    body: dict[str, Any] = {
-        "prompt": list(input_ids),
-        "max_tokens": 1,
-        "temperature": 1.0,
-        "seed": 0,
-        "prompt_logprobs": 0,
-        "return_token_ids": True,
-    }
-    if model is not None:
-        body["model"] = model
-    return body
-
-
-def parse_prompt_logprobs(answer: Any, input_ids: Sequence[int]) -> tuple[float, ...]:
-    """`choices[0].prompt_logprobs` (null, then {token id: {logprob, rank, ...}} per position)
-    -> the logprob of each of `input_ids[1:]`."""
-    choices = answer.get("choices") if isinstance(answer, dict) else None
-    entries = choices[0].get("prompt_logprobs") if choices else None
-    if not isinstance(entries, list) or len(entries) != len(input_ids):
-        raise EngineError(f"/v1/completions gave no prompt_logprobs for the prompt: {entries!r}")
-    out = []
-    for t in range(1, len(input_ids)):
-        entry = (entries[t] or {}).get(str(input_ids[t]))
-        if not isinstance(entry, dict) or entry.get("logprob") is None:
-            raise EngineError(f"prompt_logprobs[{t}] has no entry for token {input_ids[t]}")
-        out.append(float(entry["logprob"]))
-    return tuple(out)
-
-
-def reports_weight_versions(version: str) -> bool | None:
-    """Whether vLLM `version` answers `return_weight_versions` (0.33+); None if unparseable."""
-    parts = version.split(".")
-    try:
-        major, minor = int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return None
-    return (major, minor) >= (0, 33)
-
-
-def transfer_init_info(group: WeightGroupSpec, rank_offset: int) -> dict[str, Any]:
-    """`init_info` of POST /init_weight_transfer_engine (NCCL backend, TCP rendezvous).
-
-    Only the fields vLLM 0.27 to 0.33 all accept; no `packed`: tensors go one by one.
-    """
-    return {
-        "master_address": group.master_address,
-        "master_port": group.master_port,
-        "rank_offset": rank_offset,
-        "world_size": group.world_size,
-    }
-
-
-def transfer_update_info(specs: Sequence[TensorSpecLike]) -> dict[str, Any]:
-    """`update_info` of POST /update_weights (vLLM's NCCLWeightTransferUpdateInfo)."""
-    assert specs, "an empty bucket"
-    return {
-        "names": [s.name for s in specs],
-        "dtype_names": [s.dtype for s in specs],
-        "shapes": [list(s.shape) for s in specs],
-    }
 
 
 class VLLMEngine:
@@ -324,6 +204,16 @@ class VLLMEngine:
         body = prompt_logprobs_body(input_ids, self.served())
         answer = await self.http.json("POST", "/v1/completions", json_body=body)
         return parse_prompt_logprobs(answer, input_ids)
+
+    async def prompt_top_logprobs(
+        self, input_ids: Sequence[int], top: int
+    ) -> tuple[tuple[float, ...], TopLogprobs]:
+        """As `prompt_logprobs`, with the `top` likeliest (id, logprob) at each position."""
+        body = prompt_logprobs_body(input_ids, self.served(), top)
+        answer = await self.http.json("POST", "/v1/completions", json_body=body)
+        return parse_prompt_logprobs(answer, input_ids), parse_prompt_top_logprobs(
+            answer, input_ids, top
+        )
 
     async def load(self) -> EngineLoad:
         """vLLM has no load route in its API: this client's own in-flight requests."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 
@@ -29,6 +29,8 @@ class ScoresTokens(Protocol):
     """What the teacher needs of its engines (an `EnginePool`)."""
 
     async def prompt_logprobs(self, input_ids: Sequence[int]) -> tuple[float, ...]: ...
+
+    async def prompt_top_logprobs(self, input_ids: Sequence[int], top: int) -> Any: ...
 
 
 def response_logprobs(sample: Sample, served: Sequence[float]) -> tuple[float, ...]:
@@ -48,6 +50,7 @@ class Teacher:
 
     engines: ScoresTokens
     max_concurrency: int = 16
+    top_k: int = 0  # also keep the teacher's top-k at each response position (`teacher_top`)
 
     def __post_init__(self) -> None:
         assert self.max_concurrency >= 1, f"{self.max_concurrency=}"
@@ -78,9 +81,16 @@ class Teacher:
         when no teacher engine is left."""
         async with self.limiter:
             try:
-                served = await self.engines.prompt_logprobs(sample.tokens)
+                if not self.top_k:
+                    served = await self.engines.prompt_logprobs(sample.tokens)
+                    return dataclasses.replace(
+                        sample, teacher_logprobs=response_logprobs(sample, served)
+                    )
+                served, top = await self.engines.prompt_top_logprobs(sample.tokens, self.top_k)
                 return dataclasses.replace(
-                    sample, teacher_logprobs=response_logprobs(sample, served)
+                    sample,
+                    teacher_logprobs=response_logprobs(sample, served),
+                    teacher_top=tuple(top[sample.prompt_length - 1 :]),
                 )
             except EngineUnavailable:
                 raise

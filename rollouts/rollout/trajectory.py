@@ -145,4 +145,5 @@ def without_tokens(sample: Sample) -> Sample:
         rollout_logprobs=(),
         weight_versions=(),
         teacher_logprobs=(),
+        teacher_top=(),
     )

@@ -155,10 +155,13 @@ class MicroBatchTensors:
     # [M] the predictions the LM head runs on (their targets are trained); None = all N
     head_idx: torch.Tensor | None = None
     prefix: SharedPrefix | None = None  # layout "prefix": the rows continue these
+    # [N, K] top-k distillation: K more tokens each prediction is scored on (the teacher's)
+    top_ids: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         assert self.pred_idx.shape == self.targets.shape, f"{self.pred_idx.shape=}"
         assert self.pred_idx.shape[0] == sum(self.split_sizes), f"{self.split_sizes=}"
+        assert self.top_ids is None or self.top_ids.shape[0] == self.targets.shape[0]
 
 
 def build_tensors(
@@ -166,14 +169,30 @@ def build_tensors(
     input_ids: Sequence[torch.Tensor],
     pad_id: int = 0,
     loss_mask: Sequence[torch.Tensor] | None = None,
+    top_ids: Sequence[torch.Tensor] = (),
 ) -> MicroBatchTensors:
     """Lay the plan's sequences out in rows; list the hidden state and target of every
     next-token prediction.
 
     With `loss_mask` (one per sequence of `input_ids`), `head_idx` lists the predictions whose
     target is trained (mask != 0): the LM head runs only there (None when that is all of them).
+    With `top_ids` ([T_i, K] per sequence), each prediction is also scored on its row's K tokens.
     """
     head_idx = None if loss_mask is None else trained_predictions(plan, input_ids, loss_mask)
+    mb = _laid_out(plan, input_ids, pad_id, head_idx)
+    if not top_ids:
+        return mb
+    # predictions are listed sequence by sequence, in plan order, in every layout
+    top = torch.cat([top_ids[i][1:] for i in plan.indices])
+    return dataclasses.replace(mb, top_ids=top)
+
+
+def _laid_out(
+    plan: MicroBatchPlan,
+    input_ids: Sequence[torch.Tensor],
+    pad_id: int,
+    head_idx: torch.Tensor | None,
+) -> MicroBatchTensors:
     if plan.prefix_lens:
         return _prefixed_tensors(plan, input_ids, pad_id, head_idx)
     ids = torch.full((plan.rows, plan.row_len), pad_id, dtype=torch.long)

@@ -164,9 +164,11 @@ class TrainerCore:
         want_values: bool = False,
         entropy_grad: bool = True,
         argmax_match: bool = False,
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Per sequence: logprobs, entropies, values, and the logprobs of `mb.top_ids` ([T_i, K],
+        top-k distillation; empty without them)."""
         with self._autocast():
-            lp_N, ent_N, val_N = self.model(
+            lp_N, ent_N, val_N, top_N_K = self.model(
                 move_to(mb, self.device),
                 want_entropy,
                 want_values,
@@ -176,14 +178,19 @@ class TrainerCore:
         lps = split_per_sequence(lp_N, mb.split_sizes)
         ents = split_per_sequence(ent_N, mb.split_sizes) if want_entropy else []
         vals = split_per_sequence(val_N, mb.split_sizes) if want_values else []
-        return lps, ents, vals
+        tops = split_per_sequence(top_N_K, mb.split_sizes) if mb.top_ids is not None else []
+        return lps, ents, vals, tops
 
-    def _tensors(self, plan: MicroBatchPlan, batch: TrainBatch) -> MicroBatchTensors:
+    def _tensors(
+        self, plan: MicroBatchPlan, batch: TrainBatch, *, top: bool = True
+    ) -> MicroBatchTensors:
         """One planned micro-batch of `batch`; the LM head skips untrained targets unless
-        `logprob_positions = "all"`."""
+        `logprob_positions = "all"`; with `top`, it also scores the teacher's top-k tokens
+        where the batch has them (top-k distillation)."""
         trained_only = self.settings.logprob_positions == "trained"
         mask = batch.loss_mask if trained_only else None
-        return build_tensors(plan, batch.input_ids, self.settings.pad_id, mask)
+        top_ids = batch.teacher_top_ids if top else ()
+        return build_tensors(plan, batch.input_ids, self.settings.pad_id, mask, top_ids)
 
     def _filler_micro_batch(self) -> MicroBatchTensors:
         """A 2-token micro-batch for a rank that has run out of real ones (FSDP lock-step)."""
@@ -212,7 +219,7 @@ class TrainerCore:
         for k in range(num_mb):
             self.collective.set_grad_sync(k == num_mb - 1)
             if k >= len(plans):  # the same parameters get (zero) gradients on every rank
-                lps, _, vals = self._run(self._filler_micro_batch(), False, want_values)
+                lps, _, vals, _ = self._run(self._filler_micro_batch(), False, want_values)
                 (sum(t.sum() for t in lps + vals) * 0.0).backward()
                 continue
             plan = plans[k]
@@ -220,8 +227,13 @@ class TrainerCore:
             with tracing.span(
                 "trainer", "forward", micro_batch=k, tokens=plan.computed_tokens(lengths)
             ):
-                lps, ents, vals = self._run(mb, want_entropy, want_values, entropy_grad)
-                outputs = ModelOutputs(logprobs=tuple(lps), entropy=tuple(ents), values=tuple(vals))
+                lps, ents, vals, tops = self._run(mb, want_entropy, want_values, entropy_grad)
+                outputs = ModelOutputs(
+                    logprobs=tuple(lps),
+                    entropy=tuple(ents),
+                    values=tuple(vals),
+                    top_logprobs=tuple(tops),
+                )
                 # the loss reads the batch's tensors beside the outputs: on the model's device
                 loss, metrics = loss_fn(outputs, local.select(plan.indices).to(self.device))
             assert loss.dim() == 0, f"loss_fn must return a scalar, got {tuple(loss.shape)=}"
@@ -324,9 +336,9 @@ class TrainerCore:
             if k >= len(plans):
                 self._run(self._filler_micro_batch(), False, values)
                 continue
-            mb = self._tensors(plans[k], local)
+            mb = self._tensors(plans[k], local, top=False)
             argmax = bool(batch.metadata.get(ARGMAX_MATCH))  # 1.0/0.0 in place of logprobs
-            lps, _, vals = self._run(mb, False, values, argmax_match=argmax)
+            lps, _, vals, _ = self._run(mb, False, values, argmax_match=argmax)
             for i, t in zip(plans[k].indices, vals if values else lps, strict=True):
                 out[local_idx[i]] = t.float().cpu()
         return self.collective.gather(out, lengths)

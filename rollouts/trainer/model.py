@@ -48,22 +48,28 @@ def _chunk_stats(
     want_entropy: bool,
     entropy_grad: bool = True,
     argmax_match: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    top_ids_N_K: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logprob of each target and (optionally) the entropy of its predicting distribution;
     without `entropy_grad` the entropy is a detached metric (no [N, V] graph kept for it).
-    `argmax_match`: 1.0 where the target is the logits' argmax, else 0.0, in place of logprobs."""
+    `argmax_match`: 1.0 where the target is the logits' argmax, else 0.0, in place of logprobs.
+    The third: [N, K] the logprobs of `top_ids_N_K` (top-k distillation), else [N, 0]."""
     logits_N_V = head(hidden_N_H).float()
     if argmax_match:
         hits_N = (logits_N_V.argmax(dim=-1) == targets_N).float()
-        return hits_N, torch.zeros_like(hits_N)
+        return hits_N, torch.zeros_like(hits_N), hits_N.new_zeros(hits_N.shape[0], 0)
     lse_N = torch.logsumexp(logits_N_V, dim=-1)
     logprobs_N = logits_N_V.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1) - lse_N
+    if top_ids_N_K is None:
+        top_N_K = logprobs_N.new_zeros(logprobs_N.shape[0], 0)
+    else:
+        top_N_K = logits_N_V.gather(-1, top_ids_N_K) - lse_N.unsqueeze(-1)
     if not want_entropy:
-        return logprobs_N, torch.zeros_like(logprobs_N)
+        return logprobs_N, torch.zeros_like(logprobs_N), top_N_K
     with contextlib.nullcontext() if entropy_grad else torch.no_grad():
         probs_N_V = F.softmax(logits_N_V, dim=-1)
         entropy_N = lse_N - (probs_N_V * logits_N_V).sum(-1)
-    return logprobs_N, entropy_N
+    return logprobs_N, entropy_N, top_N_K
 
 
 def token_stats(
@@ -74,23 +80,26 @@ def token_stats(
     want_entropy: bool,
     entropy_grad: bool = True,
     argmax_match: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    top_ids_N_K: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`_chunk_stats` over chunks of `chunk_size` rows; chunks are recomputed in backward, so
     one chunk (the auto size, on a small vocabulary) costs no recompute."""
     assert hidden_N_H.shape[0] == targets_N.shape[0], f"{hidden_N_H.shape=} {targets_N.shape=}"
     assert chunk_size >= 1, f"{chunk_size=}"
     n = hidden_N_H.shape[0]
+    wants = (want_entropy, entropy_grad, argmax_match)
     if n <= chunk_size:
-        return _chunk_stats(head, hidden_N_H, targets_N, want_entropy, entropy_grad, argmax_match)
+        return _chunk_stats(head, hidden_N_H, targets_N, *wants, top_ids_N_K)
     outs = []
     for s in range(0, n, chunk_size):
         h, t = hidden_N_H[s : s + chunk_size], targets_N[s : s + chunk_size]
-        args = (head, h, t, want_entropy, entropy_grad, argmax_match)
+        top = None if top_ids_N_K is None else top_ids_N_K[s : s + chunk_size]
+        args = (head, h, t, *wants, top)
         if torch.is_grad_enabled():
             outs.append(checkpoint(_chunk_stats, *args, use_reentrant=False))
         else:
             outs.append(_chunk_stats(*args))
-    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+    return tuple(torch.cat([o[i] for o in outs]) for i in range(3))  # type: ignore[return-value]
 
 
 VALUE_HEAD_FILE = "value_head.pt"  # a checkpoint's critic weights (never in the HF `model/`)
@@ -124,8 +133,9 @@ class TokenLogprobModel(nn.Module):
         entropy_grad: bool = True,
         *,
         argmax_match: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Flat [N] logprobs, entropies and values of every next-token prediction in `mb`.
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Flat [N] logprobs, entropies and values of every next-token prediction in `mb`, and
+        [N, K] the logprobs of `mb.top_ids` ([N, 0] without them).
 
         Entropies are zeros unless `want_entropy` (detached unless `entropy_grad`: a metric
         only); values are empty unless `want_values`. `argmax_match` (no grad): 1.0 where the
@@ -144,18 +154,18 @@ class TokenLogprobModel(nn.Module):
             hidden_T_H = self._shared_prefix_states(decoder, mb, mb.prefix)
         hidden_N_H = hidden_T_H[mb.pred_idx]
         targets_N = mb.targets
-        lp_N, ent_N = self._head_stats(
+        lp_N, ent_N, top_N_K = self._head_stats(
             mb, hidden_N_H, targets_N, (want_entropy, entropy_grad, argmax_match)
         )
         if not want_values:
-            return lp_N, ent_N, lp_N.new_zeros(0)
+            return lp_N, ent_N, lp_N.new_zeros(0), top_N_K
         if self.value_head is None:
             raise ValueError(
                 "values were asked for but the backend has no value head: build it with "
                 "algorithm.advantage = 'gae' (factories add the critic head then)"
             )
         values_N = self.value_head(hidden_N_H.float()).squeeze(-1).float()
-        return lp_N, ent_N, values_N
+        return lp_N, ent_N, values_N, top_N_K
 
     def _shared_prefix_states(
         self, decoder: nn.Module, mb: MicroBatchTensors, prefix: SharedPrefix
@@ -187,18 +197,22 @@ class TokenLogprobModel(nn.Module):
         hidden_N_H: torch.Tensor,
         targets_N: torch.Tensor,
         wants: tuple[bool, bool, bool],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`token_stats` at the predictions `mb.head_idx` names (all when None); the others
         hold 0: their targets are not trained, so no loss or metric reads them. `wants`:
         (want_entropy, entropy_grad, argmax_match)."""
         head = self.lm.get_output_embeddings()
-        idx = mb.head_idx
+        idx, top = mb.head_idx, mb.top_ids
         if idx is None:
-            return token_stats(head, hidden_N_H, targets_N, self.chunk_size, *wants)
-        lp_M, ent_M = token_stats(head, hidden_N_H[idx], targets_N[idx], self.chunk_size, *wants)
+            return token_stats(head, hidden_N_H, targets_N, self.chunk_size, *wants, top)
+        top_M = None if top is None else top[idx]
+        lp_M, ent_M, top_M_K = token_stats(
+            head, hidden_N_H[idx], targets_N[idx], self.chunk_size, *wants, top_M
+        )
         n = hidden_N_H.shape[0]
         lp_N = lp_M.new_zeros(n).index_copy(0, idx, lp_M)
-        return lp_N, ent_M.new_zeros(n).index_copy(0, idx, ent_M)
+        top_N_K = top_M_K.new_zeros(n, top_M_K.shape[1]).index_copy(0, idx, top_M_K)
+        return lp_N, ent_M.new_zeros(n).index_copy(0, idx, ent_M), top_N_K
 
 
 def _cache_kwarg(decoder: nn.Module) -> str:
@@ -226,9 +240,10 @@ def shared_prefix_problem(lm: nn.Module) -> str | None:
 
 
 def split_per_sequence(flat_N: torch.Tensor, split_sizes: tuple[int, ...]) -> list[torch.Tensor]:
-    """Flat predictions -> one [T_i] tensor per sequence, position 0 set to 0."""
+    """Flat predictions -> one [T_i] tensor per sequence ([T_i, K] from [N, K]), position 0
+    set to 0."""
     assert flat_N.shape[0] == sum(split_sizes), f"{flat_N.shape=} != {sum(split_sizes)=}"
-    zero = flat_N.new_zeros(1)
+    zero = flat_N.new_zeros(1, *flat_N.shape[1:])
     return [torch.cat([zero, part]) for part in torch.split(flat_N, list(split_sizes))]
 
 
@@ -250,4 +265,5 @@ def move_to(mb: MicroBatchTensors, device: torch.device) -> MicroBatchTensors:
         split_sizes=mb.split_sizes,
         head_idx=None if mb.head_idx is None else mb.head_idx.to(device, non_blocking=True),
         prefix=prefix,
+        top_ids=None if mb.top_ids is None else mb.top_ids.to(device, non_blocking=True),
     )

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from rollouts.config import Config
-from rollouts.config.auto import engine_numerics
+from rollouts.config.auto import engine_numerics, training_device_type
 from rollouts.engine_kinds import engine_kind
 from rollouts.types import FULL_PRECISION, TrainBatch
 
@@ -174,7 +174,8 @@ def probe_dtype(config: Config) -> str:
     """The coarser precision of the two sides: the trainer's probe (computed without autocast:
     the model's dtype; bf16 on CUDA, where engines serve bf16) and, for built-in engines, the
     dtype they serve in (their autocast dtype where they run under one)."""
-    trainer = "bfloat16" if config.training.device.startswith("cuda") else config.model.dtype
+    on_cuda = training_device_type(config.training) == "cuda"  # "auto" read as torch sees it
+    trainer = "bfloat16" if on_cuda else config.model.dtype
     if not engine_kind(config.engines.kind).started_here:
         return trainer
     b = config.engines.builtin

@@ -14,6 +14,7 @@ from rollouts.algorithms.advantages import (
     distill_token_advantages,
     reverse_kl_per_token,
 )
+from rollouts.algorithms.loss_fn import top_k_kl
 from rollouts.config import AlgorithmConfig
 from rollouts.config.algorithm_tables import DistillConfig
 from rollouts.types import Sample, Status
@@ -87,3 +88,34 @@ def test_reverse_kl_is_nan_when_nothing_was_scored() -> None:
     s = sample((-1.0,), (), (1,))
     kl, tokens = reverse_kl_per_token([[s]])
     assert tokens == 0 and math.isnan(kl)
+
+
+def test_the_top_k_kl_is_the_teachers_k_renormalised_against_the_students_logprobs() -> None:
+    """KL(teacher_K || student) = sum_j q_j (log q_j - log p_j), q the teacher's K renormalised,
+    p the student's full-vocabulary probabilities of the same K tokens."""
+    teacher = torch.tensor([[[math.log(0.6), math.log(0.2)]]])  # renormalised: 0.75, 0.25
+    student = torch.tensor([[[math.log(0.5), math.log(0.1)]]])
+    expected = 0.75 * math.log(0.75 / 0.5) + 0.25 * math.log(0.25 / 0.1)
+    assert top_k_kl(teacher, student).item() == pytest.approx(expected, rel=1e-6)
+    # zero where the student holds all its mass on the K in the teacher's proportions
+    exact = torch.log(torch.tensor([[[0.75, 0.25]]]))
+    assert top_k_kl(teacher, exact).item() == pytest.approx(0.0, abs=1e-6)
+    # mass off the K costs: the same proportions at half the mass
+    assert top_k_kl(teacher, exact + math.log(0.5)).item() == pytest.approx(math.log(2), rel=1e-6)
+
+
+def test_with_top_k_the_sampled_tokens_advantage_is_zero_and_the_task_one_stays() -> None:
+    group = [
+        sample((-1.0, -2.0), (-0.1, -0.2), (1, 1), reward=r, index=i)
+        for i, r in enumerate((1.0, 0.0))
+    ]
+    only = AlgorithmConfig(advantage="distill", distill=DistillConfig(top_k=4))
+    assert all(not a.any() for a in compute_advantages([group], only)[0])
+    mixed = AlgorithmConfig(
+        advantage="distill", distill=DistillConfig(top_k=4, task_advantage="grpo")
+    )
+    task = AlgorithmConfig(advantage="grpo")
+    for a, b in zip(
+        compute_advantages([group], mixed)[0], compute_advantages([group], task)[0], strict=True
+    ):
+        assert torch.equal(a, b)

@@ -24,6 +24,16 @@ def test_the_check_tolerance_follows_the_coarser_side() -> None:
     assert probe_dtype(config_from_dict(vllm)) == "float32"  # vLLM's dtype is its own flag
 
 
+def test_an_auto_device_on_a_gpu_box_probes_in_bf16(monkeypatch) -> None:
+    """`training.device = "auto"` reads as CUDA where torch sees a GPU: a bf16 probe, as for
+    "cuda" (it once compared the string "auto" with "cuda" and probed in fp32)."""
+    vllm = {"engines": {"kind": "vllm", "urls": ["http://h:1"]}, "training": {"device": "auto"}}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert probe_dtype(config_from_dict(vllm)) == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert probe_dtype(config_from_dict(vllm)) == "float32"
+
+
 async def test_a_bf16_engine_serves_bf16_weights(tiny_model_dir: Path, ref_model) -> None:
     expected = teacher_forced_logprobs(ref_model, PROMPT[:1], PROMPT[1:])
     gaps, means = {}, {}

@@ -1,6 +1,7 @@
 """A distillation teacher served by the real vLLM (CPU build): it passes the teacher's start
-check against SmolLM2's directory, and its logprobs of a student's tokens equal those of the
-same model served by the built-in engine, within 1e-4 in fp32."""
+check against SmolLM2's directory, and its logprobs of a student's tokens, and its top-k at each
+of them (`prompt_logprobs: k`, top-k distillation), equal those of the same model served by the
+built-in engine, within 1e-4 in fp32."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tests.real_vllm.test_vllm_training import FP32_MATCH
 
 pytestmark = pytest.mark.smollm2  # on the "smollm2" server (conftest.py)
 
+TOP_K = 5
 ANSWERS = [
     ("What is 17 + 25?", "17 + 25 = 42"),
     ("What is 3 + 29?", "3 + 29 = 31"),  # wrong: a student samples those too
@@ -70,11 +72,11 @@ async def test_a_vllm_teacher_scores_as_the_builtin_one(
         # one at a time: this server runs with --enable-lora, and vLLM 0.32's CPU build dies on
         # two prompt-logprobs requests in one batch with LoRA on ("einsum(): subscript b has
         # size 4 ... 40"); a teacher's own server needs no LoRA and takes them together
-        by_vllm = await Teacher(engines=pool, max_concurrency=1).score_group(samples)
+        by_vllm = await Teacher(engines=pool, max_concurrency=1, top_k=TOP_K).score_group(samples)
         async with engine_server(model, dtype="float32") as url:
             builtin = SGLangEngine(url)
             try:
-                by_builtin = await Teacher(engines=builtin).score_group(samples)
+                by_builtin = await Teacher(engines=builtin, top_k=TOP_K).score_group(samples)
             finally:
                 await builtin.aclose()
     finally:
@@ -85,3 +87,10 @@ async def test_a_vllm_teacher_scores_as_the_builtin_one(
         gap, _ = largest_gap(a.teacher_logprobs, b.teacher_logprobs)
         assert gap < FP32_MATCH, (gap, a.teacher_logprobs, b.teacher_logprobs)
         print(f"[teacher] vLLM against the built-in engine: largest gap {gap:.2g}")
+        assert len(a.teacher_top) == len(b.teacher_top) == a.response_length
+        for at, bt in zip(a.teacher_top, b.teacher_top, strict=True):
+            assert len(at) == len(bt) == TOP_K
+            for (ta, la), (tb, lb) in zip(at, bt, strict=True):
+                assert abs(la - lb) < FP32_MATCH, (at, bt)  # rank by rank
+                if ta != tb:  # the same tokens, unless two of them tie within the bound
+                    assert abs(la - dict(bt).get(ta, la + 1)) < FP32_MATCH, (at, bt)

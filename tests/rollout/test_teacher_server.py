@@ -8,11 +8,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+import torch
 
 from rollouts.config import EnginesConfig
 from rollouts.inference.factory import make_pool
 from rollouts.inference.http import EngineRequestError, EngineUnavailable
 from rollouts.inference.sglang import SGLangEngine
+from rollouts.inference.vllm import VLLMEngine
 from rollouts.rollout.manager import AsyncRolloutManager
 from rollouts.rollout.teacher import Teacher
 from rollouts.types import Sample, Status
@@ -43,6 +45,51 @@ async def test_the_teacher_scores_exactly_the_students_tokens(engine, tok, ref_m
             ref_model, list(s.prompt_tokens), list(s.response_tokens)
         )
         assert s.teacher_logprobs == pytest.approx(expected.tolist(), abs=1e-4)
+
+
+@torch.no_grad()
+def hf_top(model, tokens: Sequence[int], start: int, k: int) -> list[list[tuple[int, float]]]:
+    """The model's k likeliest (id, logprob) predicting each of tokens[start:]."""
+    logits = model(torch.tensor([list(tokens)])).logits[0, start - 1 : -1].float()
+    values, ids = logits.log_softmax(-1).topk(k, dim=-1)
+    return [
+        list(zip(i.tolist(), v.tolist(), strict=True)) for i, v in zip(ids, values, strict=True)
+    ]
+
+
+async def test_top_k_scoring_keeps_the_teachers_distribution_on_both_wires(
+    engine, server, tok, ref_model
+) -> None:
+    """`top_k` (top-k distillation): at each response token the teacher's k likeliest tokens,
+    rank order, as the model computes them, over SGLang's wire (`input_top_logprobs`) and
+    vLLM's (`prompt_logprobs: k`) alike; the sampled token's logprob is kept as before."""
+    config = cases.make_config(batch_size=1, n_samples_per_prompt=2, over_sampling_factor=1.0)
+    k = 4
+    manager = AsyncRolloutManager(
+        cases.make_buffer(), config, engine, tokenizer=tok, teacher=Teacher(engines=engine, top_k=k)
+    )
+    batch = await manager.generate_batch(constant)
+    samples = [s for g in batch.groups for s in g]
+    assert len(samples) == 2
+    vllm = VLLMEngine(server.url)
+    try:
+        for s in samples:
+            assert len(s.teacher_top) == len(s.teacher_logprobs) == s.response_length > 0
+            expected = hf_top(ref_model, s.tokens, s.prompt_length, k)
+            for got, want in zip(s.teacher_top, expected, strict=True):
+                assert [t for t, _ in got] == [t for t, _ in want]
+                assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-4)
+            assert s.teacher_logprobs == pytest.approx(s.rollout_logprobs, abs=1e-4)
+            served, top = await vllm.prompt_top_logprobs(s.tokens, k)
+            over_vllm = top[s.prompt_length - 1 :]
+            assert [[t for t, _ in step] for step in over_vllm] == [
+                [t for t, _ in step] for step in s.teacher_top
+            ]
+            flat = [lp for step in over_vllm for _, lp in step]
+            assert flat == pytest.approx([lp for step in s.teacher_top for _, lp in step], abs=1e-5)
+            assert served[s.prompt_length - 1 :] == pytest.approx(s.teacher_logprobs, abs=1e-5)
+    finally:
+        await vllm.aclose()
 
 
 class RefusesOnce:
