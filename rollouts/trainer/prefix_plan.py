@@ -7,7 +7,9 @@ most all but one token of the shortest) is a row of its own; every member's row 
 rest, at positions that continue the prefix, attending to it through the KV cache
 (`model.TokenLogprobModel`). A prefix's states are exactly what each member's own forward would
 compute, and its gradient is the sum over the members: the same loss as "pad", in fewer tokens.
-Sequences in no group (or in one that shares too few tokens to pay for it) are padded as in "pad".
+The sequences in no such group (prompts of their own: SFT's conversations) are one more group
+when they begin alike (a system message). Sequences in no group (or in one that shares too few
+tokens to pay for it) are padded as in "pad".
 """
 
 from __future__ import annotations
@@ -41,15 +43,24 @@ def shared_prefix_groups(
         by_head.setdefault(head.numpy().tobytes(), []).append(i)
     groups = []
     for members in by_head.values():
-        if len(members) < 2:
-            continue
-        common = min(int(input_ids[i].shape[0]) for i in members) - 1  # each row keeps a token
-        rows = torch.stack([input_ids[i][:common] for i in members])
-        same = (rows == rows[0]).all(0).to(torch.int64)
-        prefix_len = int(same.cumprod(0).sum())
-        if prefix_len >= 1 and prefix_len * (len(members) - 1) >= MIN_SHARED_TOKENS:
+        if len(members) >= 2 and (prefix_len := _common_prefix(input_ids, members)):
             groups.append((prefix_len, members))
+    # the sequences left (prompts of their own: SFT's conversations, n = 1) share what they
+    # begin with alike (a system message, the tools' description) as one more group
+    grouped = {i for _, members in groups for i in members}
+    rest = [i for i in range(len(input_ids)) if i not in grouped]
+    if len(rest) >= 2 and (prefix_len := _common_prefix(input_ids, rest)):
+        groups.append((prefix_len, rest))
     return groups
+
+
+def _common_prefix(input_ids: Sequence[torch.Tensor], members: list[int]) -> int:
+    """The longest prefix `members` share (each row keeps a token), or 0 when running it once
+    saves fewer than MIN_SHARED_TOKENS."""
+    common = min(int(input_ids[i].shape[0]) for i in members) - 1
+    rows = torch.stack([input_ids[i][:common].to(torch.int64) for i in members])
+    prefix_len = int((rows == rows[0]).all(0).to(torch.int64).cumprod(0).sum())
+    return prefix_len if prefix_len * (len(members) - 1) >= MIN_SHARED_TOKENS else 0
 
 
 def plan_shared_prefixes(

@@ -221,3 +221,32 @@ def test_critic_values_are_the_same(tiny_model_dir: Path) -> None:
     for a, b in zip(values["pad"], values["prefix"], strict=True):
         assert a.abs().sum() > 0
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def sft_batch(seed: int = 4, vocab: int = 200) -> TrainBatch:
+    """SFT's conversations: one system message (20 tokens), then each its own question
+    (untrained) and answer (trained): no two share a prompt, all share the system message."""
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(3, vocab, (20,), generator=g)
+    ids, masks = [], []
+    for k in range(5):
+        question = torch.randint(3, vocab, (4 + k,), generator=g)
+        answer = torch.randint(3, vocab, (6 + 2 * k,), generator=g)
+        ids.append(torch.cat([system, question, answer]))
+        masks.append(torch.cat([torch.zeros(20 + len(question)), torch.ones(len(answer))]))
+    return TrainBatch(
+        input_ids=tuple(ids),
+        loss_mask=tuple(masks),
+        num_global_tokens=float(sum(m.sum() for m in masks)),
+        num_global_seqs=float(len(ids)),
+    )
+
+
+def test_conversations_of_their_own_prompts_share_their_system_message(
+    tiny_model_dir: Path,
+) -> None:
+    batch = sft_batch()
+    groups = shared_prefix_groups(batch.input_ids, batch.loss_mask)
+    assert len(groups) == 1 and groups[0][1] == [0, 1, 2, 3, 4]
+    assert groups[0][0] == 20  # the system message
+    _assert_same_step(tiny_config(tiny_model_dir), batch, 1000, "trained")
