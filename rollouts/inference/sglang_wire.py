@@ -106,6 +106,15 @@ def input_logprobs_body(
     return body
 
 
+def _per_prompt_token(answer: Any, key: str, n: int) -> list[Any]:
+    """meta_info[key]: a list with one entry per prompt token (`n`), or EngineError."""
+    entries = one_answer(answer)["meta_info"].get(key)
+    if not isinstance(entries, list) or len(entries) != n:
+        got = len(entries) if isinstance(entries, list) else entries
+        raise EngineError(f"/generate gave {got!r} {key} for {n}")
+    return entries
+
+
 TopLogprobs = tuple[tuple[tuple[int, float], ...], ...]  # per position: (token id, logprob) x k
 
 
@@ -113,10 +122,7 @@ def parse_input_top_logprobs(answer: Any, input_ids: Sequence[int], top: int) ->
     """meta_info.input_top_logprobs (per prompt token a list of `[logprob, token_id, text]`,
     the first position empty) -> the `top` likeliest (id, logprob) predicting each of
     `input_ids[1:]`."""
-    entries = one_answer(answer)["meta_info"].get("input_top_logprobs")
-    if not isinstance(entries, list) or len(entries) != len(input_ids):
-        got = len(entries) if isinstance(entries, list) else entries
-        raise EngineError(f"/generate gave {got!r} input_top_logprobs for {len(input_ids)}")
+    entries = _per_prompt_token(answer, "input_top_logprobs", len(input_ids))
     out = []
     for t in range(1, len(input_ids)):
         step = entries[t]
@@ -129,10 +135,7 @@ def parse_input_top_logprobs(answer: Any, input_ids: Sequence[int], top: int) ->
 def parse_input_logprobs(answer: Any, input_ids: Sequence[int]) -> tuple[float, ...]:
     """meta_info.input_token_logprobs (`[logprob, token_id, text]` per prompt token, the first
     logprob null) -> the logprob of each of `input_ids[1:]`."""
-    entries = one_answer(answer)["meta_info"].get("input_token_logprobs")
-    if not isinstance(entries, list) or len(entries) != len(input_ids):
-        got = len(entries) if isinstance(entries, list) else entries
-        raise EngineError(f"/generate gave {got!r} input_token_logprobs for {len(input_ids)}")
+    entries = _per_prompt_token(answer, "input_token_logprobs", len(input_ids))
     out = []
     for t in range(1, len(input_ids)):
         lp, tok = entries[t][0], entries[t][1]
