@@ -60,22 +60,72 @@ class MicroBatchPlan:
         return total - sum(self.prefix_lens[g] for g in self.prefix_of) + sum(self.prefix_lens)
 
 
+# What a micro-batch costs beyond its token slots (every layer's kernel launches, the backward's
+# graph, the LM head's set-up), in token slots: `cut_rows` trades padding against micro-batches
+# at this rate (`scripts/bench_micro_batch.py --cut` measures it)
+MICRO_BATCH_COST_SLOTS = 64
+# `cut_rows` looks at most this many rows back for a micro-batch's start: a bound on its work
+# (rows x this) that only very short sequences under a large budget reach
+MAX_ROWS_PER_MICRO_BATCH = 512
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Row:
+    """One row of a micro-batch to be: its tokens, and the shared prefix it continues if any."""
+
+    length: int  # the row's tokens (layout "prefix": the rest after its prefix)
+    prefix_len: int = 0
+    group: int = -1  # the shared prefix it continues; -1: none
+
+    def __post_init__(self) -> None:
+        assert self.length >= 1, f"{self.length=}"
+        assert (self.group >= 0) == (self.prefix_len >= 1), f"{self.group=} {self.prefix_len=}"
+
+
+def cut_rows(rows: Sequence[Row], token_budget: int) -> tuple[list[range], int]:
+    """The cheapest cut of `rows`, in their order, into micro-batches of consecutive rows, and its
+    cost: the token slots computed (rows x the longest row, plus a row per shared prefix held x
+    the longest prefix) + MICRO_BATCH_COST_SLOTS per micro-batch. Each fits `token_budget`
+    (a row alone may not). Dynamic programming: cutting a sorted batch greedily at the budget
+    pads a few long rows' short neighbours to their length (a third of the slots of an agent
+    batch whose few long episodes lead a run of short ones)."""
+    assert token_budget >= 1, f"{token_budget=}"
+    n = len(rows)
+    best = [0] + [-1] * n  # best[j]: the cheapest cost of rows[:j]
+    start = [0] * (n + 1)  # where the last micro-batch of that cut starts
+    for j in range(1, n + 1):
+        longest = longest_prefix = 0
+        groups: set[int] = set()
+        for i in range(j - 1, max(-1, j - 1 - MAX_ROWS_PER_MICRO_BATCH), -1):
+            row = rows[i]
+            longest = max(longest, row.length)
+            if row.group >= 0:
+                groups.add(row.group)
+                longest_prefix = max(longest_prefix, row.prefix_len)
+            slots = (j - i) * longest + len(groups) * longest_prefix
+            if slots > token_budget and i < j - 1:
+                break  # slots only grow as the micro-batch reaches further back
+            cost = best[i] + slots + MICRO_BATCH_COST_SLOTS
+            if best[j] < 0 or cost < best[j]:
+                best[j], start[j] = cost, i
+    cuts: list[range] = []
+    j = n
+    while j > 0:
+        cuts.append(range(start[j], j))
+        j = start[j]
+    cuts.reverse()
+    assert sum(len(c) for c in cuts) == n, f"{cuts=} {n=}"
+    return cuts, best[n]
+
+
 def plan_padded(lengths: Sequence[int], token_budget: int) -> list[MicroBatchPlan]:
-    """Length-bucketed, right-padded micro-batches: rows x max_len <= token_budget."""
+    """Length-bucketed, right-padded micro-batches: rows x max_len <= token_budget; sorted longest
+    first and cut where it pads least (`cut_rows`)."""
     assert token_budget >= 1, f"{token_budget=}"
     assert all(n >= 1 for n in lengths), f"empty sequence in {list(lengths)=}"
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    plans: list[MicroBatchPlan] = []
-    group: list[int] = []
-    for i in order:
-        width = lengths[group[0]] if group else lengths[i]
-        if group and (len(group) + 1) * width > token_budget:
-            plans.append(_padded_plan(group, lengths))
-            group = []
-        group.append(i)
-    if group:
-        plans.append(_padded_plan(group, lengths))
-    return plans
+    cuts, _ = cut_rows([Row(lengths[i]) for i in order], token_budget)
+    return [_padded_plan([order[k] for k in cut], lengths) for cut in cuts]
 
 
 def _padded_plan(group: list[int], lengths: Sequence[int]) -> MicroBatchPlan:

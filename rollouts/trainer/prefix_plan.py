@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rollouts.trainer.batching import MicroBatchPlan, plan_padded
+from rollouts.trainer.batching import MicroBatchPlan, Row, cut_rows, plan_padded
 
 # a group runs on its own prefix row only when that saves at least this many tokens
 MIN_SHARED_TOKENS = 16
@@ -67,8 +67,11 @@ def plan_shared_prefixes(
     input_ids: Sequence[torch.Tensor], loss_mask: Sequence[torch.Tensor], token_budget: int
 ) -> list[MicroBatchPlan]:
     """Micro-batches of at most `token_budget` computed token slots (prefix rows included):
-    the groups' members first (longest rests first; a group too large for one micro-batch runs
-    its prefix again in the next), then the other sequences padded as in "pad"."""
+    the groups' members first, then the other sequences padded as in "pad". The members go in
+    one of two orders, whichever `cut_rows` cuts cheaper: group by group (longest rests first;
+    a group too large for one micro-batch runs its prefix again in the next), or all members
+    longest rest first (few groups: a micro-batch of short rests runs each prefix once more,
+    rather than padding them to a few long ones)."""
     assert token_budget >= 1, f"{token_budget=}"
     lengths = [int(x.shape[0]) for x in input_ids]
     assert all(n >= 1 for n in lengths), f"empty sequence in {lengths=}"
@@ -79,28 +82,22 @@ def plan_shared_prefixes(
         return lengths[i] - prefix_len
 
     groups.sort(key=lambda g: (-max(rest(g[0], i) for i in g[1]), -g[0], g[1][0]))
-    plans: list[MicroBatchPlan] = []
-    current: list[tuple[int, int, int]] = []  # (sequence, prefix length, group) per row
-    for gid, (prefix_len, members) in enumerate(groups):
-        for i in sorted(members, key=lambda i: (-rest(prefix_len, i), i)):
-            if current and _slots([*current, (i, prefix_len, gid)], lengths) > token_budget:
-                plans.append(_prefix_plan(current, lengths))
-                current = []
-            current.append((i, prefix_len, gid))
-    if current:
-        plans.append(_prefix_plan(current, lengths))
+    by_group = [
+        (i, prefix_len, gid)
+        for gid, (prefix_len, members) in enumerate(groups)
+        for i in sorted(members, key=lambda i: (-rest(prefix_len, i), i))
+    ]
+    by_rest = sorted(by_group, key=lambda r: (-rest(r[1], r[0]), r[2], r[0]))
+    best: tuple[int, list[list[tuple[int, int, int]]]] | None = None
+    for order in (by_group, by_rest) if by_group else ():
+        cuts, cost = cut_rows([Row(rest(p, i), p, g) for i, p, g in order], token_budget)
+        if best is None or cost < best[0]:
+            best = (cost, [[order[k] for k in cut] for cut in cuts])
+    plans = [_prefix_plan(rows, lengths) for rows in best[1]] if best else []
     others = [i for i in range(len(lengths)) if i not in grouped]
     for plan in plan_padded([lengths[i] for i in others], token_budget) if others else []:
         plans.append(_remap(plan, others))
     return plans
-
-
-def _slots(rows: list[tuple[int, int, int]], lengths: Sequence[int]) -> int:
-    """Token slots of a prefix micro-batch: prefixes x longest prefix + rows x longest rest."""
-    num_prefixes = len({gid for _, _, gid in rows})
-    longest_prefix = max(p for _, p, _ in rows)
-    longest_rest = max(lengths[i] - p for i, p, _ in rows)
-    return num_prefixes * longest_prefix + len(rows) * longest_rest
 
 
 def _prefix_plan(rows: list[tuple[int, int, int]], lengths: Sequence[int]) -> MicroBatchPlan:
