@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from rollouts.algorithms.aggregation import masked_whiten
-from rollouts.algorithms.tensors import float_tensor
+from rollouts.algorithms.tensors import mask_tensor
 from rollouts.config import AlgorithmConfig
 from rollouts.types import Sample, Status
 
@@ -39,7 +39,7 @@ def scalar_reward(sample: Sample) -> float:
 
 def mask_of(sample: Sample) -> torch.Tensor:
     """The sample's loss mask as a float tensor [len(tokens)]."""
-    return float_tensor(sample.loss_mask)
+    return mask_tensor(sample.loss_mask)
 
 
 def outcome_token_rewards(
