@@ -93,6 +93,21 @@ def loads(content: bytes) -> Any:
         return json.loads(content)
 
 
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def dumps(body: Any) -> bytes:
+    """A request's JSON body: orjson (a group's request repeats its prompt's ids per sample:
+    10x the standard library's speed), and what it refuses (a non-string key, a type of its
+    own) as httpx encodes `json=`: the standard library's bytes, or its error. orjson writes
+    NaN as null; no body carries one (the config refuses NaN sampling values)."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        text = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        return text.encode("utf-8")
+
+
 def error_message(response: httpx.Response) -> str:
     """The server's error message: {"error": {"message"}}, {"message"}, {"detail"} or the text."""
     try:
@@ -171,6 +186,8 @@ class EngineHttp:
     ) -> httpx.Response:
         """One request with retries; returns the 2xx response or raises an EngineError."""
         timeout_s = timeout_s or self.options.timeout_s
+        content = None if json_body is None else dumps(json_body)  # once, not per retry
+        headers = None if json_body is None else JSON_HEADERS
         delays = [*backoff_delays(self.options), None]
         last = ""
         for delay in delays:
@@ -180,7 +197,7 @@ class EngineHttp:
             try:
                 with trio.fail_after(timeout_s):
                     response = await self._pool(path).request(
-                        method, path, json=json_body, params=params
+                        method, path, content=content, headers=headers, params=params
                     )
             except httpx.TransportError as exc:
                 last = f"{type(exc).__name__}: {exc}"

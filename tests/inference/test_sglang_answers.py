@@ -1,5 +1,6 @@
-"""Reading SGLang's /generate answers (`sglang_wire.parse_generate`) and decoding an engine's
-JSON (`http.loads`): exact ids and logprobs, and every malformed answer refused as before."""
+"""Reading SGLang's /generate answers (`sglang_wire.parse_generate`) and an engine's JSON
+(`http.loads`), and encoding request bodies (`http.dumps`): exact ids and logprobs, the values
+the standard library reads and writes, and every malformed answer refused as before."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import json
 import httpx
 import pytest
 
-from rollouts.inference.http import EngineError, EngineHttp, loads
-from rollouts.inference.sglang_wire import parse_generate
-from rollouts.wire.generation import FinishReason
+from rollouts.inference.http import EngineError, EngineHttp, dumps, loads
+from rollouts.inference.sglang_wire import batch_generate_body, parse_generate
+from rollouts.wire.generation import FinishReason, GenerateRequest, SamplingParams
 
 
 def answer(ids: list, entries: list, reason: dict | None = None) -> dict:
@@ -95,3 +96,16 @@ async def test_an_answer_is_read_with_the_collector_off_and_freed_before_it_is_o
         await broken.aclose()
     finally:
         await http.aclose()
+
+
+def test_a_body_is_encoded_to_the_values_httpx_would_send() -> None:
+    sampling = SamplingParams(max_new_tokens=9, temperature=0.7, top_p=0.95, stop=("é", "\n"))
+    requests = [
+        GenerateRequest(input_ids=(1, 2, 3), sampling=sampling, rid=f"b-g0-s{i}") for i in range(3)
+    ]
+    body = batch_generate_body(requests, "adapter-1")
+    sent = httpx.Request("POST", "http://e/generate", json=body).content
+    assert json.loads(dumps(body)) == json.loads(sent) == body | {"input_ids": [[1, 2, 3]] * 3}
+    assert dumps({1: [0.1]}) == b'{"1":[0.1]}'  # a key orjson refuses: the standard library's
+    with pytest.raises(TypeError):
+        dumps({"path": object()})
