@@ -46,6 +46,15 @@ class PromptItem:
         assert isinstance(self.prompt, (str, tuple)), f"{type(self.prompt)=} must be str or tuple"
 
 
+def only_0_and_1(values: Sequence[Any]) -> bool:
+    """Every value is 0 or 1 (True, 1.0 count too): as bytes, in 4 us for 1k tokens (a set
+    takes 12-16, and every stage of a sample checks its mask again); else by a set."""
+    try:
+        return not bytearray(values).translate(None, b"\x00\x01")
+    except (TypeError, ValueError):  # a float, or an int that is no byte
+        return set(values) <= {0, 1}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Sample:
     """One trajectory: prompt tokens followed by response tokens, with a per-token loss mask.
@@ -84,7 +93,7 @@ class Sample:
         assert not self.rollout_logprobs or len(self.rollout_logprobs) == self.response_length, (
             f"{len(self.rollout_logprobs)=} != {self.response_length=}"
         )
-        assert set(self.loss_mask) <= {0, 1}, "loss_mask values must be 0 or 1"
+        assert only_0_and_1(self.loss_mask), "loss_mask values must be 0 or 1"
         assert not self.teacher_logprobs or len(self.teacher_logprobs) == self.response_length, (
             f"{len(self.teacher_logprobs)=} != {self.response_length=}"
         )

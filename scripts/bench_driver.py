@@ -94,12 +94,14 @@ class StubLink:
         self.sent_bytes = 0
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        import torch
+
         from rollouts.trainer.process_wire import dumps, pack
 
         self.sent_bytes += len(dumps(name, (0, name, tuple(map(pack, args)), kwargs)))
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        if name == "compute_logprobs":  # the trainer's answer: the engine's logprobs will do
-            future.set_result(args[0].rollout_logprobs)
+        if name == "compute_logprobs":  # the trainer's answer: a float per token
+            future.set_result(tuple(torch.zeros(len(t)) for t in args[0].input_ids))
         else:
             future.set_result({"loss": 0.0} if name == "forward_backward" else {"grad_norm": 0.0})
         return future

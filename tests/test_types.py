@@ -14,6 +14,7 @@ from rollouts.types import (
     Status,
     TrainBatch,
     TrainFuture,
+    only_0_and_1,
     sample_from_dict,
     sample_to_dict,
 )
@@ -48,6 +49,13 @@ def test_sample_invariants() -> None:
         _sample(response_length=5)
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.reward = 1.0  # type: ignore[misc]
+    with pytest.raises(AssertionError, match="loss_mask values must be 0 or 1"):
+        _sample(loss_mask=(0, 0, 1, 2))
+
+
+def test_a_mask_of_0s_and_1s_is_told_as_a_set_tells_it() -> None:
+    for mask in [(), (0, 1, True, False), (1.0, 0.0), (0, 2), (0, -1), (0, 256), (0.5,), (1, "1")]:
+        assert only_0_and_1(mask) == (set(mask) <= {0, 1}), mask
 
 
 def test_sample_dict_round_trip() -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from rollouts.algorithms.aggregation import masked_whiten
-from rollouts.algorithms.tensors import float_tensor
+from rollouts.algorithms.tensors import mask_tensor
 from rollouts.config import AlgorithmConfig
 from rollouts.types import Sample, Status
 
@@ -39,7 +39,7 @@ def scalar_reward(sample: Sample) -> float:
 
 def mask_of(sample: Sample) -> torch.Tensor:
     """The sample's loss mask as a float tensor [len(tokens)]."""
-    return float_tensor(sample.loss_mask)
+    return mask_tensor(sample.loss_mask)
 
 
 def outcome_token_rewards(
@@ -54,18 +54,26 @@ def outcome_token_rewards(
     for g, group in enumerate(groups):
         row = []
         for i, sample in enumerate(group):
-            mask = mask_of(sample)
-            rewards = torch.zeros_like(mask)
-            trained = mask.nonzero().flatten()
-            if len(trained):
-                score = scores[g][i] if scores else scalar_reward(sample)
-                rewards[trained[-1]] = score
+            rewards = torch.zeros(len(sample.loss_mask), dtype=torch.float32)
+            last = last_trained(sample.loss_mask)
+            if last is not None:
+                rewards[last] = scores[g][i] if scores else scalar_reward(sample)
             if penalties is not None:
+                mask = mask_of(sample)
                 assert penalties[g][i].shape == mask.shape, f"{penalties[g][i].shape=}"
                 rewards = rewards - penalties[g][i] * mask
             row.append(rewards)
         out.append(tuple(row))
     return tuple(out)
+
+
+def last_trained(loss_mask: Sequence[int]) -> int | None:
+    """The index of the last trained token (the last 1 of the mask), None when none is: a
+    search of the tuple, not a tensor made for it."""
+    try:
+        return len(loss_mask) - 1 - loss_mask[::-1].index(1)
+    except ValueError:
+        return None
 
 
 def grpo_scores(scores_G: torch.Tensor, norm_by_std: bool = True) -> torch.Tensor:

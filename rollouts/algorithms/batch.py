@@ -21,7 +21,7 @@ from rollouts.algorithms.advantages import (
     needs_critic,
 )
 from rollouts.algorithms.aggregation import global_counts
-from rollouts.algorithms.tensors import float_tensor, long_tensor
+from rollouts.algorithms.tensors import float_tensor, long_tensor, mask_tensor
 from rollouts.config import AlgorithmConfig
 from rollouts.types import Sample, Status, TrainBatch
 
@@ -85,7 +85,7 @@ def make_train_batch(
         )
         assert adv.shape == (len(sample.tokens),), f"{adv.shape=} != ({len(sample.tokens)},)"
         input_ids.append(long_tensor(sample.tokens))
-        mask = float_tensor(sample.loss_mask)
+        mask = mask_tensor(sample.loss_mask)
         masks.append(mask)
         advs.append(adv.float() * mask)
     with_rollout = bool(samples) and all(

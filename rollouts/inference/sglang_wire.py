@@ -6,6 +6,7 @@ built-in server (`rollouts serve`) reads the same bodies.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from operator import itemgetter
 from typing import Any
@@ -170,22 +171,43 @@ def one_answer(answer: Any) -> dict[str, Any]:
     return answer
 
 
+def _token_ids(values: Any) -> tuple[int, ...]:
+    """Token ids as ints: JSON's integers as they are (`array` checks them in C), anything
+    else through `int` (a float id such as 5.0, as before)."""
+    try:
+        array("q", values)
+    except (TypeError, OverflowError):
+        return tuple(map(int, values))
+    return tuple(values)
+
+
+def _columns(entries: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """The logprob and token id columns of `[logprob, token_id, text]` entries."""
+    if not entries:
+        return (), ()
+    columns = tuple(zip(*entries, strict=False))  # as many as the shortest entry has fields
+    if len(columns) < 2:  # an entry with no token id: itemgetter raises what it did before
+        return tuple(map(itemgetter(0), entries)), tuple(map(itemgetter(1), entries))
+    return columns[0], columns[1]
+
+
 def parse_generate(answer: Any, version: str | None = None) -> Completion:
     """One /generate answer -> Completion (checks ids and logprobs line up); `version`, when
     given, replaces meta_info.weight_version (the client's bracket, `versions.py`)."""
     answer = one_answer(answer)
     meta = answer["meta_info"]
-    output_ids = tuple(map(int, answer.get("output_ids", ())))
+    output_ids = _token_ids(answer.get("output_ids", ()))
     entries = meta.get("output_token_logprobs") or []
     if len(entries) != len(output_ids):
         raise EngineError(f"{len(entries)} logprobs for {len(output_ids)} output tokens")
-    # map/itemgetter, not generators: this runs for every sample on the driver's thread
-    if tuple(map(int, map(itemgetter(1), entries))) != output_ids:
+    # columns by zip, no per-token Python code: this runs for every sample on the driver's thread
+    logprobs, ids = _columns(entries)
+    if ids != output_ids and tuple(map(int, ids)) != output_ids:
         raise EngineError("output_token_logprobs token ids differ from output_ids")
     reason, matched = finish_reason(meta.get("finish_reason"))
     return Completion(
         output_ids=output_ids,
-        logprobs=tuple(map(float, map(itemgetter(0), entries))),
+        logprobs=tuple(map(float, logprobs)),
         finish_reason=reason,
         weight_version=version or str(meta.get("weight_version", "default")),
         prompt_tokens=int(meta.get("prompt_tokens", 0)),

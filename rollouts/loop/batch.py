@@ -15,7 +15,7 @@ import torch
 
 from rollouts.algorithms.advantages import outcome_token_rewards, reverse_kl_per_token
 from rollouts.algorithms.batch import build_train_batch, nest
-from rollouts.algorithms.tensors import float_tensor, long_tensor
+from rollouts.algorithms.tensors import long_tensor, mask_tensor
 from rollouts.config import AlgorithmConfig
 from rollouts.data.loaders import SOURCE_KEY
 from rollouts.failures import failure_metrics
@@ -114,7 +114,7 @@ def value_input_batch(groups: Sequence[Group]) -> TrainBatch:
     assert samples, "no sample to compute values for"
     return TrainBatch(
         input_ids=tuple(long_tensor(s.tokens) for s in samples),
-        loss_mask=tuple(float_tensor(s.loss_mask) for s in samples),
+        loss_mask=tuple(mask_tensor(s.loss_mask) for s in samples),
     )
 
 

@@ -188,9 +188,9 @@ async def train_step(
 def _renormalised(batch: TrainBatch, indices: list[int]) -> TrainBatch:
     """A mini-batch with ITS OWN global normalisers (each mini-batch is one optimizer step)."""
     sub = batch.select(indices)
-    masks = sub.loss_mask
+    sums = [float(m.sum()) for m in sub.loss_mask]  # one reduction per sequence, not two
     return dataclasses.replace(
         sub,
-        num_global_tokens=float(sum(float(m.sum()) for m in masks)),
-        num_global_seqs=float(sum(1 for m in masks if float(m.sum()) > 0)),
+        num_global_tokens=float(sum(sums)),
+        num_global_seqs=float(sum(1 for n in sums if n > 0)),
     )

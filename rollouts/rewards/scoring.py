@@ -122,24 +122,31 @@ async def score_sample(
     assert timeout_s > 0, f"{timeout_s=} must be > 0"
     if sample.status not in SCORABLE:
         return sample
-    name = f"reward_fn {dotted_name(reward_fn)}"
     try:
         with trio.fail_after(timeout_s):
             value = await _call(reward_fn, sample)
     except trio.TooSlowError:
+        name = _name(reward_fn)
         return mark_failed(sample, f"{name} timed out after {timeout_s} s", "reward/timed_out")
     except RewardServiceUnavailable:
         raise  # the judge's engines are gone: the batch is lost, not this sample
     except RewardUnparsed as e:
-        return mark_failed(sample, f"{name}: {e}", "reward/unparsed")
+        return mark_failed(sample, f"{_name(reward_fn)}: {e}", "reward/unparsed")
     except Exception as e:  # a user function: any error is that sample's error
+        name = _name(reward_fn)
         return mark_failed(sample, f"{name} raised {type(e).__name__}: {e}", "reward/raised")
     try:
         return dataclasses.replace(sample, reward=as_reward(value))
     except TypeError as e:
-        return mark_failed(sample, f"{name} {e}", "reward/not_a_reward")
+        return mark_failed(sample, f"{_name(reward_fn)} {e}", "reward/not_a_reward")
     except ValueError as e:  # NaN or an infinity (`as_reward`)
-        return mark_failed(sample, f"{name} {e}", "reward/non_finite")
+        return mark_failed(sample, f"{_name(reward_fn)} {e}", "reward/non_finite")
+
+
+def _name(reward_fn: Callable[[Sample], Any]) -> str:
+    """How an error names the reward function (made only for an error: a sample scored well
+    never pays for it)."""
+    return f"reward_fn {dotted_name(reward_fn)}"
 
 
 async def score_group(

@@ -95,10 +95,11 @@ class TrainerProcess:
             if check:
                 self._raise_unchecked()
             call_id = next(self._ids)
-            payload = dumps(name, (target, name, tuple(map(pack, args)), kwargs))
+            message = (target, name, tuple(map(pack, args)), kwargs)
+            payload = dumps(name, message, prefix=call_id.to_bytes(8, "little"))
             self._pending[call_id] = future
             try:
-                self._conn.send_bytes(call_id.to_bytes(8, "little") + payload)
+                self._conn.send_bytes(payload)
             except (OSError, EOFError) as e:
                 self._pending.pop(call_id, None)
                 raise self._died(f"sending {name!r} failed ({e})") from e

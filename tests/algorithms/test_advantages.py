@@ -13,6 +13,7 @@ from rollouts.algorithms.advantages import (
     discounted_returns,
     gae,
     grpo_scores,
+    last_trained,
     outcome_token_rewards,
     rloo_scores,
 )
@@ -185,3 +186,9 @@ def test_vector_or_missing_reward_is_an_error():
         compute_advantages([[sample((1.0, 2.0))]], AlgorithmConfig())
     with pytest.raises(ValueError, match="reward None"):
         compute_advantages([[sample(None)]], AlgorithmConfig())
+
+
+def test_the_last_trained_token_is_the_last_nonzero_of_the_mask() -> None:
+    for mask in [(0, 0, 1, 1), (1, 0, 0), (0, 1, 0, 1, 0), (0, 0), (), (True, False), (1,)]:
+        nonzero = torch.tensor(mask, dtype=torch.float32).nonzero().flatten().tolist()
+        assert last_trained(mask) == (nonzero[-1] if nonzero else None), mask

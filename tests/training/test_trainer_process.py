@@ -4,7 +4,9 @@ traceback, and a real kill that fails every call with the child's pid and exit c
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -21,6 +23,7 @@ from rollouts.trainer.process_child import RNG_FILE
 from rollouts.trainer.process_wire import pack, unpack
 from rollouts.trainer.protocol import TrainingBackend
 from rollouts.trainer.pytorch import load_hf_weights
+from rollouts.trainer.remote import TRAINING_ONLY_FIELDS, to_score
 from tests.training.backend_helpers import (
     LENGTHS,
     make_batch,
@@ -57,6 +60,29 @@ def test_a_batch_crosses_the_socket_packed_and_comes_back_equal() -> None:
     assert unpack(pack(())) == ()  # an empty field stays empty
 
 
+def test_tensors_of_every_dtype_cross_as_bytes_and_come_back_equal() -> None:
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float64):
+        sent = (torch.arange(5).to(dtype), torch.zeros(0, dtype=dtype), torch.ones(3, dtype=dtype))
+        back = unpack(pickle.loads(pickle.dumps(pack(sent), protocol=5)))
+        assert all(torch.equal(a, b) and b.dtype == dtype for a, b in zip(sent, back, strict=True))
+        back[0].zero_()  # writable: its own memory
+    grad = (torch.ones(2, requires_grad=True), torch.ones(1, requires_grad=True))
+    assert unpack(pickle.loads(pickle.dumps(pack(grad))))[0].requires_grad
+
+
+TRAINING_ONLY = ("advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs")
+
+
+def test_a_batch_to_score_keeps_what_scoring_reads() -> None:
+    batch = make_batch(LENGTHS)
+    ones = tuple(torch.ones(len(t)) for t in batch.input_ids)
+    full = dataclasses.replace(batch, metadata={"k": 1}, **dict.fromkeys(TRAINING_ONLY, ones))
+    sent = to_score(full)
+    assert all(getattr(sent, name) == () for name in TRAINING_ONLY_FIELDS)
+    assert sent.input_ids is full.input_ids and sent.loss_mask is full.loss_mask
+    assert sent.metadata == {"k": 1} and sent.num_global_tokens == full.num_global_tokens
+
+
 def test_the_trainer_process_trains_like_this_process(
     tiny_model_dir: Path, host: TrainerProcess
 ) -> None:
@@ -74,7 +100,12 @@ def test_the_trainer_process_trains_like_this_process(
         opt_local, opt_remote = local.optim_step().result(), remote.optim_step().result()
         assert opt_remote["grad_norm"] == opt_local["grad_norm"] > 0
     logprobs_local = local.compute_logprobs(batch).result()
-    logprobs_remote = remote.compute_logprobs(batch).result()
+    # the training-only fields stay on this side (`remote.to_score`): the same logprobs
+    full = dataclasses.replace(
+        batch,
+        **{name: tuple(torch.ones(len(t)) for t in batch.input_ids) for name in TRAINING_ONLY},
+    )
+    logprobs_remote = remote.compute_logprobs(full).result()
     assert len(logprobs_remote) == len(LENGTHS)
     assert all(torch.equal(a, b) for a, b in zip(logprobs_local, logprobs_remote, strict=True))
     assert _same_weights(local.get_weights(), remote.get_weights())

@@ -1,0 +1,111 @@
+"""Reading SGLang's /generate answers (`sglang_wire.parse_generate`) and an engine's JSON
+(`http.loads`), and encoding request bodies (`http.dumps`): exact ids and logprobs, the values
+the standard library reads and writes, and every malformed answer refused as before."""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import httpx
+import pytest
+
+from rollouts.inference.http import EngineError, EngineHttp, dumps, loads
+from rollouts.inference.sglang_wire import batch_generate_body, parse_generate
+from rollouts.wire.generation import FinishReason, GenerateRequest, SamplingParams
+
+
+def answer(ids: list, entries: list, reason: dict | None = None) -> dict:
+    meta = {
+        "output_token_logprobs": entries,
+        "finish_reason": reason or {"type": "stop", "matched": 2},
+        "prompt_tokens": 3,
+        "weight_version": "7",
+    }
+    return {"text": "hi", "output_ids": ids, "meta_info": meta}
+
+
+def test_ids_and_logprobs_come_back_exactly() -> None:
+    ids, lps = [5, 300000, 7], [-0.1234567890123, -2.5e-08, 0.0]
+    done = parse_generate(answer(ids, [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]))
+    assert done.output_ids == (5, 300000, 7)
+    assert done.logprobs == tuple(lps)
+    assert all(type(t) is int for t in done.output_ids)
+    assert done.finish_reason is FinishReason.STOP
+    assert done.matched_stop == 2
+    assert done.weight_version == "7"
+    assert done.completion_tokens == 3
+
+
+def test_numbers_of_other_types_are_converted_as_before() -> None:
+    done = parse_generate(answer([5.0, 6], [[0, 5, None], [-1, 6.0, "x"]]))  # ints, floats
+    assert done.output_ids == (5, 6)
+    assert all(type(t) is int for t in done.output_ids)
+    assert done.logprobs == (0.0, -1.0)
+    assert all(type(lp) is float for lp in done.logprobs)
+    two_fields = parse_generate(answer([5, 6], [[-0.5, 5], [-0.25, 6]]))
+    assert two_fields.logprobs == (-0.5, -0.25)
+
+
+def test_an_empty_answer_is_an_empty_completion() -> None:
+    done = parse_generate(answer([], [], {"type": "abort"}))
+    assert done.output_ids == ()
+    assert done.logprobs == ()
+    assert done.finish_reason is FinishReason.ABORT
+
+
+def test_malformed_answers_are_refused() -> None:
+    with pytest.raises(EngineError, match="differ from output_ids"):
+        parse_generate(answer([5, 6], [[-0.5, 5, None], [-0.25, 7, None]]))
+    with pytest.raises(EngineError, match="2 logprobs for 3 output tokens"):
+        parse_generate(answer([5, 6, 7], [[-0.5, 5, None], [-0.25, 6, None]]))
+    with pytest.raises(IndexError):  # an entry with no token id
+        parse_generate(answer([5, 6], [[-0.5, 5, None], [-0.25]]))
+    with pytest.raises(EngineError, match="no meta_info"):
+        parse_generate({"output_ids": [5]})
+
+
+def test_loads_gives_the_standard_librarys_values() -> None:
+    text = b'{"a": [1.5, -0.000123456789012345, 1e-310, 9007199254740993, "\\u00e9"]}'
+    assert loads(text) == json.loads(text)
+    assert loads(b"[NaN, -Infinity]")[1] == float("-inf")  # what orjson refuses, json reads
+    assert loads(b"[18446744073709551616]") == [18446744073709551616]
+    with pytest.raises(json.JSONDecodeError):
+        loads(b"{not json")
+
+
+async def test_an_answer_is_read_with_the_collector_off_and_freed_before_it_is_on() -> None:
+    seen: list[bool] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b'[{"x": [[1, 2, null]]}]')
+
+    def read(body: list) -> int:
+        seen.append(gc.isenabled())
+        return len(body)
+
+    http = EngineHttp("http://engine", transport=httpx.MockTransport(handler))
+    try:
+        assert await http.json("POST", "/generate", read=read) == 1
+        assert seen == [False]
+        assert gc.isenabled()
+        bad = httpx.MockTransport(lambda r: httpx.Response(200, content=b"<html>"))
+        broken = EngineHttp("http://engine", transport=bad)
+        with pytest.raises(EngineError, match="answer is not JSON"):
+            await broken.json("GET", "/health")
+        await broken.aclose()
+    finally:
+        await http.aclose()
+
+
+def test_a_body_is_encoded_to_the_values_httpx_would_send() -> None:
+    sampling = SamplingParams(max_new_tokens=9, temperature=0.7, top_p=0.95, stop=("é", "\n"))
+    requests = [
+        GenerateRequest(input_ids=(1, 2, 3), sampling=sampling, rid=f"b-g0-s{i}") for i in range(3)
+    ]
+    body = batch_generate_body(requests, "adapter-1")
+    sent = httpx.Request("POST", "http://e/generate", json=body).content
+    assert json.loads(dumps(body)) == json.loads(sent) == body | {"input_ids": [[1, 2, 3]] * 3}
+    assert dumps({1: [0.1]}) == b'{"1":[0.1]}'  # a key orjson refuses: the standard library's
+    with pytest.raises(TypeError):
+        dumps({"path": object()})
