@@ -186,6 +186,20 @@ FULL_PRECISION = "full_precision"  # TrainBatch.metadata key: logprobs without a
 ARGMAX_MATCH = "argmax_match"
 
 
+# TrainBatch's per-sequence fields that may be empty (only training reads them: a batch to
+# score is sent without them, `trainer.remote.to_score`)
+OPTIONAL_SEQUENCE_FIELDS = (
+    "advantages",
+    "rollout_logprobs",
+    "old_logprobs",
+    "ref_logprobs",
+    "returns",
+    "old_values",
+    "teacher_top_ids",
+    "teacher_top_logprobs",
+)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TrainBatch:
     """Ragged sequences ready for a training backend.
@@ -217,16 +231,7 @@ class TrainBatch:
     def __post_init__(self) -> None:
         n = len(self.input_ids)
         assert len(self.loss_mask) == n, f"{len(self.loss_mask)=} != {n=}"
-        for name in (
-            "advantages",
-            "rollout_logprobs",
-            "old_logprobs",
-            "ref_logprobs",
-            "returns",
-            "old_values",
-            "teacher_top_ids",
-            "teacher_top_logprobs",
-        ):
+        for name in OPTIONAL_SEQUENCE_FIELDS:
             field = getattr(self, name)
             assert not field or len(field) == n, f"{name}: {len(field)=} != {n=}"
         for ids, mask in zip(self.input_ids, self.loss_mask, strict=True):

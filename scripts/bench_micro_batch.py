@@ -40,6 +40,22 @@ from rollouts.trainer.factories import create_backend
 from rollouts.types import LossFn, Sample, Status, TrainBatch
 
 
+def rl_sample(group: int, tokens: tuple[int, ...], prompt: int, rng: random.Random) -> Sample:
+    """A completed sample of group `group`: `prompt` untrained tokens, the rest its response."""
+    response = len(tokens) - prompt
+    return Sample(
+        index=group,
+        group_index=group,
+        prompt="x",
+        tokens=tokens,
+        response_length=response,
+        loss_mask=(0,) * prompt + (1,) * response,
+        rollout_logprobs=(-0.5,) * response,
+        reward=float(rng.random() > 0.5),
+        status=Status.COMPLETED,
+    )
+
+
 def rl_groups(
     vocab: int, seed: int = 0, prompt: int = 22, groups: int = 16
 ) -> list[tuple[Sample, ...]]:
@@ -50,19 +66,7 @@ def rl_groups(
         for _ in range(8):
             response = rng.randint(30, 64)
             tokens = tuple(rng.randrange(3, vocab) for _ in range(prompt + response))
-            group.append(
-                Sample(
-                    index=g,
-                    group_index=g,
-                    prompt="x",
-                    tokens=tokens,
-                    response_length=response,
-                    loss_mask=(0,) * prompt + (1,) * response,
-                    rollout_logprobs=(-0.5,) * response,
-                    reward=float(rng.random() > 0.5),
-                    status=Status.COMPLETED,
-                )
-            )
+            group.append(rl_sample(g, tokens, prompt, rng))
         out.append(tuple(group))
     return out
 
@@ -77,19 +81,8 @@ def agent_groups(vocab: int, seed: int = 0, prompt: int = 280) -> list[tuple[Sam
         group = []
         for _ in range(16):
             response = rng.randint(90, 140) if rng.random() < 0.25 else rng.randint(32, 60)
-            group.append(
-                Sample(
-                    index=g,
-                    group_index=g,
-                    prompt="x",
-                    tokens=head + tuple(rng.randrange(3, vocab) for _ in range(response)),
-                    response_length=response,
-                    loss_mask=(0,) * prompt + (1,) * response,
-                    rollout_logprobs=(-0.5,) * response,
-                    reward=float(rng.random() > 0.5),
-                    status=Status.COMPLETED,
-                )
-            )
+            tokens = head + tuple(rng.randrange(3, vocab) for _ in range(response))
+            group.append(rl_sample(g, tokens, prompt, rng))
         out.append(tuple(group))
     return out
 

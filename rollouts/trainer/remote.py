@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from rollouts.trainer.protocol import Metrics
-from rollouts.types import LossFn, TrainBatch, TrainFuture
+from rollouts.types import OPTIONAL_SEQUENCE_FIELDS, LossFn, TrainBatch, TrainFuture
 
 
 class BackendLink(Protocol):
@@ -156,24 +156,11 @@ class RemoteBackend:
         self.link.close()
 
 
-# the per-token fields only training reads: a batch to score (logprobs, values) goes without
-TRAINING_ONLY_FIELDS = (
-    "advantages",
-    "rollout_logprobs",
-    "old_logprobs",
-    "ref_logprobs",
-    "returns",
-    "old_values",
-    "teacher_top_ids",
-    "teacher_top_logprobs",
-)
-
-
 def to_score(batch: TrainBatch) -> TrainBatch:
     """`batch` as a far backend scores it: tokens, loss mask, normalisers and metadata, which
     are all its logprobs and values read (`TrainerCore._per_token`); the rest is not pickled
     (an 8k-sample GRPO batch: 180 -> 108 MB)."""
-    return dataclasses.replace(batch, **dict.fromkeys(TRAINING_ONLY_FIELDS, ()))
+    return dataclasses.replace(batch, **dict.fromkeys(OPTIONAL_SEQUENCE_FIELDS, ()))
 
 
 def _far(path: Path) -> Path:

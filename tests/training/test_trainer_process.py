@@ -23,7 +23,8 @@ from rollouts.trainer.process_child import RNG_FILE
 from rollouts.trainer.process_wire import pack, unpack
 from rollouts.trainer.protocol import TrainingBackend
 from rollouts.trainer.pytorch import load_hf_weights
-from rollouts.trainer.remote import TRAINING_ONLY_FIELDS, to_score
+from rollouts.trainer.remote import to_score
+from rollouts.types import OPTIONAL_SEQUENCE_FIELDS
 from tests.training.backend_helpers import (
     LENGTHS,
     make_batch,
@@ -78,7 +79,7 @@ def test_a_batch_to_score_keeps_what_scoring_reads() -> None:
     ones = tuple(torch.ones(len(t)) for t in batch.input_ids)
     full = dataclasses.replace(batch, metadata={"k": 1}, **dict.fromkeys(TRAINING_ONLY, ones))
     sent = to_score(full)
-    assert all(getattr(sent, name) == () for name in TRAINING_ONLY_FIELDS)
+    assert all(getattr(sent, name) == () for name in OPTIONAL_SEQUENCE_FIELDS)
     assert sent.input_ids is full.input_ids and sent.loss_mask is full.loss_mask
     assert sent.metadata == {"k": 1} and sent.num_global_tokens == full.num_global_tokens
 
