@@ -11,18 +11,17 @@ import json
 import os
 import shutil
 import signal
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import trio
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from rollouts.config import Config, config_to_dict
 from rollouts.data.limits import drop_overlong_prompts, prompt_limit
 from rollouts.data.loaders import ChatWrap, DatasetError, load_prompts
 from rollouts.data.sft import tokenize_prompt
 from rollouts.data.sources import source_kind
+from rollouts.data.text_decode import response_decoder
 from rollouts.driver.lock import LOCK_NAME
 from rollouts.driver.memory import MemoryWatch
 from rollouts.driver.metrics import ConsoleSink, JsonlSink, MetricsLogger, truncate_jsonl
@@ -235,24 +234,6 @@ def _check_tiny_model(path: Path, spec: TinyModelSpec) -> None:
             f"model.path = {str(path)!r} holds a tiny model built from other [model.tiny] "
             f"values: {keys}. Delete the directory to rebuild it, or point model.path elsewhere"
         )
-
-
-def response_decoder(tokenizer: Any) -> Callable[[tuple[int, ...]], str]:
-    """`tokenizer.decode(list(ids), skip_special_tokens=True)` as a function of the ids. A
-    transformers fast tokenizer that keeps its library's decode and cleans up no spaces decodes
-    by its Rust tokenizer straight away: the same text, without the per-token type checks of
-    transformers' `to_py_obj` (a third of a 1k-token decode, once per sample on the driver)."""
-    kind = type(tokenizer)
-    same_decode = (
-        isinstance(tokenizer, PreTrainedTokenizerFast)
-        and kind.decode is PreTrainedTokenizerBase.decode
-        and kind._decode is PreTrainedTokenizerFast._decode
-        and not tokenizer.clean_up_tokenization_spaces
-    )
-    if same_decode:
-        backend = tokenizer.backend_tokenizer
-        return lambda ids: backend.decode(ids, skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
 def with_response_text(reward_fn: Any, tokenizer: Any) -> Any:
