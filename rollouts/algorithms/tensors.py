@@ -1,8 +1,9 @@
 """1-D tensors from Python sequences of numbers, without torch.tensor's per-item dispatch; and
 `pad`, a micro-batch's 1-D tensors as one right-padded [B, T] tensor.
 
-`torch.tensor(tuple_of_ints)` inspects every item (~8 us for a 70-token sample); packing into
-an `array.array` first and wrapping its buffer is 3x faster, and a loss mask as bytes 6x more.
+`torch.tensor(tuple_of_ints)` inspects every item (~8 us for a 70-token sample); packing with
+`struct` (7 ns an item) and wrapping its buffer is 7x faster (`array.array`, 15 ns an item,
+parses a format for every item), and a loss mask as bytes 6x more.
 Building a train batch makes five such tensors per sample on the driver's thread, which in async
 mode runs beside the training thread (and holds the GIL it needs). A non-integer in
 `long_tensor` is a TypeError, not silently truncated.
@@ -11,24 +12,37 @@ mode runs beside the training thread (and holds the GIL it needs). A non-integer
 from __future__ import annotations
 
 import array
+import struct
 from collections.abc import Sequence
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 
+def _packed(code: str, values: Sequence[float]) -> bytearray | array.array:
+    """`values` as native C numbers of type `code` ("q" or "f") in a writable buffer: by
+    `struct`, and where it refuses an item (not a number, out of range, a float past
+    float32's range) by `array.array`, which gives what it gave before (inf, or its error)."""
+    raw = bytearray(len(values) * struct.calcsize(code))
+    try:
+        struct.pack_into(f"{len(values)}{code}", raw, 0, *values)
+    except (struct.error, OverflowError):
+        return array.array(code, values)
+    return raw
+
+
 def long_tensor(values: Sequence[int]) -> torch.Tensor:
     """int64 [len(values)]; owns its memory (the array), like torch.tensor."""
     if not values:
         return torch.zeros(0, dtype=torch.long)
-    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
+    return torch.frombuffer(_packed("q", values), dtype=torch.int64)
 
 
 def float_tensor(values: Sequence[float]) -> torch.Tensor:
     """float32 [len(values)] (ints and bools are converted)."""
     if not values:
         return torch.zeros(0, dtype=torch.float32)
-    return torch.frombuffer(array.array("f", values), dtype=torch.float32)
+    return torch.frombuffer(_packed("f", values), dtype=torch.float32)
 
 
 def mask_tensor(values: Sequence[int]) -> torch.Tensor:

@@ -21,6 +21,7 @@ from rollouts.data.limits import drop_overlong_prompts, prompt_limit
 from rollouts.data.loaders import ChatWrap, DatasetError, load_prompts
 from rollouts.data.sft import tokenize_prompt
 from rollouts.data.sources import source_kind
+from rollouts.data.text_decode import response_decoder
 from rollouts.driver.lock import LOCK_NAME
 from rollouts.driver.memory import MemoryWatch
 from rollouts.driver.metrics import ConsoleSink, JsonlSink, MetricsLogger, truncate_jsonl
@@ -242,10 +243,12 @@ def with_response_text(reward_fn: Any, tokenizer: Any) -> Any:
     scorer (`rollouts.rewards.scoring`) still runs a sync one in an abandonable worker thread.
     """
 
+    decode = response_decoder(tokenizer)
+
     def with_text(sample: Any) -> Any:
         if "response_text" in sample.metadata:
             return sample
-        text = tokenizer.decode(list(sample.response_tokens), skip_special_tokens=True)
+        text = decode(sample.response_tokens)
         return dataclasses.replace(sample, metadata={**sample.metadata, "response_text": text})
 
     if is_async_callable(reward_fn):

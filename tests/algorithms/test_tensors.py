@@ -41,3 +41,26 @@ def test_a_mask_as_bytes_is_the_same_tensor_as_float_tensor() -> None:
     a = mask_tensor((0, 1))
     a.add_(1)  # writable and its own
     assert a.tolist() == [1.0, 2.0]
+
+
+def test_the_same_bits_as_packing_into_an_array() -> None:
+    import array
+    import random
+
+    import numpy as np
+
+    rng = random.Random(0)
+    floats = [rng.gauss(0.0, 10.0) for _ in range(500)] + [1e-45, -0.0, 3.4e38, 1e300, -1e300]
+    floats += [float("inf"), 7, True, np.float64(0.1), np.float32(0.3), 2**200]
+    got = float_tensor(floats)
+    want = torch.frombuffer(array.array("f", floats), dtype=torch.float32)  # past float32: inf
+    assert got.view(torch.int32).tolist() == want.view(torch.int32).tolist()
+    ids = [rng.randrange(-(2**63), 2**63) for _ in range(500)] + [True, np.int64(5), np.int32(-3)]
+    assert long_tensor(ids).tolist() == array.array("q", ids).tolist()
+    for bad in [(1, 2**63), (1, "2"), (1, None), (1, np.float64(2.0))]:
+        with pytest.raises((TypeError, OverflowError)) as got_error:
+            long_tensor(bad)
+        with pytest.raises(type(got_error.value), match=str(got_error.value)):
+            array.array("q", bad)
+    with pytest.raises(TypeError):
+        float_tensor((0.5, "x"))

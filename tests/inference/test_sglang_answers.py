@@ -109,3 +109,85 @@ def test_a_body_is_encoded_to_the_values_httpx_would_send() -> None:
     assert dumps({1: [0.1]}) == b'{"1":[0.1]}'  # a key orjson refuses: the standard library's
     with pytest.raises(TypeError):
         dumps({"path": object()})
+
+
+def parse_before(answer: dict) -> tuple:
+    """parse_generate's reading of ids and logprobs before its fast path (2026-12-06), kept
+    as the reference the fast path must match: an array check of the ids, zip columns."""
+    from array import array
+    from operator import itemgetter
+
+    values = answer.get("output_ids", ())
+    try:
+        array("q", values)
+        output_ids = tuple(values)
+    except (TypeError, OverflowError):
+        output_ids = tuple(map(int, values))
+    entries = answer["meta_info"].get("output_token_logprobs") or []
+    if len(entries) != len(output_ids):
+        raise EngineError(f"{len(entries)} logprobs for {len(output_ids)} output tokens")
+    logprobs, ids = (), ()
+    if entries:
+        columns = tuple(zip(*entries, strict=False))
+        if len(columns) < 2:
+            columns = tuple(map(itemgetter(0), entries)), tuple(map(itemgetter(1), entries))
+        logprobs, ids = columns[0], columns[1]
+    if ids != output_ids and tuple(map(int, ids)) != output_ids:
+        raise EngineError("output_token_logprobs token ids differ from output_ids")
+    return output_ids, tuple(map(float, logprobs))
+
+
+def outcome(fn, answer: dict) -> tuple:
+    """What `fn` gives: ('ok', ids, logprobs, their types) or ('raised', type, message)."""
+    try:
+        ids, lps = fn(answer)
+    except Exception as e:
+        return "raised", type(e), str(e)
+    return "ok", ids, lps, tuple(map(type, ids)), tuple(map(type, lps))
+
+
+def fast(answer: dict) -> tuple:
+    done = parse_generate(answer)
+    return done.output_ids, done.logprobs
+
+
+def test_the_fast_path_reads_and_refuses_as_before() -> None:
+    import random
+
+    rng = random.Random(0)
+    answers = []
+    for n in [0, 1, 2, 7, 300]:
+        ids = [rng.randrange(0, 2**17) for _ in range(n)]
+        lps = [-abs(rng.gauss(0.0, 3.0)) for _ in range(n)]
+        entries = [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
+        answers.append(answer(ids, entries))
+        answers.append(loads(dumps(answer(ids, entries))))  # as the wire gives them
+    odd = [  # (output_ids, output_token_logprobs): each shape a server could get wrong
+        ([5, 6], [[-0.5, 5, None], [None, 6, None]]),  # a null logprob
+        ([5, 6], [[-0.5, 5, None], ["-0.25", 6, None]]),  # a logprob as a string
+        ([5, 6], [[-0.5, 5, None], ["x", 6, None]]),
+        ([5, 6], [[-0.5, 5, None], [None, 7, None]]),  # null logprob and a wrong id
+        ([5, 6], [[-0.5, 5, None], [-0.25]]),  # no token id
+        ([5, 6], [[-0.5, 5, None], []]),
+        ([5, 6], [[-0.5, 5, None], None]),  # an entry that is no list
+        ([5, 6], [[-0.5, 5, None], 3]),
+        ([5, 6], [[-0.5, 5, None], {"lp": -0.25, "id": 6}]),
+        ([5, 6], [[-0.5, 5, None], "ab"]),
+        ([5, 6], {"ab": 1, "cd": 2}),  # entries that are no list
+        ([5, 6], "ab"),
+        ([5, 6], [[-0.5, 5.0, None], [0, True, "x"]]),  # ids of other types
+        ([5.0, 6], [[-0.5, 5, None], [-1, 6, None]]),
+        ([5.5, 6], [[-0.5, 5, None], [-1, 6, None]]),
+        (["5", 6], [[-0.5, 5, None], [-1, 6, None]]),
+        (["x", 6], [[-0.5, 5, None], [-1, 6, None]]),
+        ([True, 6], [[-0.5, 1, None], [-1, 6, None]]),
+        ([2**70, 6], [[-0.5, 2**70, None], [-1, 6, None]]),
+        ([float("nan"), 6], [[-0.5, 5, None], [-1, 6, None]]),
+        ([[5], 6], [[-0.5, 5, None], [-1, 6, None]]),
+        (None, []),
+        ({"a": 1}, [[0.5, "a", None]]),
+        ([5, 6], [[-0.5, 5, None]]),  # counts differ
+    ]
+    answers += [answer(ids, entries) for ids, entries in odd]
+    for a in answers:
+        assert outcome(fast, a) == outcome(parse_before, a), a
