@@ -334,10 +334,13 @@ class EngineCore:
         for seq, count in zip(self._batch.seqs, counts, strict=True):
             seq.version_starts.append((version, count))
 
-    def prompt_logprobs(self, prompt_ids: list[int], top: int) -> list[PromptLogprob]:
-        """Each prompt token's logprob under the weights being served (`prompt_scores`)."""
+    def prompt_logprobs(
+        self, prompt_ids: list[int], top: int, start: int = 1
+    ) -> list[PromptLogprob]:
+        """Each prompt token's logprob from position `start` on under the weights being served
+        (`prompt_scores`)."""
         self.sleep.check_servable("score a prompt")
-        return score_prompt(self.model, prompt_ids, top)
+        return score_prompt(self.model, prompt_ids, top, start)
 
     def go_to_sleep(self, level: int) -> None:
         """vLLM's sleep levels: 0 holds scheduling; 1 also moves the weights to host memory

@@ -91,14 +91,15 @@ async def input_logprobs(
     def entry(lp: float | None, tok: int) -> list[Any]:
         return [lp, tok, state.tokenizer.decode([tok]) if with_text else None]
 
-    positions = await state.prompt_logprobs(prompt, top_n)
-    first = [entry(None, prompt[0])]
+    # only the positions asked for are scored (a teacher asks for a response's tokens alone)
+    positions = await state.prompt_logprobs(prompt, top_n, max(start, 1))
+    first = [entry(None, prompt[0])] if start == 0 else []
     out: dict[str, Any] = {
-        "input_token_logprobs": (first + [entry(p.logprob, p.token) for p in positions])[start:]
+        "input_token_logprobs": first + [entry(p.logprob, p.token) for p in positions]
     }
     if top_n:
-        tops = [[]] + [[entry(lp, t) for lp, t in p.top] for p in positions]
-        out["input_top_logprobs"] = tops[start:]
+        tops = [[]] if start == 0 else []
+        out["input_top_logprobs"] = tops + [[entry(lp, t) for lp, t in p.top] for p in positions]
     return out
 
 

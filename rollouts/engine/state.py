@@ -329,10 +329,15 @@ class ServerState:
             loaded = sorted(self.core.adapters.loaded)
             raise BadRequest(field, f"the LoRA adapter {name!r} is not loaded (loaded: {loaded})")
 
-    async def prompt_logprobs(self, prompt_ids: list[int], top: int) -> list[PromptLogprob]:
-        """The served weights' logprob of each prompt token (`EngineCore.prompt_logprobs`), run
-        in the worker between steps (also while paused: a weight sync checks it there)."""
-        return await self.command(lambda reply: reply(self.core.prompt_logprobs(prompt_ids, top)))
+    async def prompt_logprobs(
+        self, prompt_ids: list[int], top: int, start: int = 1
+    ) -> list[PromptLogprob]:
+        """The served weights' logprob of each prompt token from position `start` on
+        (`EngineCore.prompt_logprobs`), run in the worker between steps (also while paused: a
+        weight sync checks it there)."""
+        return await self.command(
+            lambda reply: reply(self.core.prompt_logprobs(prompt_ids, top, start))
+        )
 
     async def sleep(self, level: int, mode: PauseMode) -> None:
         """vLLM's /sleep: hold scheduling as a pause in `mode` would (abort: the running

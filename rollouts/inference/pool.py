@@ -108,14 +108,15 @@ class EnginePool:
         with none up, wait up to `wait_for_up_s` for a health check to bring one back."""
         return await self._on_an_engine(1, lambda e: e.generate(input_ids, sampling, rid))
 
-    async def prompt_logprobs(self, input_ids: Sequence[int]) -> tuple[float, ...]:
-        """Each token's logprob given the ones before it, on the least-loaded healthy engine
-        (a teacher's scoring: `rollout/teacher.py`); moved on and waited for as `generate`."""
-        return await self._on_an_engine(1, lambda e: e.prompt_logprobs(input_ids))
+    async def prompt_logprobs(self, input_ids: Sequence[int], start: int = 1) -> tuple[float, ...]:
+        """Each of `input_ids[start:]`'s logprob given the tokens before it, on the least-loaded
+        healthy engine (a teacher's scoring: `rollout/teacher.py`); moved on and waited for as
+        `generate`."""
+        return await self._on_an_engine(1, lambda e: e.prompt_logprobs(input_ids, start))
 
-    async def prompt_top_logprobs(self, input_ids: Sequence[int], top: int) -> Any:
-        """`prompt_logprobs` and the `top` likeliest (id, logprob) at each position."""
-        return await self._on_an_engine(1, lambda e: e.prompt_top_logprobs(input_ids, top))
+    async def prompt_top_logprobs(self, input_ids: Sequence[int], top: int, start: int = 1) -> Any:
+        """`prompt_logprobs` and the `top` likeliest (id, logprob) at each of those positions."""
+        return await self._on_an_engine(1, lambda e: e.prompt_top_logprobs(input_ids, top, start))
 
     async def _on_an_engine(self, cost: int, call: Callable[[Any], Awaitable[Any]]) -> Any:
         """`call` on the least-loaded engine that is up (counting `cost` requests in flight

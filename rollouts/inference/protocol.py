@@ -68,16 +68,18 @@ class InferenceEngine(Protocol):
         """The weight version the engine serves now."""
         ...
 
-    async def prompt_logprobs(self, input_ids: Sequence[int]) -> tuple[float, ...]:
-        """The served weights' logprob of each of `input_ids[1:]` given the tokens before it
-        (raw logits, teacher-forced): what a weight sync's content check compares."""
+    async def prompt_logprobs(self, input_ids: Sequence[int], start: int = 1) -> tuple[float, ...]:
+        """The served weights' logprob of each of `input_ids[start:]` (1 <= start <
+        len(input_ids)) given the tokens before it (raw logits, teacher-forced): what a weight
+        sync's content check compares (start 1), and a teacher's opinion of a response (start:
+        its first token; the engine need not score the prompt's positions)."""
         ...
 
     async def prompt_top_logprobs(
-        self, input_ids: Sequence[int], top: int
+        self, input_ids: Sequence[int], top: int, start: int = 1
     ) -> tuple[tuple[float, ...], tuple[tuple[tuple[int, float], ...], ...]]:
-        """`prompt_logprobs`, and at each position the `top` likeliest (token id, logprob) in
-        rank order: a teacher's distribution for top-k distillation."""
+        """`prompt_logprobs`, and at each of those positions the `top` likeliest (token id,
+        logprob) in rank order: a teacher's distribution for top-k distillation."""
         ...
 
     async def load(self) -> EngineLoad:

@@ -194,20 +194,20 @@ class SGLangEngine:
         assert rid_prefix, "an empty prefix would abort everything: use abort_all"
         await self.http.call("POST", "/abort_request", json_body={"rid": rid_prefix})
 
-    async def prompt_logprobs(self, input_ids: Sequence[int]) -> tuple[float, ...]:
-        """POST /generate with `logprob_start_len: 0`: each prompt token's logprob."""
-        body = input_logprobs_body(input_ids, self.adapters.current)
+    async def prompt_logprobs(self, input_ids: Sequence[int], start: int = 1) -> tuple[float, ...]:
+        """POST /generate with `logprob_start_len`: the logprob of each of `input_ids[start:]`."""
+        body = input_logprobs_body(input_ids, self.adapters.current, start=start)
         answer = await self.http.json("POST", "/generate", json_body=body)
-        return parse_input_logprobs(answer, input_ids)
+        return parse_input_logprobs(answer, input_ids, start)
 
     async def prompt_top_logprobs(
-        self, input_ids: Sequence[int], top: int
+        self, input_ids: Sequence[int], top: int, start: int = 1
     ) -> tuple[tuple[float, ...], TopLogprobs]:
         """As `prompt_logprobs`, with the `top` likeliest (id, logprob) at each position."""
-        body = input_logprobs_body(input_ids, self.adapters.current, top)
+        body = input_logprobs_body(input_ids, self.adapters.current, top, start)
         answer = await self.http.json("POST", "/generate", json_body=body)
-        return parse_input_logprobs(answer, input_ids), parse_input_top_logprobs(
-            answer, input_ids, top
+        return parse_input_logprobs(answer, input_ids, start), parse_input_top_logprobs(
+            answer, input_ids, top, start
         )
 
     async def health(self) -> bool:

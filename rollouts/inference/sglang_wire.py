@@ -87,17 +87,24 @@ def batch_generate_body(
     return body
 
 
+def logprob_start_len(start: int) -> int:
+    """`logprob_start_len` asking for the logprobs of `input_ids[start:]`: 0 for every token's
+    (the first one's null), else `start` (the server scores only those positions)."""
+    return 0 if start == 1 else start
+
+
 def input_logprobs_body(
-    input_ids: Sequence[int], adapter: str | None = None, top: int = 0
+    input_ids: Sequence[int], adapter: str | None = None, top: int = 0, start: int = 1
 ) -> dict[str, Any]:
-    """POST /generate asking for the prompt tokens' logprobs (`logprob_start_len` 0), and with
-    `top` the `top` likeliest tokens at each position (`top_logprobs_num`)."""
+    """POST /generate asking for the logprobs of `input_ids[start:]` (`logprob_start_len`), and
+    with `top` the `top` likeliest tokens at each of those positions (`top_logprobs_num`)."""
     assert len(input_ids) >= 2, "a prompt-logprobs probe needs two tokens"
+    assert 1 <= start < len(input_ids), f"{start=} for {len(input_ids)} tokens"
     body: dict[str, Any] = {
         "input_ids": list(input_ids),
         "sampling_params": {"max_new_tokens": 0},  # score the prompt, generate nothing
         "return_logprob": True,
-        "logprob_start_len": 0,
+        "logprob_start_len": logprob_start_len(start),
     }
     if top:
         body["top_logprobs_num"] = top
@@ -107,7 +114,8 @@ def input_logprobs_body(
 
 
 def _per_prompt_token(answer: Any, key: str, n: int) -> list[Any]:
-    """meta_info[key]: a list with one entry per prompt token (`n`), or EngineError."""
+    """meta_info[key]: a list with one entry per prompt token from `logprob_start_len` on
+    (`n`), or EngineError."""
     entries = one_answer(answer)["meta_info"].get(key)
     if not isinstance(entries, list) or len(entries) != n:
         got = len(entries) if isinstance(entries, list) else entries
@@ -118,30 +126,38 @@ def _per_prompt_token(answer: Any, key: str, n: int) -> list[Any]:
 TopLogprobs = tuple[tuple[tuple[int, float], ...], ...]  # per position: (token id, logprob) x k
 
 
-def parse_input_top_logprobs(answer: Any, input_ids: Sequence[int], top: int) -> TopLogprobs:
-    """meta_info.input_top_logprobs (per prompt token a list of `[logprob, token_id, text]`,
-    the first position empty) -> the `top` likeliest (id, logprob) predicting each of
-    `input_ids[1:]`."""
-    entries = _per_prompt_token(answer, "input_top_logprobs", len(input_ids))
+def parse_input_top_logprobs(
+    answer: Any, input_ids: Sequence[int], top: int, start: int = 1
+) -> TopLogprobs:
+    """meta_info.input_top_logprobs (per prompt token from `logprob_start_len` on a list of
+    `[logprob, token_id, text]`, position 0's empty) -> the `top` likeliest (id, logprob)
+    predicting each of `input_ids[start:]`."""
+    first = logprob_start_len(start)
+    entries = _per_prompt_token(answer, "input_top_logprobs", len(input_ids) - first)
     out = []
-    for t in range(1, len(input_ids)):
-        step = entries[t]
+    for t in range(start, len(input_ids)):
+        step = entries[t - first]
         if not isinstance(step, list) or len(step) != top or any(e[0] is None for e in step):
             raise EngineError(f"input_top_logprobs[{t}] = {step!r}: not {top} (logprob, id)")
         out.append(tuple((int(e[1]), float(e[0])) for e in step))
     return tuple(out)
 
 
-def parse_input_logprobs(answer: Any, input_ids: Sequence[int]) -> tuple[float, ...]:
-    """meta_info.input_token_logprobs (`[logprob, token_id, text]` per prompt token, the first
-    logprob null) -> the logprob of each of `input_ids[1:]`."""
-    entries = _per_prompt_token(answer, "input_token_logprobs", len(input_ids))
+def parse_input_logprobs(
+    answer: Any, input_ids: Sequence[int], start: int = 1
+) -> tuple[float, ...]:
+    """meta_info.input_token_logprobs (`[logprob, token_id, text]` per prompt token from
+    `logprob_start_len` on, position 0's logprob null) -> the logprob of each of
+    `input_ids[start:]`; each entry's token id must be the one at its position."""
+    first = logprob_start_len(start)
+    entries = _per_prompt_token(answer, "input_token_logprobs", len(input_ids) - first)
     out = []
-    for t in range(1, len(input_ids)):
-        lp, tok = entries[t][0], entries[t][1]
+    for t in range(start, len(input_ids)):
+        entry = entries[t - first]
+        lp, tok = entry[0], entry[1]
         if lp is None or int(tok) != int(input_ids[t]):
             raise EngineError(
-                f"input_token_logprobs[{t}] = {entries[t]!r}, not token {input_ids[t]}"
+                f"input_token_logprobs[{t - first}] = {entry!r}, not token {input_ids[t]}"
             )
         out.append(float(lp))
     return tuple(out)

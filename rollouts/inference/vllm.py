@@ -199,20 +199,21 @@ class VLLMEngine:
         self.bracket.served(str(info["weight_version"]))
         return str(info["weight_version"])
 
-    async def prompt_logprobs(self, input_ids: Sequence[int]) -> tuple[float, ...]:
-        """`prompt_logprobs: 0` of POST /v1/completions: each prompt token's logprob."""
+    async def prompt_logprobs(self, input_ids: Sequence[int], start: int = 1) -> tuple[float, ...]:
+        """`prompt_logprobs: 0` of POST /v1/completions: the logprob of each of
+        `input_ids[start:]` (vLLM scores the whole prompt: it has no start position)."""
         body = prompt_logprobs_body(input_ids, self.served())
         answer = await self.http.json("POST", "/v1/completions", json_body=body)
-        return parse_prompt_logprobs(answer, input_ids)
+        return parse_prompt_logprobs(answer, input_ids, start)
 
     async def prompt_top_logprobs(
-        self, input_ids: Sequence[int], top: int
+        self, input_ids: Sequence[int], top: int, start: int = 1
     ) -> tuple[tuple[float, ...], TopLogprobs]:
         """As `prompt_logprobs`, with the `top` likeliest (id, logprob) at each position."""
         body = prompt_logprobs_body(input_ids, self.served(), top)
         answer = await self.http.json("POST", "/v1/completions", json_body=body)
-        return parse_prompt_logprobs(answer, input_ids), parse_prompt_top_logprobs(
-            answer, input_ids, top
+        return parse_prompt_logprobs(answer, input_ids, start), parse_prompt_top_logprobs(
+            answer, input_ids, top, start
         )
 
     async def load(self) -> EngineLoad:

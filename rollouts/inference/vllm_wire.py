@@ -101,15 +101,18 @@ def prompt_logprobs_body(
     return body
 
 
-def parse_prompt_logprobs(answer: Any, input_ids: Sequence[int]) -> tuple[float, ...]:
+def parse_prompt_logprobs(
+    answer: Any, input_ids: Sequence[int], start: int = 1
+) -> tuple[float, ...]:
     """`choices[0].prompt_logprobs` (null, then {token id: {logprob, rank, ...}} per position)
-    -> the logprob of each of `input_ids[1:]`."""
+    -> the logprob of each of `input_ids[start:]`."""
+    assert 1 <= start < len(input_ids), f"{start=} for {len(input_ids)} tokens"
     choices = answer.get("choices") if isinstance(answer, dict) else None
     entries = choices[0].get("prompt_logprobs") if choices else None
     if not isinstance(entries, list) or len(entries) != len(input_ids):
         raise EngineError(f"/v1/completions gave no prompt_logprobs for the prompt: {entries!r}")
     out = []
-    for t in range(1, len(input_ids)):
+    for t in range(start, len(input_ids)):
         entry = (entries[t] or {}).get(str(input_ids[t]))
         if not isinstance(entry, dict) or entry.get("logprob") is None:
             raise EngineError(f"prompt_logprobs[{t}] has no entry for token {input_ids[t]}")
@@ -117,12 +120,14 @@ def parse_prompt_logprobs(answer: Any, input_ids: Sequence[int]) -> tuple[float,
     return tuple(out)
 
 
-def parse_prompt_top_logprobs(answer: Any, input_ids: Sequence[int], top: int) -> TopLogprobs:
-    """The `top` likeliest (id, logprob) predicting each of `input_ids[1:]`: the entries of
+def parse_prompt_top_logprobs(
+    answer: Any, input_ids: Sequence[int], top: int, start: int = 1
+) -> TopLogprobs:
+    """The `top` likeliest (id, logprob) predicting each of `input_ids[start:]`: the entries of
     `choices[0].prompt_logprobs` ranked 1..top, in rank order."""
     entries = answer["choices"][0]["prompt_logprobs"]  # parse_prompt_logprobs checked the shape
     out = []
-    for t in range(1, len(input_ids)):
+    for t in range(start, len(input_ids)):
         ranked = sorted(
             (int(e["rank"]), int(tok), float(e["logprob"]))
             for tok, e in entries[t].items()

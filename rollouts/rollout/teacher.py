@@ -28,20 +28,22 @@ SCORED = (Status.COMPLETED, Status.TRUNCATED)
 class ScoresTokens(Protocol):
     """What the teacher needs of its engines (an `EnginePool`)."""
 
-    async def prompt_logprobs(self, input_ids: Sequence[int]) -> tuple[float, ...]: ...
+    async def prompt_logprobs(self, input_ids: Sequence[int], start: int = 1) -> Any: ...
 
-    async def prompt_top_logprobs(self, input_ids: Sequence[int], top: int) -> Any: ...
+    async def prompt_top_logprobs(
+        self, input_ids: Sequence[int], top: int, start: int = 1
+    ) -> Any: ...
 
 
 def response_logprobs(sample: Sample, served: Sequence[float]) -> tuple[float, ...]:
-    """The response tokens' logprobs out of a whole sequence's prompt logprobs (`served[t]` is
-    token t + 1's given tokens 0..t)."""
-    if len(served) != len(sample.tokens) - 1:
+    """The response tokens' logprobs as the teacher served them (asked from the response's
+    first token on: `served[i]` is response token i's given everything before it)."""
+    if len(served) != sample.response_length:
         raise EngineError(
-            f"the teacher returned {len(served)} prompt logprobs for a sequence of "
-            f"{len(sample.tokens)} tokens (expected {len(sample.tokens) - 1})"
+            f"the teacher returned {len(served)} logprobs for a response of "
+            f"{sample.response_length} tokens"
         )
-    return tuple(float(x) for x in served[sample.prompt_length - 1 :])
+    return tuple(float(x) for x in served)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -81,16 +83,27 @@ class Teacher:
         when no teacher engine is left."""
         async with self.limiter:
             try:
+                # only the response's positions: the prompt's cost the teacher no LM head, no
+                # top-k and no bytes on the wire (SGLang and the built-in engine; vLLM scores the
+                # whole sequence and the client keeps those)
+                start = sample.prompt_length
                 if not self.top_k:
-                    served = await self.engines.prompt_logprobs(sample.tokens)
+                    served = await self.engines.prompt_logprobs(sample.tokens, start)
                     return dataclasses.replace(
                         sample, teacher_logprobs=response_logprobs(sample, served)
                     )
-                served, top = await self.engines.prompt_top_logprobs(sample.tokens, self.top_k)
+                served, top = await self.engines.prompt_top_logprobs(
+                    sample.tokens, self.top_k, start
+                )
+                if len(top) != sample.response_length:
+                    raise EngineError(
+                        f"the teacher returned {len(top)} top-k positions for a response of "
+                        f"{sample.response_length} tokens"
+                    )
                 return dataclasses.replace(
                     sample,
                     teacher_logprobs=response_logprobs(sample, served),
-                    teacher_top=tuple(top[sample.prompt_length - 1 :]),
+                    teacher_top=tuple(top),
                 )
             except EngineUnavailable:
                 raise

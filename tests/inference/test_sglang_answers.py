@@ -11,7 +11,13 @@ import httpx
 import pytest
 
 from rollouts.inference.http import EngineError, EngineHttp, dumps, loads
-from rollouts.inference.sglang_wire import batch_generate_body, parse_generate
+from rollouts.inference.sglang_wire import (
+    batch_generate_body,
+    input_logprobs_body,
+    parse_generate,
+    parse_input_logprobs,
+    parse_input_top_logprobs,
+)
 from rollouts.wire.generation import FinishReason, GenerateRequest, SamplingParams
 
 
@@ -191,3 +197,27 @@ def test_the_fast_path_reads_and_refuses_as_before() -> None:
     answers += [answer(ids, entries) for ids, entries in odd]
     for a in answers:
         assert outcome(fast, a) == outcome(parse_before, a), a
+
+
+def test_prompt_logprobs_from_a_start_position() -> None:
+    """A teacher asks for a response's tokens alone (`logprob_start_len` = its first position):
+    the entries read from there; every entry's token id must be its position's, so a server
+    that counts positions otherwise is refused, never read one token off."""
+    ids = [11, 12, 13, 14, 15]
+    assert input_logprobs_body(ids)["logprob_start_len"] == 0  # every token's (the probe)
+    assert input_logprobs_body(ids, start=3)["logprob_start_len"] == 3
+    whole = [[None, 11, None]] + [[-0.5 * t, t, None] for t in ids[1:]]
+    tops = [[]] + [[[-0.1, t, None], [-0.2, 99, None]] for t in ids[1:]]
+    meta = {"input_token_logprobs": whole, "input_top_logprobs": tops}
+    assert parse_input_logprobs({"meta_info": meta}, ids) == (-6.0, -6.5, -7.0, -7.5)
+    tail = {"input_token_logprobs": whole[3:], "input_top_logprobs": tops[3:]}
+    assert parse_input_logprobs({"meta_info": tail}, ids, 3) == (-7.0, -7.5)
+    assert parse_input_top_logprobs({"meta_info": tail}, ids, 2, 3) == (
+        ((14, -0.1), (99, -0.2)),
+        ((15, -0.1), (99, -0.2)),
+    )
+    shifted = {"input_token_logprobs": whole[2:4]}  # one position early
+    with pytest.raises(EngineError, match="not token 14"):
+        parse_input_logprobs({"meta_info": shifted}, ids, 3)
+    with pytest.raises(EngineError, match="input_token_logprobs"):
+        parse_input_logprobs({"meta_info": {"input_token_logprobs": whole[3:4]}}, ids, 3)

@@ -82,6 +82,14 @@ async def test_top_k_scoring_keeps_the_teachers_distribution_on_both_wires(
             assert s.teacher_logprobs == pytest.approx(s.rollout_logprobs, abs=1e-4)
             served, top = await vllm.prompt_top_logprobs(s.tokens, k)
             over_vllm = top[s.prompt_length - 1 :]
+            # from the response's first token on: the same entries, over both wires
+            tail, tail_top = await vllm.prompt_top_logprobs(s.tokens, k, s.prompt_length)
+            assert (tail, tail_top) == (served[s.prompt_length - 1 :], over_vllm)
+            whole, whole_top = await engine.prompt_top_logprobs(s.tokens, k)
+            assert whole[s.prompt_length - 1 :] == pytest.approx(s.teacher_logprobs, abs=1e-5)
+            assert [[t for t, _ in step] for step in whole_top[s.prompt_length - 1 :]] == [
+                [t for t, _ in step] for step in s.teacher_top
+            ]
             assert [[t for t, _ in step] for step in over_vllm] == [
                 [t for t, _ in step] for step in s.teacher_top
             ]
@@ -98,11 +106,11 @@ class RefusesOnce:
     def __init__(self, engine: SGLangEngine) -> None:
         self.engine, self.refused = engine, 0
 
-    async def prompt_logprobs(self, input_ids: Sequence[int]) -> tuple[float, ...]:
+    async def prompt_logprobs(self, input_ids: Sequence[int], start: int = 1) -> tuple[float, ...]:
         if not self.refused:
             self.refused += 1
             raise EngineRequestError(400, "injected refusal", self.engine.url)
-        return await self.engine.prompt_logprobs(input_ids)
+        return await self.engine.prompt_logprobs(input_ids, start)
 
 
 async def test_a_refused_scoring_fails_only_its_sample(engine, tok) -> None:
