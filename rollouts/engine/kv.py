@@ -251,7 +251,10 @@ def _forward(
             position_ids=pos,
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=1,
+            # the last column, as an index: an int slices a view of the hidden states, and a
+            # one-row view (one prompt, or a shared prefix) sent the CPU's bf16 LM head down a
+            # path ~15x slower (118 against 8 ms, SmolLM2, torch 2.13): a gathered copy is not
+            logits_to_keep=torch.tensor([width - 1], device=device),
         )
     return out.past_key_values, mask, out.logits[:, -1]
 
