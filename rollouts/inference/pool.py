@@ -110,8 +110,7 @@ class EnginePool:
 
     async def prompt_logprobs(self, input_ids: Sequence[int], start: int = 1) -> tuple[float, ...]:
         """Each of `input_ids[start:]`'s logprob given the tokens before it, on the least-loaded
-        healthy engine (a teacher's scoring: `rollout/teacher.py`); moved on and waited for as
-        `generate`."""
+        healthy engine (a teacher's scoring); moved on and waited for as `generate`."""
         return await self._on_an_engine(1, lambda e: e.prompt_logprobs(input_ids, start))
 
     async def prompt_top_logprobs(self, input_ids: Sequence[int], top: int, start: int = 1) -> Any:
