@@ -29,6 +29,7 @@ from rollouts.config import Config, ConfigError, RLHalves, RunMode, load_config
 from rollouts.driver.errors import report_error
 from rollouts.driver.launch import needs_torchrun, srun_ranks, torchrun_command
 from rollouts.driver.lock import RunInUse, hold_run_locks  # light: no torch before the lock
+from rollouts.malloc import keep_freed_memory
 
 MODES = typing.get_args(RunMode)
 
@@ -95,6 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load the config, re-launch under torchrun if asked, take the run's locks, then import
     the training (torch, transformers) and run it."""
+    keep_freed_memory()  # this process hosts the trainer in sync mode and under torchrun
     overrides = list(args.overrides)
     for key, value in (("nproc", args.nproc), ("nnodes", args.nnodes)):
         if value:
