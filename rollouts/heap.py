@@ -1,9 +1,25 @@
-"""Giving freed host memory back to the OS.
+"""Host memory and glibc's malloc: freed memory kept for the next training step to reuse, and
+given back to the OS where a phase ends.
 
-glibc keeps the pages of freed allocations in its arenas (one per thread that allocated), so a
-process's RSS stays at its peak after large tensors are freed: the built-in engine's sleep, and
-the SFT phase's backend (its worker thread's arena), would otherwise hold gigabytes that the
-RL phase after them, or a colocated trainer, needs.
+Giving back (`give_back_heap`, `release_garbage`): glibc keeps the pages of freed allocations
+in its arenas, so a process's RSS stays at its peak after large tensors are freed: the built-in
+engine's sleep, and the SFT phase's backend, would otherwise hold gigabytes that the RL phase
+after them, or a colocated trainer, needs. `malloc_trim(0)` returns them, whatever the settings
+below.
+
+Keeping (`keep_freed_memory`): a training step on CPU allocates and frees gigabytes in large
+blocks: the LM head's [tokens, vocab] logits, their log-softmax and gradients (400 MB each in
+float32 for a 2048-token SmolLM2 micro-batch), the activations. glibc serves each block over
+32 MB with a fresh `mmap` and unmaps it when freed, so the next step faults in new pages again:
+about 2.7 GB (690k faults, some 2 s of kernel time) a SmolLM2 step on the 2-core box. A block
+asked for on the trainer's thread comes from that thread's arena, whose heaps cannot hold it.
+`keep_freed_memory` makes every allocation come from the one main heap (one arena, no `mmap`)
+and turns automatic trimming off, so a step reuses the last one's pages. The backend's step on
+SmolLM2 (8 x 256 tokens, bf16 autocast, 10 steps a run, runs in turn): page faults 8.0M ->
+1.8M, kernel time 19.6-27.7 s -> 7.6-8.7 s, a step's median 7.7-8.9 s -> 6.4-6.8 s. The process
+keeps its peak memory for reuse. The driver (`rollouts train`, `integration_training/train.py`:
+it hosts the trainer in sync mode and under torchrun) and the trainer process call it; engine
+servers do not. `ROLLOUTS_MALLOC=system` leaves glibc's defaults.
 """
 
 from __future__ import annotations
@@ -11,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import os
+import sys
 
 
 def give_back_heap() -> None:
@@ -23,3 +41,21 @@ def release_garbage() -> None:
     """Collect unreachable objects (a backend in a reference cycle), then give the heap back."""
     gc.collect()
     give_back_heap()
+
+
+M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's <malloc.h>
+SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1))  # -1: never trim
+
+
+def keep_freed_memory() -> bool:
+    """Set glibc's malloc to keep freed memory in one heap (see the module's doc); True when
+    it took. A no-op (False) off Linux, without glibc's `mallopt`, or with
+    `ROLLOUTS_MALLOC=system`."""
+    if os.environ.get("ROLLOUTS_MALLOC", "") == "system" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the process's C library
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return all(mallopt(param, value) == 1 for param, value in SETTINGS)

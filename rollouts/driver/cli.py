@@ -29,7 +29,7 @@ from rollouts.config import Config, ConfigError, RLHalves, RunMode, load_config
 from rollouts.driver.errors import report_error
 from rollouts.driver.launch import needs_torchrun, srun_ranks, torchrun_command
 from rollouts.driver.lock import RunInUse, hold_run_locks  # light: no torch before the lock
-from rollouts.malloc import keep_freed_memory
+from rollouts.heap import keep_freed_memory
 
 MODES = typing.get_args(RunMode)
 

@@ -23,7 +23,7 @@ import torch
 
 from rollouts import tracing
 from rollouts.gcpolicy import freeze_startup_objects
-from rollouts.malloc import keep_freed_memory
+from rollouts.heap import keep_freed_memory
 from rollouts.progress_bars import quiet_progress_bars
 from rollouts.trainer.process_wire import HOST, pack, unpack
 from rollouts.types import TrainFuture
@@ -208,7 +208,7 @@ def serve(fd: int) -> None:
     trainer under it. The child still ends when the driver's end of the socket closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    keep_freed_memory()  # a step reuses the last one's pages (`rollouts/malloc.py`)
+    keep_freed_memory()  # a step reuses the last one's pages (`rollouts/heap.py`)
     conn = Connection(fd)
     host = _Host(conn)
     while True:

@@ -1,4 +1,4 @@
-"""`rollouts.malloc.keep_freed_memory`: a large block freed and asked for again reuses its pages
+"""`rollouts.heap.keep_freed_memory`: a large block freed and asked for again reuses its pages
 (glibc, Linux), where glibc's defaults map fresh ones; `ROLLOUTS_MALLOC=system` keeps them."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 PROBE = """
 import resource, sys
-from rollouts.malloc import keep_freed_memory
+from rollouts.heap import keep_freed_memory
 took = keep_freed_memory() if sys.argv[1] == "keep" else False
 block = 256 * 2**20
 first = bytearray(block)  # zero-filled: every page touched
