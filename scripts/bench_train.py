@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 
 from rollouts.config import Config, ModelConfig, OptimConfig, TrainingConfig
 from rollouts.engine.launch import engine_server
+from rollouts.heap import keep_freed_memory
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.models.sources import fetch_source
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
@@ -344,7 +345,16 @@ def main() -> None:
     parser.add_argument("--sync-reps", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=256.0)
     parser.add_argument("--sync-models", default="100m", help="extra models for the sync bench")
+    parser.add_argument(
+        "--malloc",
+        choices=("keep", "system"),
+        default="keep",
+        help="keep: glibc keeps freed memory for reuse, as the driver and trainer process set "
+        "it (rollouts/heap.py); system: glibc's defaults",
+    )
     args = parser.parse_args()
+    if args.malloc == "keep":
+        print(f"malloc: freed memory kept for reuse: {keep_freed_memory()}")
     spec = TinyModelSpec(
         hidden_size=args.hidden,
         num_layers=args.layers,
