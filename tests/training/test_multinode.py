@@ -159,7 +159,11 @@ def test_two_nodes_train_like_one_process_and_resume_after_a_kill(tmp_path: Path
     ours, theirs = _weights(run), _weights(one / "run")
     assert ours.keys() == theirs.keys()
     for key, value in theirs.items():
-        torch.testing.assert_close(ours[key], value, atol=1e-6, rtol=1e-5, msg=key)
+        # atol: 1/300 of one AdamW step at sft_lr 3e-3. The ranks sum the gradient in another
+        # order; where an element's gradient is near AdamW's eps, the update scales that
+        # rounding up (one lm_head element of 8288 off by 3.9e-6 after 4 steps, the rest
+        # within 1.3e-7). A missed or doubled step, or a wrong gradient, is 1e-3 away.
+        torch.testing.assert_close(ours[key], value, atol=1e-5, rtol=1e-5, msg=key)
 
 
 def test_two_nodes_run_rl_with_the_engine_beside_rank_0(tmp_path: Path) -> None:
