@@ -31,10 +31,15 @@ import os
 import sys
 
 
+def _libc() -> ctypes.CDLL:
+    """glibc, for its malloc controls (OSError where there is none)."""
+    return ctypes.CDLL("libc.so.6")
+
+
 def give_back_heap() -> None:
     """Return freed heap pages to the OS (glibc keeps them otherwise: the RSS would not drop)."""
     with contextlib.suppress(OSError, AttributeError):  # not glibc: it keeps what it keeps
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        _libc().malloc_trim(0)
 
 
 def release_garbage() -> None:
@@ -54,7 +59,7 @@ def keep_freed_memory() -> bool:
     if os.environ.get("ROLLOUTS_MALLOC", "") == "system" or not sys.platform.startswith("linux"):
         return False
     try:
-        mallopt = ctypes.CDLL(None).mallopt  # the process's C library
+        mallopt = _libc().mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
