@@ -21,14 +21,12 @@ The head is `value_head` on the wrapper, outside `lm`, so HF exports of `lm` nev
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rollouts.trainer.batching import MicroBatchTensors, SharedPrefix
+from rollouts.trainer.logit_stats import logit_stats
 
 # logprob_chunk_size = 0 (auto): chunks whose float32 [tokens, vocab] logits stay under this
 LOGITS_CHUNK_BYTES = 512 * 2**20
@@ -54,24 +52,17 @@ def _chunk_stats(
     without `entropy_grad` the entropy is a detached metric (no [N, V] graph kept for it).
     `argmax_match`: 1.0 where the target is the logits' argmax, else 0.0, in place of logprobs.
     The third: [N, K] the logprobs of `top_ids_N_K` (top-k distillation), else [N, 0]."""
-    logits_N_V = head(hidden_N_H).float()
+    logits_N_V = head(hidden_N_H)
     if argmax_match:
-        hits_N = (logits_N_V.argmax(dim=-1) == targets_N).float()
+        hits_N = (logits_N_V.float().argmax(dim=-1) == targets_N).float()
         return hits_N, torch.zeros_like(hits_N), hits_N.new_zeros(hits_N.shape[0], 0)
-    # torch's fused log_softmax, forward and backward: `logsumexp` is composite on CPU (max,
-    # subtract, exp, sum, log; its backward another subtract, exp and multiply over [N, V]),
-    # 3.3 of a 10 s SmolLM2 step against 0.44 s here (scripts/bench_train.py)
-    logp_N_V = F.log_softmax(logits_N_V, dim=-1)
-    logprobs_N = logp_N_V.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1)
-    if top_ids_N_K is None:
-        top_N_K = logprobs_N.new_zeros(logprobs_N.shape[0], 0)
-    else:
-        top_N_K = logp_N_V.gather(-1, top_ids_N_K)
-    if not want_entropy:
-        return logprobs_N, torch.zeros_like(logprobs_N), top_N_K
-    with contextlib.nullcontext() if entropy_grad else torch.no_grad():
-        entropy_N = -(logp_N_V.exp() * logp_N_V).sum(-1)
-    return logprobs_N, entropy_N, top_N_K
+    ids_N_K = targets_N.unsqueeze(-1)
+    if top_ids_N_K is not None:
+        ids_N_K = torch.cat([ids_N_K, top_ids_N_K], dim=-1)
+    # softmax statistics in blocks of rows, forward and backward (logit_stats.py): autograd
+    # through log_softmax(logits.float()).gather walks [N, V] eight times
+    lp_N_K, entropy_N = logit_stats(logits_N_V, ids_N_K, want_entropy, entropy_grad)
+    return lp_N_K[:, 0], entropy_N, lp_N_K[:, 1:]
 
 
 def token_stats(
