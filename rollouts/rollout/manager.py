@@ -168,6 +168,7 @@ class AsyncRolloutManager:
             threads=self.threads,
         )
         self.batches_made = 0
+        self.last_verdicts = (0, 0)  # (passed, judged) by the filters in the last batch
 
     async def generate_batch(
         self,
@@ -190,7 +191,9 @@ class AsyncRolloutManager:
         stale = self._drop_stale_partial(policy_version, max_staleness)
         send, recv = trio.open_memory_channel[GroupResult](self.config.max_concurrency)
         run = BatchRun(
-            state=new_round_state(self.config.batch_size, self.config.over_sampling_factor),
+            state=new_round_state(
+                self.config.batch_size, self.config.over_sampling_factor, self.last_verdicts
+            ),
             batch_id=f"b{self.batches_made}-{uuid.uuid4().hex[:8]}",
             number=self.batches_made if batch_number is None else batch_number,
             reward=reward,
@@ -337,6 +340,9 @@ class AsyncRolloutManager:
             run.partial.append(group)
             return
         verdict = run_filters(group, self.filters)
+        run.state = dataclasses.replace(
+            run.state, passed=run.state.passed + int(verdict.keep), judged=run.state.judged + 1
+        )
         if verdict.keep and self.config.partial_rollouts and len(run.kept) >= run.state.target:
             run.counts["surplus_groups_saved"] += 1  # finished work, served first next batch
             run.partial.append(group)
@@ -354,6 +360,7 @@ class AsyncRolloutManager:
 
     def _finish(self, run: BatchRun, elapsed_s: float) -> RolloutBatch:
         self.buffer.add_partial_groups(run.partial)
+        self.last_verdicts = (run.state.passed, run.state.judged)
         self.batches_made += 1
         short = len(run.kept) < self.config.batch_size
         message = short_batch_message(

@@ -32,6 +32,9 @@ class RoundState:
     A round is a wave of `wave` groups (`ceil(target * over_sampling_factor)`): the bound
     `max_over_sampling_rounds` limits the groups submitted to `max_rounds * wave`, however they
     were split into top-ups, so it bounds the waste and not the number of top-ups.
+    `passed` of `judged`: the groups the filters passed (kept or surplus) of those they judged,
+    in this batch and, as `prior_passed` of `prior_judged`, in the last one: the keep rate that
+    sizes top-ups (`groups_to_submit`).
     """
 
     target: int
@@ -40,12 +43,18 @@ class RoundState:
     in_flight: int = 0
     submitted: int = 0
     exhausted: bool = False  # the data source gave fewer groups than asked
+    passed: int = 0
+    judged: int = 0
+    prior_passed: int = 0
+    prior_judged: int = 0
 
     def __post_init__(self) -> None:
         assert self.target >= 1, f"{self.target=} must be >= 1"
         assert self.wave >= self.target, f"{self.wave=} must be >= {self.target=}"
         assert self.kept >= 0, f"{self.kept=} must be >= 0"
         assert self.in_flight >= 0, f"{self.in_flight=} must be >= 0"
+        assert 0 <= self.passed <= self.judged, f"{self.passed=} {self.judged=}"
+        assert 0 <= self.prior_passed <= self.prior_judged, f"{self.prior_passed=}"
 
     @property
     def rounds(self) -> int:
@@ -53,25 +62,47 @@ class RoundState:
         return math.ceil(self.submitted / self.wave)
 
 
-def new_round_state(target: int, over_sampling_factor: float) -> RoundState:
-    """The counters of a new batch of `target` groups."""
+def new_round_state(
+    target: int, over_sampling_factor: float, last: tuple[int, int] = (0, 0)
+) -> RoundState:
+    """The counters of a new batch of `target` groups; `last`: (passed, judged) by the filters
+    in the batch before (its keep rate is this batch's first estimate)."""
     assert over_sampling_factor >= 1.0, f"{over_sampling_factor=} must be >= 1"
-    return RoundState(target=target, wave=math.ceil(target * over_sampling_factor))
+    wave = math.ceil(target * over_sampling_factor)
+    return RoundState(target=target, wave=wave, prior_passed=last[0], prior_judged=last[1])
+
+
+def in_flight_credit(state: RoundState, over_sampling_factor: float) -> float:
+    """What a group in flight is expected to add to the batch, in (0, 1]: 1 while the filters
+    pass at least 1 group in `over_sampling_factor` (the factor covers the rest), else the
+    keep rate times the factor. The keep rate counts this batch's verdicts and the last
+    batch's, plus a wave that went as the factor assumes (`target` passed of `target *
+    factor`): a few early verdicts move it little, and with none the credit is exactly 1 (the
+    fixed factor's rule)."""
+    f, target = over_sampling_factor, state.target
+    passed = state.passed + state.prior_passed + target
+    judged = state.judged + state.prior_judged + target * f
+    return min(1.0, passed * f / judged)
 
 
 def groups_to_submit(state: RoundState, over_sampling_factor: float, max_rounds: int) -> int:
     """Groups to submit now, or 0.
 
-    More are submitted only when even keeping every in-flight group would leave the batch short:
-    the missing groups times the over-sampling factor, minus what is in flight, within what is
-    left of the budget of `max_rounds` waves.
+    More are submitted only when the groups in flight, each worth its expected share of a kept
+    group (`in_flight_credit`: 1 while the filters keep enough), would leave the batch short:
+    the missing groups times the over-sampling factor over that share, minus what is in
+    flight, within what is left of the budget of `max_rounds` waves. When the filters drop
+    most groups (late in GRPO training, most groups all right), top-ups grow to what the keep
+    rate needs, so the engines get full batches, not a few groups at a time.
     """
     assert over_sampling_factor >= 1.0, f"{over_sampling_factor=} must be >= 1"
     missing = state.target - state.kept
     budget = max_rounds * state.wave - state.submitted
-    if missing <= state.in_flight or budget <= 0 or state.exhausted:
+    credit = in_flight_credit(state, over_sampling_factor)
+    if missing <= state.in_flight * credit or budget <= 0 or state.exhausted:
         return 0
-    return min(max(math.ceil(missing * over_sampling_factor) - state.in_flight, 1), budget)
+    wanted = math.ceil(missing * over_sampling_factor / credit)
+    return min(max(wanted - state.in_flight, 1), budget)
 
 
 def batch_outcome(state: RoundState, max_rounds: int) -> Outcome:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import pytest
 
@@ -20,6 +21,7 @@ from rollouts.rollout.planning import (
     Outcome,
     batch_outcome,
     groups_to_submit,
+    in_flight_credit,
     is_stale_partial,
     new_round_state,
     sample_staleness,
@@ -109,6 +111,30 @@ def test_top_ups_share_a_round_and_the_budget_bounds_them() -> None:
     assert staleness_bound(-1, "async", 1) == 1
     assert staleness_bound(-1, "sync", 3) == 2
     assert staleness_bound(2, "sync", 1) == 2
+
+
+def test_top_ups_grow_with_what_the_filters_drop() -> None:
+    # no verdicts yet, or a keep rate the factor covers: the fixed factor's rule
+    s = new_round_state(4, 2.5, last=(4, 10))
+    assert in_flight_credit(s, 2.5) == 1.0
+    assert groups_to_submit(s, 2.5, 4) == 10
+    s = dataclasses.replace(s, in_flight=4, submitted=10, passed=4, judged=6, kept=2)
+    assert groups_to_submit(s, 2.5, 4) == 0  # 4 in flight for 2 missing
+    # late in training most groups are all right: 1 of 10 passed, and 3 of 30 the batch before
+    late = new_round_state(4, 2.5, last=(3, 30))
+    assert in_flight_credit(late, 2.5) == pytest.approx((3 + 4) * 2.5 / (30 + 10))
+    assert groups_to_submit(late, 2.5, 4) == math.ceil(4 * 2.5 / ((3 + 4) * 2.5 / 40))
+    late = dataclasses.replace(late, in_flight=2, submitted=10, passed=1, judged=8, kept=1)
+    credit = (1 + 3 + 4) * 2.5 / (8 + 30 + 10)
+    # the fixed rule would submit ceil(3 * 2.5) - 2 = 6
+    assert groups_to_submit(late, 2.5, 4) == math.ceil(3 * 2.5 / credit) - 2
+    # the budget of max_rounds waves still bounds it
+    assert groups_to_submit(dataclasses.replace(late, submitted=35), 2.5, 4) == 5
+    # the fixed rule would wait here (3 missing, 4 in flight); at this keep rate it tops up
+    waiting = dataclasses.replace(late, in_flight=4)
+    assert groups_to_submit(waiting, 2.5, 4) == math.ceil(3 * 2.5 / credit) - 4
+    with pytest.raises(AssertionError):
+        dataclasses.replace(late, passed=9)  # more passed than judged
 
 
 def test_staleness() -> None:
