@@ -78,8 +78,12 @@ def in_flight_credit(state: RoundState, over_sampling_factor: float) -> float:
     keep rate times the factor. The keep rate counts this batch's verdicts and the last
     batch's, plus a wave that went as the factor assumes (`target` passed of `target *
     factor`): a few early verdicts move it little, and with none the credit is exactly 1 (the
-    fixed factor's rule)."""
+    fixed factor's rule). Factor 1 asks for no over-sampling: a dropped group is replaced one
+    for one, so the groups submitted never depend on the order groups finish in (same-seed
+    runs stay equal)."""
     f, target = over_sampling_factor, state.target
+    if f <= 1.0:
+        return 1.0
     passed = state.passed + state.prior_passed + target
     judged = state.judged + state.prior_judged + target * f
     return min(1.0, passed * f / judged)

@@ -135,6 +135,10 @@ def test_top_ups_grow_with_what_the_filters_drop() -> None:
     assert groups_to_submit(waiting, 2.5, 4) == math.ceil(3 * 2.5 / credit) - 4
     with pytest.raises(AssertionError):
         dataclasses.replace(late, passed=9)  # more passed than judged
+    # factor 1: no over-sampling, a drop replaced one for one whatever the keep rate
+    one = dataclasses.replace(new_round_state(2, 1.0), in_flight=1, submitted=2, judged=1)
+    assert in_flight_credit(one, 1.0) == 1.0
+    assert groups_to_submit(one, 1.0, 4) == 1
 
 
 def test_staleness() -> None:
