@@ -12,8 +12,10 @@ gradient once, in the logits' dtype:
 
     d logp(id_k) / d x_j = [j == id_k] - p_j          d H / d x_j = -p_j (logp_j + H)
 
-On SmolLM2 (49k vocabulary) the head's work besides its matmuls went from 0.55 to 0.2 s for
-2048 tokens on two cores (scripts/bench_train.py measures the whole step).
+On SmolLM2's head (49k vocabulary, 2048 tokens, two cores) the time beyond its matmuls went
+from 0.51 to 0.15 s, and from 0.83 to 0.22 s with an entropy metric
+(`scripts/bench_logit_stats.py`). On a GPU a block is every row: the gain there is the float32
+[N, V] no longer kept for the backward pass.
 """
 
 from __future__ import annotations
