@@ -220,15 +220,21 @@ class EngineHttp:
         )
 
     async def json(
-        self, method: str, path: str, *, read: Callable[[Any], Any] | None = None, **kwargs: Any
+        self,
+        method: str,
+        path: str,
+        *,
+        read: Callable[[Any], Any] | None = None,
+        decode: Callable[[bytes], Any] = loads,
+        **kwargs: Any,
     ) -> Any:
-        """`call`, then the body as JSON (an EngineError if it is not JSON), and `read` of it
-        when given: both with the cyclic collector paused (`gcpolicy.gc_paused`), so a large
-        answer's temporaries are gone before it runs again."""
+        """`call`, then the body as JSON by `decode` (an EngineError if it is not JSON), and
+        `read` of it when given: both with the cyclic collector paused (`gcpolicy.gc_paused`),
+        so a large answer's temporaries are gone before it runs again."""
         response = await self.call(method, path, **kwargs)
         with gc_paused():
             try:
-                body = loads(response.content)
+                body = decode(response.content)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise EngineError(
                     f"{self.url}{path}: answer is not JSON: {response.text[:200]!r}"

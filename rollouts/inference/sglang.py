@@ -34,6 +34,7 @@ from rollouts.inference.sglang_wire import (
     parse_generate,
     parse_input_logprobs,
     parse_input_top_logprobs,
+    read_generate,
 )
 from rollouts.inference.versions import SyncBracket, completion_version, span_versions
 from rollouts.wire.generation import (
@@ -73,7 +74,12 @@ class SGLangEngine:
         submitted = self.bracket.at_submit()
         body = generate_body(input_ids, sampling, rid, self.adapters.current)
         return await self.http.json(
-            "POST", "/generate", json_body=body, read=lambda a: self._completion(a, submitted)
+            "POST",
+            "/generate",
+            json_body=body,
+            decode=lambda content: read_generate(
+                content, lambda answer: self._completion(answer, submitted)
+            ),
         )
 
     batch_generate = True  # SGLang (and the built-in server) take a list of prompts
@@ -90,7 +96,9 @@ class SGLangEngine:
                 raise EngineError(f"batch /generate of {len(requests)} prompts answered {got}")
             return [self._completion(answer, submitted) for answer in answers]
 
-        return await self.http.json("POST", "/generate", json_body=body, read=read)
+        return await self.http.json(
+            "POST", "/generate", json_body=body, decode=lambda content: read_generate(content, read)
+        )
 
     def _completion(self, answer: Any, submitted: tuple[str | None, int]) -> Completion:
         """One prompt's answer -> Completion, its version from the server or the bracket."""

@@ -12,11 +12,14 @@ import pytest
 
 from rollouts.inference.http import EngineError, EngineHttp, dumps, loads
 from rollouts.inference.sglang_wire import (
+    FLAT_KEY,
     batch_generate_body,
+    flatten_token_logprobs,
     input_logprobs_body,
     parse_generate,
     parse_input_logprobs,
     parse_input_top_logprobs,
+    read_generate,
 )
 from rollouts.wire.generation import FinishReason, GenerateRequest, SamplingParams
 
@@ -221,3 +224,67 @@ def test_prompt_logprobs_from_a_start_position() -> None:
         parse_input_logprobs({"meta_info": shifted}, ids, 3)
     with pytest.raises(EngineError, match="input_token_logprobs"):
         parse_input_logprobs({"meta_info": {"input_token_logprobs": whole[3:4]}}, ids, 3)
+
+
+def from_bytes(answer: dict) -> tuple:
+    """What the client reads from the answer's bytes on the wire (compact JSON, as SGLang's
+    and the built-in server's), token logprobs decoded flat where they can be."""
+    content = json.dumps(answer, separators=(",", ":")).encode()
+    done = read_generate(content, parse_generate)
+    return done.output_ids, done.logprobs
+
+
+def test_answers_read_from_their_bytes_as_before() -> None:
+    import random
+
+    rng = random.Random(1)
+    answers = []
+    for n in [1, 2, 7, 300]:
+        ids = [rng.randrange(0, 2**17) for _ in range(n)]
+        lps = [-abs(rng.gauss(0.0, 3.0)) for _ in range(n)]
+        answers.append(answer(ids, [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]))
+    odd = [  # shapes whose bytes are numbers and nulls, yet no [logprob, id, null] triples
+        ([5, 6], [[-0.5, 5], [-0.25, 6]]),  # pairs
+        ([5, 6, 7], [[-0.5, 5], [-0.25, 6], [-1.0, 7]]),  # pairs, 6 numbers: two "triples"
+        ([5, 6], [[-0.5, 5, None, None], [-0.25, 6]]),
+        ([5, 6], [[-0.5, [5], None], [-0.25, 6, None]]),  # a nested id
+        ([5, 6], [[-0.5, 5, None], [None, 6, None]]),  # a null logprob
+        ([5, 6], [[-0.5, 5, None], [-0.25, 7, None]]),  # a wrong id
+        ([5, 6], [[-0.5, 5, None], [-0.25, 6.0, None]]),  # a float id
+        ([5, 6], [[-0.5, 5, None], [-0.25, 6.5, None]]),
+        ([5, 6, 7], [[-0.5, 5, None], [-0.25, 6, None]]),  # counts differ
+        ([5], [[-0.5, 5, None], [-0.25, 6, None]]),
+        ([5], [[-0.5, 5, 1]]),  # a number where the text is
+        ([5], [[-0.5, 5, "a"]]),  # a text
+        ([5, 6], [[-0.5, 5, None], []]),
+        ([], [[]]),
+        ([], [[], []]),
+        ([5], [[-1e-300, 5, None]]),
+        ([5], [[0, 5, None]]),  # an integer logprob
+    ]
+    answers += [answer(ids, entries) for ids, entries in odd]
+    answers.append(answer([5], [[-0.5, 5, None]]) | {"extra": {"output_token_logprobs": [[1]]}})
+    for a in answers:
+        assert outcome(from_bytes, a) == outcome(parse_before, a), a
+
+
+def test_compact_entries_are_decoded_flat_and_others_as_they_were() -> None:
+    compact = b'{"output_ids":[5,6],"meta_info":{"output_token_logprobs":[[-0.5,5,null],'
+    compact += b'[-2.5e-08,6,null]],"weight_version":"1"}}'
+    flat = flatten_token_logprobs(compact)
+    assert b"output_token_logprobs" not in flat
+    assert loads(flat)["meta_info"][FLAT_KEY] == [2, -0.5, 5, None, -2.5e-08, 6, None]
+    last = compact.replace(b',"weight_version":"1"', b"")  # the entries end meta_info
+    assert loads(flatten_token_logprobs(last))["meta_info"][FLAT_KEY][-3:] == [-2.5e-08, 6, None]
+    batch = b"[" + compact + b"," + last + b"]"
+    assert flatten_token_logprobs(batch).count(FLAT_KEY.encode()) == 2
+    for kept in (
+        compact.replace(b"null],", b"null], "),  # whitespace
+        compact.replace(b"5,null]", b'5,"hi"]'),  # a token's text
+        compact.replace(b"-0.5", b"NaN"),
+    ):
+        assert flatten_token_logprobs(kept) is kept
+    done = read_generate(compact, parse_generate)
+    assert done.output_ids == (5, 6)
+    assert done.logprobs == (-0.5, -2.5e-08)
+    assert done.weight_version == "1"
