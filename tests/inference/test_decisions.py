@@ -115,6 +115,38 @@ def test_choose_tokens_greedy_logprob_raw_and_scaled() -> None:
     assert torch.allclose(scaled[1], (logits[1] / 0.5).log_softmax(0)[0])
 
 
+def test_sampled_logprobs_are_log_softmax_at_the_drawn_token() -> None:
+    # the drawn token's probability gives its logprob (no log_softmax pass over the
+    # vocabulary): it must equal log_softmax of the raw logits at temperature 1 and of the
+    # scaled ones with "scaled"; "raw" at another temperature and top-k rows take log_softmax
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 49152, generator=gen) * 4.0
+    logits[0, 7] = 60.0  # a row with one token far ahead
+    rows = torch.arange(64)
+    for temperature, logprobs_from, top_k in [
+        (1.0, "raw", -1),
+        (1.0, "scaled", -1),
+        (0.7, "scaled", -1),
+        (0.7, "raw", -1),
+        (1.0, "raw", 20),
+    ]:
+        specs = [SamplingSpec(temperature=temperature, top_k=top_k)] * 64
+        tokens, lps = choose_tokens(logits, specs, [None] * 64, logprobs_from)
+        ref = logits if logprobs_from == "raw" else logits / temperature
+        exact = ref.double().log_softmax(1)[rows, tokens]
+        # float32's log_softmax and the log of softmax are within 7.4e-6 of float64's here
+        assert torch.allclose(lps.double(), exact, atol=1e-5, rtol=0), (temperature, top_k)
+    assert tokens[0].item() == 7
+    # the draws follow the distribution: 4000 draws of one row of 3 tokens
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    spec = SamplingSpec(temperature=1.0)
+    row = probs.log().expand(4000, 3).contiguous()
+    tokens, lps = choose_tokens(row, [spec] * 4000, [None] * 4000, "raw")
+    share = torch.bincount(tokens, minlength=3).float() / 4000
+    assert torch.allclose(share, probs, atol=0.03), share
+    assert torch.allclose(lps, probs.log()[tokens], atol=1e-6)
+
+
 def test_seeded_rows_do_not_depend_on_the_batch() -> None:
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     spec = SamplingSpec(temperature=1.0, seed=7)
