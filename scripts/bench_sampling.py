@@ -1,5 +1,6 @@
 """Benchmark: the built-in engine's token draw (`sampling.inverse_cdf`) against the draws it
-replaced, alone and inside whole decode rounds of a real model.
+replaced, alone and inside whole decode rounds of a real model; and `sampling.sample`'s logprob
+of the drawn token (the log of its probability) against a log_softmax pass.
 
 Baselines, run in this process: `torch.multinomial` (what unseeded rows used: an exponential per
 vocabulary entry) and one float64 cumsum over the whole vocabulary with `searchsorted` (what
@@ -7,7 +8,10 @@ seeded rows used). Part 1 times the draw alone on `--rows` x `--vocab` probabili
 runs the engine's running batch (`RunningBatch`, in process, no HTTP) over the RL rollout shape
 of configs/smollm2-lora-cpu.toml: `--prompts` chat prompts x `--samples` rows, `--new` new
 tokens at temperature 0.7, once with seeds and once without; the baseline swaps the old draw
-back into `sampling` for its rounds. Prints the medians and the ratios.
+back into `sampling` for its rounds. Part 3 times `sample` (temperature 1, raw logprobs: the
+drawn token's logprob as the log of its probability) against the same draw with the logprob
+from a log_softmax pass over the vocabulary (what `sample` did before), on `--rows` x `--vocab`
+bf16 logits. Prints the medians and the ratios.
 
     python scripts/bench_sampling.py [--model ~/.cache/rollouts/models/smollm2-135m-instruct] \\
         [--dtype bfloat16] [--threads 2] [--rounds 3]
@@ -74,6 +78,38 @@ def draw_alone(rows: int, vocab: int, rounds: int) -> None:
     for name, fn in (("float64 cumsum", float64_cumsum_draw), ("multinomial", multinomial_draw)):
         old = timed(lambda fn=fn: fn(probs, u), rounds * 10)
         print(f"  {name:24s}  {old * 1e3:7.2f} ms   inverse_cdf {old / new:5.1f}x faster")
+
+
+def logprob_of_the_draw(rows: int, vocab: int, rounds: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(rows, vocab, generator=g) * 3).bfloat16()
+    batch = sampling.BatchSampling(
+        temp_B=torch.ones(rows),
+        top_k_B=torch.full((rows,), -1),
+        top_p_B=torch.ones(rows),
+        min_p_B=torch.zeros(rows),
+        greedy_B=torch.zeros(rows, dtype=torch.bool),
+        filtered=False,
+        greedy=False,
+        sampled=True,
+        generators={},
+    )
+
+    def before() -> torch.Tensor:
+        raw = logits.float()
+        tokens = sampling.inverse_cdf(raw.softmax(dim=1), torch.rand(rows, dtype=torch.float64))
+        return raw.log_softmax(dim=1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+    times: dict[str, list[float]] = {"before": [], "sample": []}
+    for _ in range(rounds):  # interleaved
+        times["before"].append(timed(before, 10))
+        times["sample"].append(timed(lambda: sampling.sample(logits, batch, "raw"), 10))
+    old, new = statistics.median(times["before"]), statistics.median(times["sample"])
+    print(f"part 3: a draw and its logprob, {rows} rows x {vocab} bf16 logits, temperature 1")
+    print(
+        f"  log_softmax pass {old * 1e3:6.2f} ms   log of the probability {new * 1e3:6.2f} ms"
+        f"   {old / new:4.2f}x faster"
+    )
 
 
 @contextlib.contextmanager
@@ -162,9 +198,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--new", type=int, default=12)
+    parser.add_argument("--skip-model", action="store_true", help="parts 1 and 3 only")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     draw_alone(args.rows, args.vocab, args.rounds)
+    logprob_of_the_draw(args.rows, args.vocab, args.rounds)
+    if args.skip_model:
+        return
     if Path(args.model).exists():
         rounds_on_model(args)
     else:
