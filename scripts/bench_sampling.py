@@ -40,6 +40,7 @@ import torch  # noqa: E402
 
 from rollouts.engine import sampling  # noqa: E402
 from rollouts.engine.batch import BatchOptions, RunningBatch, Sequence  # noqa: E402
+from rollouts.engine.rows import SlotTable  # noqa: E402
 from rollouts.engine.sampling import SamplingSpec  # noqa: E402
 
 Draw = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -83,17 +84,10 @@ def draw_alone(rows: int, vocab: int, rounds: int) -> None:
 def logprob_of_the_draw(rows: int, vocab: int, rounds: int) -> None:
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(rows, vocab, generator=g) * 3).bfloat16()
-    batch = sampling.BatchSampling(
-        temp_B=torch.ones(rows),
-        top_k_B=torch.full((rows,), -1),
-        top_p_B=torch.ones(rows),
-        min_p_B=torch.zeros(rows),
-        greedy_B=torch.zeros(rows, dtype=torch.bool),
-        filtered=False,
-        greedy=False,
-        sampled=True,
-        generators={},
-    )
+    # the engine's own slot table builds the batch's sampling tensors, as in a decode step
+    table = SlotTable(rows, torch.device("cpu"))
+    table.admit([SamplingSpec(temperature=1.0)] * rows, [1] * rows, [False] * rows, ())
+    batch = table.sampling(0, rows, {})
 
     def before() -> torch.Tensor:
         raw = logits.float()
