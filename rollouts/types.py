@@ -240,6 +240,14 @@ class TrainBatch:
     def __len__(self) -> int:
         return len(self.input_ids)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled with each per-sequence field as one buffer (`ragged.Ragged`): the fields are
+        views of one storage (`make_train_batch`), which torch would pickle whole for each."""
+        from rollouts.ragged import packed
+
+        fields = {f.name: packed(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return (_train_batch, (fields,))
+
     def to(self, device: Any) -> TrainBatch:
         """The same batch with every per-token tensor on `device` (no copy where it is)."""
         updates: dict[str, Any] = {}
@@ -257,6 +265,13 @@ class TrainBatch:
             if isinstance(value, tuple) and value:
                 updates[f.name] = tuple(value[i] for i in indices)
         return dataclasses.replace(self, **updates)
+
+
+def _train_batch(fields: dict[str, Any]) -> TrainBatch:
+    """A pickled TrainBatch again (`TrainBatch.__reduce__`)."""
+    from rollouts.ragged import unpacked
+
+    return TrainBatch(**{name: unpacked(value) for name, value in fields.items()})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from rollouts.algorithms.aggregation import masked_whiten
-from rollouts.algorithms.tensors import mask_tensor
+from rollouts.algorithms.tensors import flat_views, mask_tensor, mask_views
 from rollouts.config import AlgorithmConfig
 from rollouts.types import Sample, Status
 
@@ -147,15 +147,43 @@ def _whiten_all(per_token: PerToken, groups: Groups) -> PerToken:
 
 
 def _broadcast(groups: Groups, seq_adv: Sequence[torch.Tensor]) -> PerToken:
-    return tuple(
-        tuple(float(seq_adv[g][i]) * mask_of(s) for i, s in enumerate(group))
-        for g, group in enumerate(groups)
-    )
+    """Each sample's sequence advantage on its trained tokens (`float(A_i) * mask`), for the
+    whole batch in one buffer cut into per-sample views."""
+    samples = [s for group in groups for s in group]
+    if not samples:
+        return tuple(() for _ in groups)
+    per_sample = torch.cat([a.reshape(-1) for a in seq_adv]).tolist()
+    assert len(per_sample) == len(samples), f"{len(per_sample)=} != {len(samples)=}"
+    masks = mask_views([s.loss_mask for s in samples])
+    views = flat_views(torch.empty(sum(len(m) for m in masks)), [len(m) for m in masks])
+    for mask, a, view in zip(masks, per_sample, views, strict=True):
+        torch.mul(mask, a, out=view)
+    out, start = [], 0
+    for group in groups:
+        out.append(views[start : start + len(group)])
+        start += len(group)
+    return tuple(out)
 
 
-def _seq_scores(token_rewards: PerToken) -> list[torch.Tensor]:
-    """A sequence's score is the sum of its token rewards (verl: token_level_rewards.sum(-1))."""
+def _seq_scores(groups: Groups, token_rewards: PerToken | None) -> list[torch.Tensor]:
+    """A sequence's score is the sum of its token rewards (verl: token_level_rewards.sum(-1)).
+    With outcome rewards (None) that sum is the reward, as float32, where the sample has a
+    trained token (else 0): read from the samples, without making per-token rewards."""
+    if token_rewards is None:
+        return [
+            torch.tensor(torch.tensor([_outcome(s) for s in g], dtype=torch.float32).tolist())
+            for g in groups
+        ]
     return [torch.tensor([float(r.sum()) for r in row]) for row in token_rewards]
+
+
+def _outcome(sample: Sample) -> float:
+    # + 0.0: the sum of the zeros and a reward of -0.0 is 0.0
+    return scalar_reward(sample) + 0.0 if 1 in sample.loss_mask else 0.0
+
+
+def _per_token(groups: Groups, token_rewards: PerToken | None) -> PerToken:
+    return token_rewards if token_rewards is not None else outcome_token_rewards(groups)
 
 
 def compute_gae(
@@ -198,7 +226,7 @@ def compute_advantages(
     use `compute_gae` to also get the returns. `token_rewards` default: `outcome_token_rewards`.
     """
     assert all(len(group) >= 1 for group in groups), "every group must hold a sample"
-    rewards = token_rewards if token_rewards is not None else outcome_token_rewards(groups)
+    rewards = token_rewards  # None: outcome rewards, made per token only where needed
     if needs_critic(config):
         if values is None:
             raise ValueError("algorithm.advantage = 'gae' needs critic values: pass values=")
@@ -206,25 +234,28 @@ def compute_advantages(
     return ESTIMATORS[config.advantage](groups, rewards, config)
 
 
-def _grpo(groups: Groups, rewards: PerToken, config: AlgorithmConfig) -> PerToken:
+def _grpo(groups: Groups, rewards: PerToken | None, config: AlgorithmConfig) -> PerToken:
     norm = config.norm_adv_by_std and config.advantage == "grpo"
-    return _broadcast(groups, [grpo_scores(s, norm) for s in _seq_scores(rewards)])
+    return _broadcast(groups, [grpo_scores(s, norm) for s in _seq_scores(groups, rewards)])
 
 
-def _rloo(groups: Groups, rewards: PerToken, config: AlgorithmConfig) -> PerToken:
-    return _broadcast(groups, [rloo_scores(s) for s in _seq_scores(rewards)])
+def _rloo(groups: Groups, rewards: PerToken | None, config: AlgorithmConfig) -> PerToken:
+    return _broadcast(groups, [rloo_scores(s) for s in _seq_scores(groups, rewards)])
 
 
-def _reinforce(groups: Groups, rewards: PerToken, config: AlgorithmConfig) -> PerToken:
-    return _reward_to_go(groups, rewards, config.gamma)
+def _reinforce(groups: Groups, rewards: PerToken | None, config: AlgorithmConfig) -> PerToken:
+    return _reward_to_go(groups, _per_token(groups, rewards), config.gamma)
 
 
-def _reinforce_pp(groups: Groups, rewards: PerToken, config: AlgorithmConfig) -> PerToken:
-    return _whiten_all(_reward_to_go(groups, rewards, config.gamma), groups)
+def _reinforce_pp(groups: Groups, rewards: PerToken | None, config: AlgorithmConfig) -> PerToken:
+    return _whiten_all(_reward_to_go(groups, _per_token(groups, rewards), config.gamma), groups)
 
 
-def _reinforce_pp_baseline(groups: Groups, rewards: PerToken, config: AlgorithmConfig) -> PerToken:
-    means = [group_baseline(s) for s in _seq_scores(rewards)]
+def _reinforce_pp_baseline(
+    groups: Groups, rewards: PerToken | None, config: AlgorithmConfig
+) -> PerToken:
+    rewards = _per_token(groups, rewards)
+    means = [group_baseline(s) for s in _seq_scores(groups, rewards)]
     centred = tuple(
         tuple(rewards[g][i] + _last_token_value(mask_of(s), -means[g]) for i, s in enumerate(group))
         for g, group in enumerate(groups)
@@ -270,7 +301,7 @@ def reverse_kl_per_token(groups: Groups) -> tuple[float, int]:
     return (total / count if count else float("nan")), count
 
 
-def _distill(groups: Groups, rewards: PerToken, config: AlgorithmConfig) -> PerToken:
+def _distill(groups: Groups, rewards: PerToken | None, config: AlgorithmConfig) -> PerToken:
     """coef x the reverse KL's advantage (0 with `top_k`: its term is in the loss), plus
     task_weight x the task reward's advantage (`algorithm.distill.task_advantage`, a
     critic-free estimator) when one is named."""
@@ -290,7 +321,7 @@ def _distill(groups: Groups, rewards: PerToken, config: AlgorithmConfig) -> PerT
 
 
 # the critic-free estimators by name (GAE, which needs values, is `compute_gae`)
-ESTIMATORS: dict[str, Callable[[Groups, PerToken, AlgorithmConfig], PerToken]] = {
+ESTIMATORS: dict[str, Callable[[Groups, PerToken | None, AlgorithmConfig], PerToken]] = {
     "grpo": _grpo,
     "dr_grpo": _grpo,
     "rloo": _rloo,

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from rollouts.algorithms.tensors import row_sums
 from rollouts.config import AGG_MODES, AggMode
 
 SEQ_MEAN_EPS = 1e-8  # as in verl's seq-mean-token-mean
@@ -37,7 +38,7 @@ def global_counts(masks: Sequence[torch.Tensor], max_response_length: int = 0) -
 
     `max_response_length` is Dr.GRPO's constant T_max; 0 means the longest trained span here.
     """
-    sums = [float(m.sum()) for m in masks]  # one reduction per sequence, not three
+    sums = row_sums(masks)  # one segmented reduction, not three per sequence
     num_tokens = float(sum(sums))
     num_seqs = float(sum(1 for n in sums if n > 0))
     longest = max((int(n) for n in sums), default=0)

@@ -9,6 +9,7 @@ micro-batches or data-parallel shards, and `TrainBatch.select` keeps them on eve
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,22 +22,38 @@ from rollouts.algorithms.advantages import (
     needs_critic,
 )
 from rollouts.algorithms.aggregation import global_counts
-from rollouts.algorithms.tensors import float_tensor, long_tensor, mask_tensor
+from rollouts.algorithms.tensors import (
+    buffer_views,
+    flat_views,
+    float_tensor,
+    joined,
+    long_views,
+    mask_views,
+)
 from rollouts.config import AlgorithmConfig
 from rollouts.types import Sample, Status, TrainBatch
 
 TRAINABLE = (Status.COMPLETED, Status.TRUNCATED)
 
 
-def rollout_logprobs_tensor(sample: Sample) -> torch.Tensor:
-    """The engine's logprobs aligned with `sample.tokens` (prompt positions 0)."""
-    assert len(sample.rollout_logprobs) == sample.response_length, (
-        f"sample {sample.index}: {len(sample.rollout_logprobs)=} != {sample.response_length=}"
-    )
-    out = torch.zeros(len(sample.tokens), dtype=torch.float32)
-    if sample.response_length:
-        out[sample.prompt_length :] = float_tensor(sample.rollout_logprobs)
-    return out
+def rollout_logprobs_views(samples: Sequence[Sample]) -> tuple[torch.Tensor, ...]:
+    """The engine's logprobs of each sample aligned with its tokens (prompt positions 0), as
+    float32 views of one buffer, each sample's written at its response's place."""
+    lengths = [len(s.tokens) for s in samples]
+    raw = bytearray(4 * sum(lengths))
+    start = 0
+    for sample, length in zip(samples, lengths, strict=True):
+        n = sample.response_length
+        assert len(sample.rollout_logprobs) == n, (
+            f"sample {sample.index}: {len(sample.rollout_logprobs)=} != {sample.response_length=}"
+        )
+        at = start + 4 * (length - n)
+        try:
+            struct.pack_into(f"{n}f", raw, at, *sample.rollout_logprobs)
+        except (struct.error, OverflowError):  # as float_tensor: what array.array gives
+            raw[at : at + 4 * n] = float_tensor(sample.rollout_logprobs).numpy().tobytes()
+        start += 4 * length
+    return buffer_views(raw, torch.float32, lengths)
 
 
 def teacher_top_tensors(sample: Sample, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,17 +94,22 @@ def make_train_batch(
     """
     assert len(samples) == len(advantages), f"{len(samples)=} != {len(advantages)=}"
     assert not returns or len(returns) == len(samples), f"{len(returns)=} != {len(samples)=}"
-    input_ids, masks, advs = [], [], []
     for sample, adv in zip(samples, advantages, strict=True):
         assert sample.status in TRAINABLE, (
             f"sample {sample.index} has status {sample.status.value}: only completed or truncated "
             "samples are trained on (drop FAILED / ABORTED ones first)"
         )
         assert adv.shape == (len(sample.tokens),), f"{adv.shape=} != ({len(sample.tokens)},)"
-        input_ids.append(long_tensor(sample.tokens))
-        mask = mask_tensor(sample.loss_mask)
-        masks.append(mask)
-        advs.append(adv.float() * mask)
+    # every per-token field is one buffer cut into per-sample views: built, masked and sent
+    # (process_wire) in one op each, not one per sample
+    lengths = [len(s.tokens) for s in samples]
+    input_ids = long_views([s.tokens for s in samples])
+    masks = mask_views([s.loss_mask for s in samples])
+    advs = (
+        flat_views(joined([a.float() for a in advantages]) * joined(masks), lengths)
+        if samples
+        else ()
+    )
     with_rollout = bool(samples) and all(
         s.rollout_logprobs or not s.response_length for s in samples
     )
@@ -96,10 +118,10 @@ def make_train_batch(
     k = next((len(s.teacher_top[0]) for s in samples if s.teacher_top), 0)
     top = [teacher_top_tensors(s, k) for s in samples] if k else []
     return TrainBatch(
-        input_ids=tuple(input_ids),
-        loss_mask=tuple(masks),
-        advantages=tuple(advs),
-        rollout_logprobs=tuple(rollout_logprobs_tensor(s) for s in samples) if with_rollout else (),
+        input_ids=input_ids,
+        loss_mask=masks,
+        advantages=advs,
+        rollout_logprobs=rollout_logprobs_views(samples) if with_rollout else (),
         returns=tuple(r.float() for r in returns),
         old_values=tuple(v.float() for v in old_values),
         teacher_top_ids=tuple(ids for ids, _ in top),

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from rollouts.ragged import joined
+
 
 def _packed(code: str, values: Sequence[float]) -> bytearray | array.array:
     """`values` as native C numbers of type `code` ("q" or "f") in a writable buffer: by
@@ -61,3 +63,60 @@ def pad(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> 
     """Right-pad 1-D float tensors of different lengths into [B, T_max] (zeros)."""
     assert len(tensors) > 0, "cannot pad an empty micro-batch"
     return pad_sequence([t.to(device).float() for t in tensors], batch_first=True)
+
+
+def flat_views(flat: torch.Tensor, lengths: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    """`flat` cut into consecutive 1-D views of `lengths` (one storage, no copy)."""
+    assert flat.shape[0] == sum(lengths), f"{flat.shape=} != {sum(lengths)=}"
+    return tuple(torch.split(flat, list(lengths)))
+
+
+def buffer_views(
+    raw: bytearray, dtype: torch.dtype, lengths: Sequence[int]
+) -> tuple[torch.Tensor, ...]:
+    """`flat_views` of the numbers in `raw` (an empty buffer: empty tensors)."""
+    if not raw:
+        return tuple(torch.zeros(0, dtype=dtype) for _ in lengths)
+    return flat_views(torch.frombuffer(raw, dtype=dtype), lengths)
+
+
+def long_views(seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, ...]:
+    """Each of `seqs` as int64 views of one buffer: `long_tensor` of each, packed in one pass
+    (a step's 9M tokens in 8192 sequences: one allocation, no join)."""
+    lengths = [len(s) for s in seqs]
+    raw = bytearray(8 * sum(lengths))
+    start = 0
+    for seq in seqs:
+        try:
+            struct.pack_into(f"{len(seq)}q", raw, start, *seq)
+        except (struct.error, OverflowError):
+            raw[start : start + 8 * len(seq)] = array.array("q", seq).tobytes()
+        start += 8 * len(seq)
+    return buffer_views(raw, torch.int64, lengths)
+
+
+def mask_views(masks: Sequence[Sequence[int]]) -> tuple[torch.Tensor, ...]:
+    """`mask_tensor` of each of `masks` as float32 views of one buffer: their bytes in one
+    bytearray, widened in one op; masks with a value that is no byte, one by one."""
+    lengths = [len(m) for m in masks]
+    raw = bytearray(sum(lengths))
+    start = 0
+    try:
+        for mask in masks:
+            raw[start : start + len(mask)] = mask
+            start += len(mask)
+    except (TypeError, ValueError):  # a float, or an int outside 0..255
+        return flat_views(torch.cat([mask_tensor(m) for m in masks]), lengths)
+    if not raw:
+        return tuple(torch.zeros(0, dtype=torch.float32) for _ in masks)
+    return flat_views(torch.frombuffer(raw, dtype=torch.uint8).float(), lengths)
+
+
+def row_sums(tensors: Sequence[torch.Tensor]) -> list[float]:
+    """The sum of each 1-D tensor (float32, as `float(t.sum())`; exact for 0/1 masks), in one
+    segmented reduction over their join instead of one reduction each."""
+    if not tensors:
+        return []
+    flat = joined(tensors).float()
+    lengths = torch.tensor([t.shape[0] for t in tensors], device=flat.device)
+    return torch.segment_reduce(flat, "sum", lengths=lengths).tolist()

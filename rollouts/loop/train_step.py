@@ -17,6 +17,7 @@ from rollouts.algorithms.algorithm import Algorithm
 from rollouts.algorithms.kl import kl_reward_penalties, sequence_mean_kl
 from rollouts.algorithms.loss_fn import make_loss_fn
 from rollouts.algorithms.pairwise import groups_of
+from rollouts.algorithms.tensors import row_sums
 from rollouts.config import AlgorithmConfig, Config
 from rollouts.loop.batch import (
     advantage_metrics,
@@ -188,7 +189,7 @@ async def train_step(
 def _renormalised(batch: TrainBatch, indices: list[int]) -> TrainBatch:
     """A mini-batch with ITS OWN global normalisers (each mini-batch is one optimizer step)."""
     sub = batch.select(indices)
-    sums = [float(m.sum()) for m in sub.loss_mask]  # one reduction per sequence, not two
+    sums = row_sums(sub.loss_mask)  # one segmented reduction, not two per sequence
     return dataclasses.replace(
         sub,
         num_global_tokens=float(sum(sums)),

@@ -192,3 +192,42 @@ def test_the_last_trained_token_is_the_last_nonzero_of_the_mask() -> None:
     for mask in [(0, 0, 1, 1), (1, 0, 0), (0, 1, 0, 1, 0), (0, 0), (), (True, False), (1,)]:
         nonzero = torch.tensor(mask, dtype=torch.float32).nonzero().flatten().tolist()
         assert last_trained(mask) == (nonzero[-1] if nonzero else None), mask
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_outcome_scores_are_bit_equal_to_summed_token_rewards(estimator: str) -> None:
+    """The scores read from the samples and broadcast in one buffer are the bits of the path
+    they replace: each sequence's per-token outcome rewards summed, then float(A) * mask."""
+    import random
+
+    rng = random.Random(1)
+    rewards = [0.1, -0.0, 1 / 3, -2.5, 1e-9, 0.0, 7.0]
+    groups = [
+        tuple(
+            sample(
+                rng.choice(rewards),
+                mask=tuple(rng.choice((0, 1, 1)) for _ in range(rng.randrange(2, 9))),
+                group=g,
+                index=i,
+            )
+            for i in range(rng.randrange(1, 5))
+        )
+        for g in range(30)
+    ]
+    groups.append((sample(5.0, mask=(0, 0, 0)), sample(1.0)))  # no trained token: score 0
+    config = AlgorithmConfig(advantage=estimator)
+    got = compute_advantages(groups, config)
+    per_token = outcome_token_rewards(groups)
+    norm = estimator == "grpo"
+    for g, group in enumerate(groups):
+        scores = torch.tensor([float(r.sum()) for r in per_token[g]])
+        seq = grpo_scores(scores, norm) if estimator != "rloo" else rloo_scores(scores)
+        for i, s in enumerate(group):
+            want = float(seq[i]) * torch.tensor(s.loss_mask, dtype=torch.float32)
+            assert got[g][i].view(torch.int32).tolist() == want.view(torch.int32).tolist()
+    same = compute_advantages(groups, config, token_rewards=per_token)
+    assert all(
+        torch.equal(a, b)
+        for r1, r2 in zip(got, same, strict=True)
+        for a, b in zip(r1, r2, strict=True)
+    )

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollouts.algorithms.tensors import float_tensor, long_tensor, mask_tensor
+from rollouts.algorithms.tensors import (
+    float_tensor,
+    joined,
+    long_tensor,
+    long_views,
+    mask_tensor,
+    mask_views,
+    row_sums,
+)
 
 
 def test_same_values_and_dtypes_as_torch_tensor() -> None:
@@ -64,3 +72,40 @@ def test_the_same_bits_as_packing_into_an_array() -> None:
             array.array("q", bad)
     with pytest.raises(TypeError):
         float_tensor((0.5, "x"))
+
+
+def test_views_of_one_buffer_are_the_tensors_made_one_by_one() -> None:
+    seqs = [(5, 2**40, -1), (), (7,), tuple(range(300))]
+    got = long_views(seqs)
+    assert all(torch.equal(g, long_tensor(s)) for g, s in zip(got, seqs, strict=True))
+    assert got[0]._base is got[3]._base  # one buffer
+    masks = [(0, 1, True), (), (1,) * 40, (0, 0)]
+    assert all(
+        torch.equal(g, mask_tensor(m)) for g, m in zip(mask_views(masks), masks, strict=True)
+    )
+    for odd in [[(0, 1.0), (1,)], [(0, 2, 255), (0, -1)]]:  # floats, non-bytes: one by one
+        assert all(
+            torch.equal(g, mask_tensor(m)) for g, m in zip(mask_views(odd), odd, strict=True)
+        )
+    assert [v.shape for v in mask_views([(), ()])] == [(0,), (0,)]
+    with pytest.raises(TypeError):
+        long_views([(1, 2), (3, 2.5)])
+
+
+def test_joined_views_are_their_buffer_and_anything_else_a_cat() -> None:
+    views = long_views([(1, 2), (3,), (), (4, 5, 6)])
+    whole = joined(views)
+    assert whole.tolist() == [1, 2, 3, 4, 5, 6] and whole.data_ptr() == views[0].data_ptr()
+    middle = joined(views[1:])
+    assert middle.tolist() == [3, 4, 5, 6] and middle.data_ptr() == views[1].data_ptr()
+    for parts in [(views[3], views[0]), (views[0], views[3]), (views[0], long_tensor((9,)))]:
+        got = joined(parts)  # out of order, a gap, another buffer: copied
+        assert torch.equal(got, torch.cat(parts)) and got.data_ptr() != views[0].data_ptr()
+    assert torch.equal(joined([torch.ones(2), torch.zeros(1)]), torch.tensor([1.0, 1.0, 0.0]))
+
+
+def test_row_sums_are_each_rows_sum() -> None:
+    rows = [torch.ones(3), torch.zeros(0), torch.tensor([0.0, 1.0, 1.0, 0.0]), torch.ones(5000)]
+    assert row_sums(rows) == [float(r.sum()) for r in rows]
+    views = mask_views([(0, 1, 1), (), (1,) * 70])
+    assert row_sums(views) == [2.0, 0.0, 70.0] and row_sums([]) == []
