@@ -77,6 +77,8 @@ class BatchOptions:
     decode: str = "auto"
     # prefill the prefix new prompts share once, and keep it for the next admission (`kv.prefill`)
     share_prefix: bool = True
+    # the KV cache in column blocks (`kv.blocked_cache`: an engine on one CPU thread)
+    cache_blocks: bool = False
 
 
 class RunningBatch:
@@ -123,7 +125,9 @@ class RunningBatch:
         if self._kv is None or self._table is None:
             cap = kvops.start_cap(int(mask_U_W.shape[1]), max(s.max_new for s in ready))
             dtype = precision.cache_dtype(self.model, cache.layers[0].keys.dtype)
-            self._kv = kvops.SlotCache(cache, self.options.max_batch, cap, dtype)
+            self._kv = kvops.SlotCache(
+                cache, self.options.max_batch, cap, dtype, blocked=self.options.cache_blocks
+            )
             self._table = SlotTable(self.options.max_batch, self._kv.pos_R.device)
         first = len(self.seqs)
         try:

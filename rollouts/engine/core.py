@@ -25,6 +25,7 @@ import torch
 from rollouts.engine import precision
 from rollouts.engine.adapters import ServedAdapters
 from rollouts.engine.batch import BatchOptions, RunningBatch, Sequence
+from rollouts.engine.kv import blocked_cache
 from rollouts.engine.prompt_scores import PromptLogprob, score_prompt
 from rollouts.engine.scheduler import (
     GATHER_GAP_S,
@@ -95,6 +96,7 @@ class EngineCore:
                 logprobs_from=options.logprobs_from,
                 decode=options.decode,
                 share_prefix=options.share_prefix,
+                cache_blocks=model is not None and blocked_cache(next(model.parameters()).device),
             ),
         )
         self._threads: ThreadGovernor | None = None  # made by the worker (`run`)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from rollouts.engine import precision
-from rollouts.engine.kv import SlotCache
+from rollouts.engine.kv import SlotCache, spans
 
 # the architectures whose decoder layer this step implements (Qwen2 adds q/k/v biases, which
 # `F.linear` takes from the modules)
@@ -76,15 +76,14 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 def decode(model: Any, kv: SlotCache, tokens_B: torch.Tensor) -> torch.Tensor:
     """One decode step for every active slot of `kv` (the caller reserved column `kv.t` and
     unmasked it): writes each layer's key and value at `kv.t`, returns the logits_B_V."""
-    b, t = kv.batch, kv.t
+    b, (j, at) = kv.batch, divmod(kv.t, kv.block)
 
     def write(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        keys[:b, :, t] = k
-        values[:b, :, t] = v
+        keys[j, :b, :, at] = k
+        values[j, :b, :, at] = v
 
-    cols = slice(kv.first_col(), t + 1)
     with precision.context(model):
-        return _step(model, kv, tokens_B, kv.mask_R_C[:b, cols], cols, write)
+        return _step(model, kv, tokens_B, kv.first_col(), kv.t + 1, write)
 
 
 @torch.inference_mode()
@@ -97,31 +96,37 @@ def decode_padded(model: Any, kv: SlotCache, tokens_P: torch.Tensor, col_1: torc
     row attends to nothing. The caller reserved and unmasked the column, as for `decode`."""
     rows = int(tokens_P.shape[0])
     assert kv.batch <= rows <= kv.rows, f"{kv.batch=} {rows=} {kv.rows=}"
+    if kv.keys[0].shape[0] == 1:  # one block of every column (a GPU's cache)
 
-    def write(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        keys[:rows].index_copy_(2, col_1, k.unsqueeze(2))
-        values[:rows].index_copy_(2, col_1, v.unsqueeze(2))
+        def write(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+            keys[0, :rows].index_copy_(2, col_1, k.unsqueeze(2))
+            values[0, :rows].index_copy_(2, col_1, v.unsqueeze(2))
+
+    else:  # blocks (a CPU's cache): the block and the column in it, still device tensors
+        block_1 = torch.div(col_1, kv.block, rounding_mode="floor")
+        at_1 = col_1 - block_1 * kv.block
+
+        def write(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+            keys[block_1, :rows, :, at_1] = k.unsqueeze(0)
+            values[block_1, :rows, :, at_1] = v.unsqueeze(0)
 
     with precision.context(model):
-        return _step(model, kv, tokens_P, kv.mask_R_C[:rows], slice(0, kv.cap), write)
+        return _step(model, kv, tokens_P, 0, kv.cap, write)
 
 
 def _step(
-    model: Any,
-    kv: SlotCache,
-    tokens_B: torch.Tensor,
-    mask_B_L: torch.Tensor,
-    cols: slice,
-    write: Any,
+    model: Any, kv: SlotCache, tokens_B: torch.Tensor, lo: int, hi: int, write: Any
 ) -> torch.Tensor:
     """The decoder over rows `[0, B)` of the cache: this step's keys and values go through
-    `write(keys, values, k, v)`, attention reads columns `cols` under `mask_B_L` (the callers
-    enter the model's autocast, if it was mixed for one: `precision.py`)."""
+    `write(keys, values, k, v)`, attention reads columns `[lo, hi)` under the cache's mask (the
+    callers enter the model's autocast, if it was mixed for one: `precision.py`)."""
     b = int(tokens_B.shape[0])
+    lo, hi = _columns_read(kv, lo, hi)
+    blocks = list(spans(kv.block, lo, hi))
     inner = model.model
     h = inner.embed_tokens(tokens_B)  # [B, hidden]
     cos, sin = inner.rotary_emb(h, kv.pos_R[:b].unsqueeze(1))  # [B, 1, D] each
-    mask = mask_B_L.view(b, 1, 1, -1)
+    mask = kv.mask_R_C[:b, lo:hi].view(b, 1, 1, -1)
     for i, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
         x = _rms_norm(layer.input_layernorm, h)
@@ -133,12 +138,8 @@ def _step(
         keys, values = kv.keys[i], kv.values[i]
         write(keys, values, _rope(k, cos, sin), v)
         q = _rope(q, cos, sin).view(b, kv_heads, -1, d)  # [B, kv_heads, groups, D]
-        # K @ q^T, not q @ K^T: the live keys are a plain row-major [L, D] block per head, which
-        # matmul reads in place (a transposed one was copied first in bf16: 1.5x the attention)
-        scores = torch.matmul(keys[:b, :, cols], q.transpose(2, 3)).transpose(2, 3)
-        scores = scores * attn.scaling
-        probs = F.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, values[:b, :, cols]).reshape(b, -1)
+        pieces = [(keys[j, :b, :, at:end], values[j, :b, :, at:end]) for j, at, end, _ in blocks]
+        out = _attend(q, pieces, mask, attn.scaling).reshape(b, -1)
         h = h + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
         x = _rms_norm(layer.post_attention_layernorm, h)
         gate = F.silu(F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias))
@@ -146,3 +147,39 @@ def _step(
         h = h + F.linear(gate * up, mlp.down_proj.weight, mlp.down_proj.bias)
     h = _rms_norm(inner.norm, h)
     return model.lm_head(h)
+
+
+def _columns_read(kv: SlotCache, lo: int, hi: int) -> tuple[int, int]:
+    """The columns the attention reads, block by block in place: a blocked cache (an engine on
+    one CPU thread, `kv.blocked_cache`) in whole blocks, each one contiguous tensor (the extra
+    columns are masked); one block, as asked."""
+    if not kv.blocked:
+        return lo, hi
+    return lo - lo % kv.block, -(-hi // kv.block) * kv.block
+
+
+def _attend(
+    q: torch.Tensor,
+    pieces: list[tuple[torch.Tensor, torch.Tensor]],
+    mask: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention of q `[B, kv_heads, groups, D]` over the cache's columns in `pieces` (keys and
+    values `[B, kv_heads, n, D]` each, in column order), in float32 softmax as HF's eager path;
+    several pieces' values weigh in by a matmul each, summed in float32."""
+    q_t = q.transpose(2, 3)
+    # K @ q^T, not q @ K^T: the live keys are a plain row-major [L, D] block per head, which
+    # matmul reads in place (a transposed one was copied first in bf16: 1.5x the attention)
+    parts = [torch.matmul(k, q_t) for k, _ in pieces]
+    scores = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)).transpose(2, 3)
+    scores = scores * scaling
+    probs = F.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
+    if len(pieces) == 1:
+        return torch.matmul(probs, pieces[0][1])
+    out, at = None, 0
+    for _, v in pieces:
+        n = int(v.shape[2])
+        part = torch.matmul(probs[..., at : at + n], v).float()
+        out, at = (part if out is None else out.add_(part)), at + n
+    assert out is not None
+    return out.to(q.dtype)

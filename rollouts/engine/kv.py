@@ -1,13 +1,23 @@
 """The running batch's KV cache: pre-allocated slots on one shared timeline, and the forwards.
 
-Every layer's keys and values live in one buffer `[rows, kv_heads, capacity, head_dim]`,
-allocated once and grown by doubling (never concatenated per step). Active rows are the dense
-slots `[0, batch)`; all of them write their next token at the same column `t`, so a row's
-tokens sit at the right end of `[start, t)` and the columns left of `start` are hidden by an
-additive mask kept in a `[rows, capacity]` buffer (a 4D view of it goes to the model as is, so
-no mask is rebuilt per step; positions are a per-slot counter). A retired row's slot is
-refilled by moving the last active row into it. New rows are prefilled together in a plain
-`DynamicCache` (each distinct prompt once) and their keys/values copied into their slots.
+Every layer's keys and values live in one buffer `[blocks, rows, kv_heads, block, head_dim]`,
+allocated once and grown by doubling (never concatenated per step). An engine on one CPU thread
+keeps the columns in blocks of BLOCK_COLS, each block's first b rows one contiguous tensor, and
+the attention's batched matmuls read whole blocks in place: a column slice of one `[rows, heads,
+capacity, dim]` buffer is strided, and oneDNN's batched bf16 matmul copies it first (one
+thread: the tiny model's decode step 1.30-1.37x, SmolLM2's 1.08-1.18x at 100-250 columns,
+`scripts/bench_kv_blocks.py`). On several threads the copy costs less than a matmul a block
+(SmolLM2 0.91-1.05x), and on a GPU cuBLAS reads the strided slice in place: there the buffer is
+one block of every column, one matmul a layer. The layout is chosen once, when the engine
+starts (`blocked_cache`), so a thread governor's switches never change its numbers.
+
+Active rows are the dense slots `[0, batch)`; all of them write their next token at the same
+column `t`, so a row's tokens sit at the right end of `[start, t)` and the columns left of
+`start` are hidden by an additive mask kept in a `[rows, capacity]` buffer (a 4D view of it goes
+to the model as is, so no mask is rebuilt per step; positions are a per-slot counter). A
+retired row's slot is refilled by moving the last active row into it. New rows are prefilled
+together in a plain `DynamicCache` (each distinct prompt once) and their keys/values copied
+into their slots.
 `SlotCache` is duck-typed as an HF cache: attention layers only call `update`.
 
 Prompts that start alike are prefilled once up to where they part (`prefill` with a
@@ -21,7 +31,8 @@ same (a multi-turn episode's next turn, sent alone, starts with the same system 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -29,6 +40,8 @@ from transformers import DynamicCache
 from rollouts.engine import precision
 
 GROW_COLS = 64  # capacity is a multiple of this
+# columns in a block of a blocked cache (a divisor of GROW_COLS)
+BLOCK_COLS = 64
 # a common prefix shorter than this is prefilled with the rest of each prompt (sharing it would
 # save less than the second forward costs)
 MIN_SHARED = 32
@@ -42,15 +55,25 @@ class SlotCache:
     """Per-layer K/V buffers, mask and positions for up to `rows` sequences."""
 
     def __init__(
-        self, like: DynamicCache, rows: int, cap: int, dtype: torch.dtype | None = None
+        self,
+        like: DynamicCache,
+        rows: int,
+        cap: int,
+        dtype: torch.dtype | None = None,
+        blocked: bool = False,
     ) -> None:
-        """Buffers shaped after the prefill cache `like`, in `dtype` (default: `like`'s)."""
+        """Buffers shaped after the prefill cache `like`, in `dtype` (default: `like`'s); in
+        blocks of BLOCK_COLS columns when `blocked` (`blocked_cache`), else one block."""
         layers = list(like.layers)
         assert layers, "the prefill cache has no layers"
         _, heads, _, dim = layers[0].keys.shape
         dtype, device = dtype or layers[0].keys.dtype, layers[0].keys.device
         self.rows, self.cap, self.batch, self.t, self.lo = rows, cap, 0, 0, 0
-        self.keys = [torch.zeros(rows, heads, cap, dim, dtype=dtype, device=device) for _ in layers]
+        self.blocked = blocked  # else one block of every column
+        self.block = math.gcd(BLOCK_COLS, GROW_COLS) if blocked else cap  # cap's divisor
+        assert cap % self.block == 0, f"{cap=} is no multiple of {self.block}"
+        shape = (cap // self.block, rows, heads, self.block, dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.neg = torch.finfo(dtype).min
         self.mask_R_C = torch.full((rows, cap), self.neg, dtype=dtype, device=device)
@@ -63,10 +86,13 @@ class SlotCache:
         """HF cache hook (decode only): write column `t`, return the live columns."""
         assert key.shape[2] == 1, f"decode writes one column, got {key.shape=}"
         b, t = self.batch, self.t
-        self.keys[layer_idx][:b, :, t : t + 1] = key
-        self.values[layer_idx][:b, :, t : t + 1] = value
-        live = slice(self.first_col(), t + 1)
-        return self.keys[layer_idx][:b, :, live], self.values[layer_idx][:b, :, live]
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        j, at = divmod(t, self.block)
+        keys[j, :b, :, at] = key[:, :, 0]
+        values[j, :b, :, at] = value[:, :, 0]
+        live = (self.first_col(), t + 1)
+        rows = slice(0, b)
+        return read(keys, self.block, rows, *live), read(values, self.block, rows, *live)
 
     def first_col(self) -> int:
         """The first column the attention reads: `lo` rounded down to ALIGN_COLS (a column
@@ -83,15 +109,19 @@ class SlotCache:
         while new_t + right > cap:
             cap *= 2
         b, src, dst = self.batch, slice(self.lo, self.t), slice(new_t - span, new_t)
+        rows = slice(0, b)
         if cap != self.cap:
-            self.keys = [_regrown(k, cap, b, src, dst) for k in self.keys]
-            self.values = [_regrown(v, cap, b, src, dst) for v in self.values]
+            block = self.block if self.blocked else cap
+            grow = (self.block, block, cap, rows, src, dst)
+            self.keys = [_regrown(k, *grow) for k in self.keys]
+            self.values = [_regrown(v, *grow) for v in self.values]
             mask = self.mask_R_C.new_full((self.rows, cap), self.neg)
             mask[:b, dst] = self.mask_R_C[:b, src]
-            self.mask_R_C, self.cap = mask, cap
+            self.mask_R_C, self.cap, self.block = mask, cap, block
         else:
             for buf in (*self.keys, *self.values):
-                buf[:b, :, dst] = buf[:b, :, src].clone()
+                moved = read(buf, self.block, rows, src.start, src.stop).clone()
+                write(buf, self.block, rows, dst.start, moved)
             self.mask_R_C[:b, dst] = self.mask_R_C[:b, src].clone()
         self.mask_R_C[:b, : dst.start] = self.neg
         # and right of the new t: a move left leaves the old columns' zeros there, which a step
@@ -107,8 +137,8 @@ class SlotCache:
         self.reserve(width, 1)
         rows, cols = slice(self.batch, self.batch + n), slice(self.t - width, self.t)
         for layer, k, v in zip(prefill.layers, self.keys, self.values, strict=True):
-            k[rows, :, cols] = layer.keys.index_select(0, which_N)
-            v[rows, :, cols] = layer.values.index_select(0, which_N)
+            write(k, self.block, rows, cols.start, layer.keys.index_select(0, which_N))
+            write(v, self.block, rows, cols.start, layer.values.index_select(0, which_N))
         real_N_W = mask_U_W.index_select(0, which_N).bool()
         self.mask_R_C[rows] = self.neg
         self.mask_R_C[rows, cols] = torch.zeros_like(self.mask_R_C[rows, cols]).masked_fill(
@@ -126,9 +156,9 @@ class SlotCache:
         if dst:
             d = torch.tensor(dst, device=self.pos_R.device)
             s = torch.tensor(src, device=self.pos_R.device)
-            live = slice(self.lo, self.t)
             for buf in (*self.keys, *self.values):
-                buf[d, :, live] = buf[s, :, live]
+                for j, at, end, _ in spans(self.block, self.lo, self.t):
+                    buf[j, d, :, at:end] = buf[j, s, :, at:end]
             for buf in (self.mask_R_C, self.pos_R, self.start_R):
                 buf[d] = buf[s]
         self.batch = batch
@@ -138,9 +168,43 @@ class SlotCache:
             self.lo = int(self.start_R[:batch].min())
 
 
-def _regrown(buf: torch.Tensor, cap: int, b: int, src: slice, dst: slice) -> torch.Tensor:
-    out = buf.new_zeros(buf.shape[0], buf.shape[1], cap, buf.shape[3])
-    out[:b, :, dst] = buf[:b, :, src]
+def blocked_cache(device: torch.device) -> bool:
+    """Whether an engine starting now keeps its cache in blocks: on a CPU, at one torch thread
+    (the engine's count when it starts; later switches keep the layout)."""
+    return device.type == "cpu" and torch.get_num_threads() == 1
+
+
+def spans(block: int, lo: int, hi: int) -> Iterator[tuple[int, int, int, int]]:
+    """Columns `[lo, hi)` of a blocked buffer, block by block: (block, first column in it, end
+    in it, offset of that first column from `lo`)."""
+    col = lo
+    while col < hi:
+        j, at = divmod(col, block)
+        end = min(block, at + hi - col)
+        yield j, at, end, col - lo
+        col += end - at
+
+
+def read(buf: torch.Tensor, block: int, rows: slice, lo: int, hi: int) -> torch.Tensor:
+    """`[rows, heads, hi - lo, dim]`: columns `[lo, hi)` of the rows (a view inside one block,
+    else a copy)."""
+    parts = [buf[j, rows, :, at:end] for j, at, end, _ in spans(block, lo, hi)]
+    if len(parts) <= 1:
+        return parts[0] if parts else buf[0, rows, :, :0]
+    return torch.cat(parts, dim=2)
+
+
+def write(buf: torch.Tensor, block: int, rows: slice, lo: int, value: torch.Tensor) -> None:
+    """`value` `[rows, heads, n, dim]` into columns `[lo, lo + n)` of the rows."""
+    for j, at, end, off in spans(block, lo, lo + int(value.shape[2])):
+        buf[j, rows, :, at:end] = value[:, :, off : off + end - at]
+
+
+def _regrown(
+    buf: torch.Tensor, block: int, new_block: int, cap: int, rows: slice, src: slice, dst: slice
+) -> torch.Tensor:
+    out = buf.new_zeros(cap // new_block, buf.shape[1], buf.shape[2], new_block, buf.shape[4])
+    write(out, new_block, rows, dst.start, read(buf, block, rows, src.start, src.stop))
     return out
 
 

@@ -34,12 +34,13 @@ def greedy_through_batch(
     admit_rng: random.Random | None = None,
     share_prefix: bool = True,
     batches: list[RunningBatch] | None = None,
+    cache_blocks: bool = False,
 ) -> tuple[list[list[int]], list[list[float]], str]:
     """(outputs, logprobs, the batch's decode path) of every prompt, greedy, `lengths[i]` new
     tokens each (EOS ignored), through `max_batch` slots. `step` replaces the decode step;
     `admit_rng` admits a random number of the waiting prompts at a time (so the batch size
-    keeps changing) instead of filling every free slot. `share_prefix`: the batch's option;
-    `batches` gets the batch (for its counters)."""
+    keeps changing) instead of filling every free slot. `share_prefix`, `cache_blocks`: the
+    batch's options; `batches` gets the batch (for its counters)."""
     options = BatchOptions(
         max_batch=max_batch,
         max_prefill=max_batch,
@@ -48,6 +49,7 @@ def greedy_through_batch(
         logprobs_from="raw",
         decode=decode,
         share_prefix=share_prefix,
+        cache_blocks=cache_blocks,
     )
     batch = RunningBatch(model, tokenizer, options)
     if batches is not None:

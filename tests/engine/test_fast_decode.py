@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
+from rollouts.engine import kv
 from tests.engine.batch_driver import greedy_through_batch, random_workload
 from tests.gqa_models import llama_gqa, qwen2, random_model
 from tests.hf_reference import teacher_forced_logprobs
@@ -50,6 +51,54 @@ def test_the_fast_step_gives_the_hf_forwards_tokens_and_logprobs(models, tokeniz
         forced = teacher_forced_logprobs(model, prompt, out)
         torch.testing.assert_close(torch.tensor(lp), forced, atol=1e-4, rtol=0)
     assert len({tuple(o) for o in fast_out}) > 1, "every prompt gave the same output"
+
+
+@pytest.mark.parametrize(("block", "threads"), [(64, 1), (8, 1), (16, 2)])
+def test_a_cache_in_blocks_gives_the_same_tokens_and_logprobs(
+    models, tokenizer, monkeypatch, block, threads
+):
+    """The cache in blocks (an engine on one CPU thread), of 64 columns or of 8 and 16 so a
+    step's attention spans several: read block by block, scores joined and values summed, as
+    rows move and the timeline moves left and grows across blocks. The fast step and the HF
+    forward (which reads the blocks joined) give the tokens of the cache in one block, and its
+    logprobs to float32 rounding; the thread count at the step does not matter."""
+    model = models["llama-gqa-tied"]
+    prompts, lengths = prompts_and_lengths(seed=5, count=9)
+    want_out, want_lp, _ = decode_all(model, tokenizer, prompts, lengths, "auto")
+    monkeypatch.setattr(kv, "BLOCK_COLS", block)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for decode in ("auto", "hf"):
+            batches: list = []
+            out, lp, _ = greedy_through_batch(
+                model,
+                tokenizer,
+                prompts,
+                lengths,
+                max_batch=3,
+                decode=decode,
+                cache_blocks=True,
+                batches=batches,
+            )
+            assert batches[0]._kv.blocked and batches[0]._kv.block == block
+            assert out == want_out, decode
+            for got, want in zip(lp, want_lp, strict=True):
+                torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_an_engine_starting_on_one_cpu_thread_keeps_its_cache_in_blocks() -> None:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert kv.blocked_cache(torch.device("cpu"))
+        torch.set_num_threads(2)
+        assert not kv.blocked_cache(torch.device("cpu"))
+        assert not kv.blocked_cache(torch.device("meta"))  # a GPU's: one block
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_fast_step_reads_the_weights_loaded_now(

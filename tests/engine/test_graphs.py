@@ -12,12 +12,14 @@ import random
 import pytest
 import torch
 
-from rollouts.engine import graphs
+from rollouts.engine import graphs, kv
 from tests.engine.batch_driver import greedy_through_batch, random_workload
 from tests.gqa_models import llama_gqa, qwen2
 
 
-def run_batch(model, tokenizer, prompts, lengths, step, max_batch: int) -> tuple[list, list]:
+def run_batch(
+    model, tokenizer, prompts, lengths, step, max_batch: int, cache_blocks: bool = False
+) -> tuple[list, list]:
     """Greedy outputs and logprobs through `max_batch` slots, prompts admitted a random number
     at a time, the decode step replaced by `step` unless None."""
     out, lp, _ = greedy_through_batch(
@@ -28,6 +30,7 @@ def run_batch(model, tokenizer, prompts, lengths, step, max_batch: int) -> tuple
         max_batch=max_batch,
         step=step,
         admit_rng=random.Random(0),
+        cache_blocks=cache_blocks,
     )
     return out, lp
 
@@ -75,6 +78,23 @@ def test_padding_rows_and_a_cache_moved_left_change_nothing(ref_model, tokenizer
     want_out, want_lp = run_batch(ref_model, tokenizer, prompts, lengths, None, max_batch=5)
     step = graphs.StepGraphs(5, capture=False)
     out, lp = run_batch(ref_model, tokenizer, prompts, lengths, step, max_batch=5)
+    assert out == want_out
+    for a, b in zip(lp, want_lp, strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+
+
+def test_the_padded_step_over_small_cache_blocks_changes_nothing(
+    ref_model, tokenizer, monkeypatch
+) -> None:
+    """The padded step writes its column by block and offset (device tensors): with the cache
+    in blocks of 8 columns it gives the unpadded step's tokens and logprobs (one block)."""
+    prompts, lengths = workload(seed=13)
+    want_out, want_lp = run_batch(ref_model, tokenizer, prompts, lengths, None, max_batch=5)
+    monkeypatch.setattr(kv, "BLOCK_COLS", 8)
+    step = graphs.StepGraphs(5, capture=False)
+    out, lp = run_batch(
+        ref_model, tokenizer, prompts, lengths, step, max_batch=5, cache_blocks=True
+    )
     assert out == want_out
     for a, b in zip(lp, want_lp, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
