@@ -21,7 +21,6 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -31,39 +30,18 @@ from rollouts.openmp import short_spin_waits
 short_spin_waits()
 
 import torch  # noqa: E402
+from profile_decode import engine_steps  # noqa: E402  (this script's folder)
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from rollouts.engine import kv  # noqa: E402
-from rollouts.engine.batch import BatchOptions, RunningBatch, Sequence  # noqa: E402
-from rollouts.engine.sampling import SamplingSpec  # noqa: E402
 
 
 def step_s(model, tok, prompts: list[list[int]], steps: int, blocked: bool) -> float:
-    """Seconds per decode step of the running batch over `steps` steps, its cache `blocked`."""
-    options = BatchOptions(
-        max_batch=len(prompts),
-        max_prefill=len(prompts),
-        pad_token_id=0,
-        eos_token_ids=(),
-        logprobs_from="raw",
-        decode="auto",
-        share_prefix=False,
-        cache_blocks=blocked,
-    )
-    batch = RunningBatch(model, tok, options)
-    spec = SamplingSpec(temperature=1.0, ignore_eos=True)
-    seqs = [
-        Sequence(rid=str(i), prompt_ids=p, spec=spec, max_new=steps + 8, notify=lambda s: None)
-        for i, p in enumerate(prompts)
-    ]
-    with torch.inference_mode():
-        batch.admit(seqs)
-        for _ in range(4):
-            batch.step()
-        start = time.perf_counter()
-        for _ in range(steps):
-            batch.step()
-        return (time.perf_counter() - start) / steps
+    """Seconds per decode step of the running batch over `steps` steps, its cache `blocked`
+    (a shared prefix off: every row attends over its own prompt)."""
+    cpu = torch.device("cpu")
+    options = {"share_prefix": False, "cache_blocks": blocked}
+    return engine_steps(model, tok, prompts, steps, cpu, "auto", False, **options)[0]
 
 
 def model_dir_of(name: str) -> Path:

@@ -49,18 +49,27 @@ def sync(device: torch.device) -> None:
 
 
 def engine_steps(
-    model, tok, prompts: list[list[int]], steps: int, device, decode: str, profiled: bool
+    model,
+    tok,
+    prompts: list[list[int]],
+    steps: int,
+    device,
+    decode: str,
+    profiled: bool,
+    **options: bool,
 ) -> tuple[float, object]:
-    """(seconds per decode step, profiler or None) of the running batch over `steps` steps."""
-    options = BatchOptions(
+    """(seconds per decode step, profiler or None) of the running batch over `steps` steps;
+    `options`: more of its `BatchOptions` (`share_prefix`, `cache_blocks`)."""
+    batch_options = BatchOptions(
         max_batch=len(prompts),
         max_prefill=len(prompts),
         pad_token_id=0,
         eos_token_ids=(),
         logprobs_from="raw",
         decode=decode,
+        **options,
     )
-    batch = RunningBatch(model, tok, options)
+    batch = RunningBatch(model, tok, batch_options)
     spec = SamplingSpec(temperature=1.0, ignore_eos=True)
     seqs = [
         Sequence(rid=str(i), prompt_ids=p, spec=spec, max_new=steps + 8, notify=lambda s: None)
@@ -77,7 +86,7 @@ def engine_steps(
                 batch.step()
             sync(device)
             took = (time.perf_counter() - start) / steps
-    print(f"engine decode path: {batch.decode_path}")
+    print(f"engine decode path: {batch.decode_path}", file=sys.stderr)
     return took, prof
 
 
