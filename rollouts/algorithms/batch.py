@@ -9,7 +9,6 @@ micro-batches or data-parallel shards, and `TrainBatch.select` keeps them on eve
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,10 +24,10 @@ from rollouts.algorithms.aggregation import global_counts
 from rollouts.algorithms.tensors import (
     buffer_views,
     flat_views,
-    float_tensor,
     joined,
     long_views,
     mask_views,
+    pack_at,
 )
 from rollouts.config import AlgorithmConfig
 from rollouts.types import Sample, Status, TrainBatch
@@ -47,11 +46,7 @@ def rollout_logprobs_views(samples: Sequence[Sample]) -> tuple[torch.Tensor, ...
         assert len(sample.rollout_logprobs) == n, (
             f"sample {sample.index}: {len(sample.rollout_logprobs)=} != {sample.response_length=}"
         )
-        at = start + 4 * (length - n)
-        try:
-            struct.pack_into(f"{n}f", raw, at, *sample.rollout_logprobs)
-        except (struct.error, OverflowError):  # as float_tensor: what array.array gives
-            raw[at : at + 4 * n] = float_tensor(sample.rollout_logprobs).numpy().tobytes()
+        pack_at(raw, start + 4 * (length - n), "f", sample.rollout_logprobs)
         start += 4 * length
     return buffer_views(raw, torch.float32, lengths)
 

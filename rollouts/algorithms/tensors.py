@@ -21,15 +21,20 @@ from torch.nn.utils.rnn import pad_sequence
 from rollouts.ragged import joined
 
 
-def _packed(code: str, values: Sequence[float]) -> bytearray | array.array:
-    """`values` as native C numbers of type `code` ("q" or "f") in a writable buffer: by
+def pack_at(raw: bytearray, at: int, code: str, values: Sequence[float]) -> None:
+    """`values` as native C numbers of type `code` ("q" or "f") into `raw` from byte `at`: by
     `struct`, and where it refuses an item (not a number, out of range, a float past
     float32's range) by `array.array`, which gives what it gave before (inf, or its error)."""
-    raw = bytearray(len(values) * struct.calcsize(code))
     try:
-        struct.pack_into(f"{len(values)}{code}", raw, 0, *values)
+        struct.pack_into(f"{len(values)}{code}", raw, at, *values)
     except (struct.error, OverflowError):
-        return array.array(code, values)
+        raw[at : at + len(values) * struct.calcsize(code)] = array.array(code, values).tobytes()
+
+
+def _packed(code: str, values: Sequence[float]) -> bytearray:
+    """`values` as native C numbers of type `code` in a writable buffer of their own."""
+    raw = bytearray(len(values) * struct.calcsize(code))
+    pack_at(raw, 0, code, values)
     return raw
 
 
@@ -87,10 +92,7 @@ def long_views(seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, ...]:
     raw = bytearray(8 * sum(lengths))
     start = 0
     for seq in seqs:
-        try:
-            struct.pack_into(f"{len(seq)}q", raw, start, *seq)
-        except (struct.error, OverflowError):
-            raw[start : start + 8 * len(seq)] = array.array("q", seq).tobytes()
+        pack_at(raw, start, "q", seq)
         start += 8 * len(seq)
     return buffer_views(raw, torch.int64, lengths)
 
