@@ -5,8 +5,8 @@ allocated once and grown by doubling (never concatenated per step). An engine on
 keeps the columns in blocks of BLOCK_COLS, each block's first b rows one contiguous tensor, and
 the attention's batched matmuls read whole blocks in place: a column slice of one `[rows, heads,
 capacity, dim]` buffer is strided, and oneDNN's batched bf16 matmul copies it first (one
-thread: the tiny model's decode step 1.30-1.37x, SmolLM2's 1.08-1.18x at 100-250 columns,
-`scripts/bench_kv_blocks.py`). On several threads the copy costs less than a matmul a block
+thread: SmolLM2's decode step 1.05x at 100 columns, 1.13x at 250, 1.19x at 600; the tiny
+model's within the noise; `scripts/bench_kv_blocks.py`). On several threads the copy costs less than a matmul a block
 (SmolLM2 0.91-1.05x), and on a GPU cuBLAS reads the strided slice in place: there the buffer is
 one block of every column, one matmul a layer. The layout is chosen once, when the engine
 starts (`blocked_cache`), so a thread governor's switches never change its numbers.
