@@ -6,10 +6,11 @@ keeps the columns in blocks of BLOCK_COLS, each block's first b rows one contigu
 the attention's batched matmuls read whole blocks in place: a column slice of one `[rows, heads,
 capacity, dim]` buffer is strided, and oneDNN's batched bf16 matmul copies it first (one
 thread: SmolLM2's decode step 1.05x at 100 columns, 1.13x at 250, 1.19x at 600; the tiny
-model's within the noise; `scripts/bench_kv_blocks.py`). On several threads the copy costs less than a matmul a block
-(SmolLM2 0.91-1.05x), and on a GPU cuBLAS reads the strided slice in place: there the buffer is
-one block of every column, one matmul a layer. The layout is chosen once, when the engine
-starts (`blocked_cache`), so a thread governor's switches never change its numbers.
+model's within the noise; `scripts/bench_kv_blocks.py`). On several threads the copy costs less
+than a matmul a block (SmolLM2 0.91-1.05x), and on a GPU cuBLAS reads the strided slice in
+place: there the buffer is one block of every column, one matmul a layer. The layout is chosen
+once, when the engine starts (`blocked_cache`), so a thread governor's switches never change its
+numbers.
 
 Active rows are the dense slots `[0, batch)`; all of them write their next token at the same
 column `t`, so a row's tokens sit at the right end of `[start, t)` and the columns left of
