@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rollouts.cli import main
+from rollouts.cli import SUBCOMMANDS, main
 from rollouts.config import load_config
 from rollouts.recipes import recipe_names, recipe_text
 from rollouts.recipes.cli import plan_init
@@ -117,3 +117,12 @@ def test_the_wheel_holds_the_recipes(tmp_path: Path) -> None:
     for name in recipe_names():
         assert f"rollouts/recipes/{name}.toml" in names
     assert "rollouts/recipes/cli.py" in names
+
+
+@pytest.mark.parametrize("command", sorted(SUBCOMMANDS))
+def test_each_command_prints_its_help(command: str, capsys) -> None:
+    """`rollouts serve --help` raised argparse's "incomplete format" on a help text's "%"."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert f"usage: rollouts {command}" in capsys.readouterr().out

@@ -46,7 +46,12 @@ def _argument(field: dataclasses.Field, tp: Any) -> dict[str, Any]:
     """argparse's keywords for one field: a switch, on|off, a mode's choices, a repeated or a
     comma-separated list, or a number or text."""
     meta = option_of(field)
-    out: dict[str, Any] = {"dest": field.name, "help": meta.help, "default": field.default}
+    # argparse formats help with %: a literal one ("3-10%") is written %%
+    out: dict[str, Any] = {
+        "dest": field.name,
+        "help": meta.help.replace("%", "%%"),
+        "default": field.default,
+    }
     if meta.required:
         return out | {"required": True, "default": None}
     if meta.switch:
