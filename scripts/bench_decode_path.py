@@ -66,7 +66,7 @@ def generate(model, tokenizer, prompts, samples: int, new: int, decode: str, see
             spec=spec,
             max_new=new + 1,
             notify=lambda s: None,
-            generator=torch.Generator().manual_seed(seed * rows + i),
+            seed=seed * rows + i,
         )
         for i in range(rows)
     ]

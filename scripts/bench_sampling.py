@@ -11,7 +11,10 @@ tokens at temperature 0.7, once with seeds and once without; the baseline swaps 
 back into `sampling` for its rounds. Part 3 times `sample` (temperature 1, raw logprobs: the
 drawn token's logprob as the log of its probability) against the same draw with the logprob
 from a log_softmax pass over the vocabulary (what `sample` did before), on `--rows` x `--vocab`
-bf16 logits. Prints the medians and the ratios.
+bf16 logits. Part 4 times the seeded rows' uniforms: `sampling.seeded_uniforms` (splitmix64 of
+each row's seed and draw count, a few tensor ops for the batch) against a `torch.Generator` a
+row (what seeded rows drew from before: a call and a store each), at 128 and 256 rows. Prints
+the medians and the ratios.
 
     python scripts/bench_sampling.py [--model ~/.cache/rollouts/models/smollm2-135m-instruct] \\
         [--dtype bfloat16] [--threads 2] [--rounds 3]
@@ -86,8 +89,8 @@ def logprob_of_the_draw(rows: int, vocab: int, rounds: int) -> None:
     logits = (torch.randn(rows, vocab, generator=g) * 3).bfloat16()
     # the engine's own slot table builds the batch's sampling tensors, as in a decode step
     table = SlotTable(rows, torch.device("cpu"))
-    table.admit([SamplingSpec(temperature=1.0)] * rows, [1] * rows, [False] * rows, ())
-    batch = table.sampling(0, rows, {})
+    table.admit([SamplingSpec(temperature=1.0)] * rows, [1] * rows, [None] * rows, ())
+    batch = table.sampling(0, rows)
 
     def before() -> torch.Tensor:
         raw = logits.float()
@@ -136,7 +139,7 @@ def one_round(model, tok, prompts: list[list[int]], samples: int, new: int, seed
             spec=spec,
             max_new=new,
             notify=lambda s: None,
-            generator=torch.Generator().manual_seed(1000 * i + j) if seeded else None,
+            seed=1000 * i + j if seeded else None,
         )
         for i, prompt in enumerate(prompts)
         for j in range(samples)
@@ -145,6 +148,43 @@ def one_round(model, tok, prompts: list[list[int]], samples: int, new: int, seed
         batch.admit(seqs)
         while len(batch):
             batch.step()
+
+
+def _seeded_draws(rows: int) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
+    """(before, now): `rows` seeded rows' uniforms for one decode step."""
+    generators = [torch.Generator().manual_seed(7 * i) for i in range(rows)]
+    seed_B = torch.tensor([sampling.seed_as_int64(7 * i) for i in range(rows)])
+    draw_B = torch.full((rows,), 30, dtype=torch.long)
+
+    def before() -> torch.Tensor:
+        u_B = torch.rand(rows, dtype=torch.float64)
+        for row, gen in enumerate(generators):
+            u_B[row] = torch.rand((), generator=gen, dtype=torch.float64)
+        return u_B
+
+    def now() -> torch.Tensor:
+        return sampling.seeded_uniforms(seed_B, draw_B)
+
+    return before, now
+
+
+def seeded_uniforms_against_generators(rounds: int) -> None:
+    """Part 4: every seeded row's uniform for one decode step, two ways."""
+    for rows in (128, 256):
+        before, now = _seeded_draws(rows)
+        times: dict[str, list[float]] = {"before": [], "now": []}
+        for r in range(rounds + 1):
+            for name, fn in (("before", before), ("now", now)):
+                start = time.perf_counter()
+                for _ in range(100):
+                    fn()
+                if r:
+                    times[name].append((time.perf_counter() - start) / 100)
+        b, n = statistics.median(times["before"]), statistics.median(times["now"])
+        print(
+            f"part 4: {rows} seeded rows' uniforms: a generator a row {1e3 * b:.3f} ms, "
+            f"seeded_uniforms {1e3 * n:.3f} ms a step: {b / n:.1f}x"
+        )
 
 
 def rounds_on_model(args: argparse.Namespace) -> None:
@@ -192,11 +232,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--new", type=int, default=12)
-    parser.add_argument("--skip-model", action="store_true", help="parts 1 and 3 only")
+    parser.add_argument("--skip-model", action="store_true", help="parts 1, 3 and 4 only")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     draw_alone(args.rows, args.vocab, args.rounds)
     logprob_of_the_draw(args.rows, args.vocab, args.rounds)
+    seeded_uniforms_against_generators(args.rounds)
     if args.skip_model:
         return
     if Path(args.model).exists():

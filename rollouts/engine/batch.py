@@ -36,7 +36,7 @@ class Sequence:
     spec: SamplingSpec
     max_new: int  # max_new_tokens capped by the context length
     notify: Callable[[Sequence], None]
-    generator: torch.Generator | None = None
+    seed: int | None = None  # its sampling seed (`sampling.seeded_uniforms`); None: global RNG
     output_ids: list[int] = dataclasses.field(default_factory=list)  # set when it leaves
     logprobs: list[float] = dataclasses.field(default_factory=list)  # set when it leaves
     top: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
@@ -135,7 +135,7 @@ class RunningBatch:
             self._table.admit(
                 [s.spec for s in ready],
                 [s.max_new for s in ready],
-                [s.generator is not None for s in ready],
+                [s.seed for s in ready],
                 self.options.eos_token_ids,
             )
             self.seqs.extend(ready)
@@ -172,7 +172,7 @@ class RunningBatch:
     def _prefill_again(self) -> None:
         """Rebuild every running row's KV cache with the weights loaded now, from its prompt and
         its output but the last token (the next decode input, as after `admit`), `max_prefill`
-        rows per forward. Nothing is sampled: outputs, sampling state and generators stay."""
+        rows per forward. Nothing is sampled: outputs and sampling state stay."""
         kv, table = self._kv, self._table
         if not self.seqs or kv is None or table is None:
             self._stale = False
@@ -246,13 +246,8 @@ class RunningBatch:
         table = self._table
         assert table is not None, "no slot table"
         end = first + int(logits_B_V.shape[0])
-        generators: dict[int, torch.Generator] = {}
-        for i in table.seeded_slots(first, end):
-            gen = self.seqs[first + i].generator
-            assert gen is not None, f"seeded slot {first + i} has no generator"
-            generators[i] = gen
         tokens_B, logprobs_B = sample(
-            logits_B_V, table.sampling(first, end, generators), self.options.logprobs_from
+            logits_B_V, table.sampling(first, end), self.options.logprobs_from
         )
         if table.any_top(first, end):
             self._record_top(first, logits_B_V)

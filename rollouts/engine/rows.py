@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from rollouts.engine.sampling import BatchSampling, SamplingSpec, needs_filter
+from rollouts.engine.sampling import BatchSampling, SamplingSpec, needs_filter, seed_as_int64
 
 
 class SlotTable:
@@ -29,7 +29,8 @@ class SlotTable:
         self.top_k_R, self.max_new_R, self.n_out_R, self.last_R = (
             zeros(torch.long) for _ in range(4)
         )
-        self.greedy_R, self.strings_R = zeros(torch.bool), zeros(torch.bool)
+        self.greedy_R, self.strings_R, self.seeded_R = (zeros(torch.bool) for _ in range(3))
+        self.seed_R = zeros(torch.long)  # a seeded slot's seed (`seed_as_int64`)
         # host copies of the per-slot flags a step branches on, slot order
         self.greedy: list[bool] = []
         self.filtered: list[bool] = []
@@ -44,11 +45,11 @@ class SlotTable:
         self,
         specs: list[SamplingSpec],
         max_new: list[int],
-        seeded: list[bool],
+        seeds: list[int | None],
         eos: tuple[int, ...],
     ) -> None:
         """Fill slots `[batch, batch + len(specs))` for new sequences (nothing output yet);
-        `seeded` marks the ones that draw from their own generator."""
+        `seeds`: each one's sampling seed, None for one drawing from the global RNG."""
         n = len(specs)
         assert self.batch + n <= self.rows, f"{self.batch=} + {n=} > {self.rows=}"
         assert len(max_new) == n, f"{len(max_new)=} != {n=}"
@@ -64,10 +65,12 @@ class SlotTable:
         put(self.max_new_R, max_new)
         put(self.greedy_R, [s.greedy for s in specs])
         put(self.strings_R, [bool(s.stop) for s in specs])
+        put(self.seeded_R, [seed is not None for seed in seeds])
+        put(self.seed_R, [0 if seed is None else seed_as_int64(seed) for seed in seeds])
         assert len(self.greedy) == self.batch, f"{len(self.greedy)=} != {self.batch=}"
         self.greedy += [s.greedy for s in specs]
         self.filtered += [needs_filter(s) for s in specs]
-        self.seeded += [bool(x) for x in seeded]
+        self.seeded += [seed is not None for seed in seeds]
         self.top += [s.top_logprobs > 0 for s in specs]
         self.n_out_R[rows] = 0
         stops = [list(s.stop_token_ids) + ([] if s.ignore_eos else list(eos)) for s in specs]
@@ -84,9 +87,9 @@ class SlotTable:
         if stops > self.stop_R_K.shape[1]:
             self.stop_R_K = _wider(self.stop_R_K, stops, -1)
 
-    def sampling(self, a: int, b: int, generators: dict[int, torch.Generator]) -> BatchSampling:
-        """The BatchSampling of slots `[a, b)` (generator keys relative to `a`)."""
-        greedy = self.greedy[a:b]
+    def sampling(self, a: int, b: int) -> BatchSampling:
+        """The BatchSampling of slots `[a, b)`, for the next token of each."""
+        greedy, seeded = self.greedy[a:b], self.seeded[a:b]
         return BatchSampling(
             temp_B=self.temp_R[a:b],
             top_k_B=self.top_k_R[a:b],
@@ -96,12 +99,12 @@ class SlotTable:
             filtered=any(self.filtered[a:b]),
             greedy=any(greedy),
             sampled=not all(greedy),
-            generators=generators,
+            seed_B=self.seed_R[a:b],
+            draw_B=self.n_out_R[a:b],
+            seeded_B=self.seeded_R[a:b],
+            seeded=any(seeded),
+            unseeded=not all(seeded),
         )
-
-    def seeded_slots(self, a: int, b: int) -> list[int]:
-        """The slots of `[a, b)` (relative to `a`) that draw from their own generator."""
-        return [i for i, s in enumerate(self.seeded[a:b]) if s]
 
     def any_top(self, a: int, b: int) -> bool:
         """Whether a slot of `[a, b)` asked for top logprobs."""
@@ -154,6 +157,8 @@ class SlotTable:
             self.last_R,
             self.greedy_R,
             self.strings_R,
+            self.seeded_R,
+            self.seed_R,
             self.stop_R_K,
             self.tok_R_W,
             self.lp_R_W,

@@ -137,9 +137,10 @@ def filter_logits(
 class BatchSampling:
     """The sampling parameters of a batch as tensors (one entry per row), for one call.
 
-    `filtered` says whether any row uses top-k/top-p/min-p (else no sort is done); `generators`
-    holds the rows that asked for a seed (row -> its own generator); `greedy` whether any row
-    is greedy and `sampled` whether any is not.
+    `filtered` says whether any row uses top-k/top-p/min-p (else no sort is done); `greedy`
+    whether any row is greedy and `sampled` whether any is not. The rows that asked for a seed
+    (`seeded_B`; `seeded` / `unseeded`: whether any row is, any is not) draw the uniform of
+    their `draw_B`-th token from their `seed_B` (`seeded_uniforms`).
     """
 
     temp_B: torch.Tensor
@@ -150,7 +151,41 @@ class BatchSampling:
     filtered: bool
     greedy: bool
     sampled: bool
-    generators: dict[int, torch.Generator]
+    seed_B: torch.Tensor  # int64: a row's seed mod 2**64 as a signed value (`seed_as_int64`)
+    draw_B: torch.Tensor  # int64: the tokens a row has drawn so far
+    seeded_B: torch.Tensor
+    seeded: bool
+    unseeded: bool
+
+
+# splitmix64 (Steele, Lea and Flood 2014): the n-th output of the generator seeded with s is
+# mix(s + (n + 1) * GOLDEN), so every seeded row's next uniform is a few int64 tensor ops for the
+# whole batch, where a torch.Generator a row cost a call and a store each (128 rows: 0.5 ms a
+# decode step on CPU, 7% of the demo model's; on a GPU a host loop each step)
+GOLDEN, MIX_1, MIX_2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def seed_as_int64(seed: int) -> int:
+    """A seed (any int) mod 2**64, as the signed 64-bit value with the same bits."""
+    seed %= 2**64
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """The logical right shift of int64 bits (torch's `>>` is arithmetic: it copies the sign)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def seeded_uniforms(seed_B: torch.Tensor, draw_B: torch.Tensor) -> torch.Tensor:
+    """Each row's `draw_B`-th uniform in [0, 1) of splitmix64 seeded with `seed_B` (float64, the
+    output's top 53 bits): a function of the seed and the draw only, whatever else is in the
+    batch. int64 products wrap mod 2**64 as the generator's uint64 arithmetic does
+    (`tests/rollout/test_seeds.py` checks the bits against plain Python)."""
+    x = seed_B + (draw_B + 1) * seed_as_int64(GOLDEN)
+    x = (x ^ _shift_right(x, 30)) * seed_as_int64(MIX_1)
+    x = (x ^ _shift_right(x, 27)) * seed_as_int64(MIX_2)
+    x = x ^ _shift_right(x, 31)
+    return _shift_right(x, 11).double() * 2.0**-53
 
 
 def needs_filter(spec: SamplingSpec) -> bool:
@@ -163,8 +198,9 @@ def sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row (greedy or sampled, the whole batch at once) and its logprob.
 
-    Rows with a generator draw from it, so their output does not depend on what else is in the
-    batch; the others share one draw from the global RNG. Returns (tokens_B, logprobs_B).
+    Seeded rows draw from their seed and draw count, so their output does not depend on what
+    else is in the batch; the others share one draw from the global RNG. Returns (tokens_B,
+    logprobs_B).
     """
     assert logits_B_V.dim() == 2, f"{logits_B_V.shape=}"
     assert logprobs_from in LOGPROBS_FROM, f"{logprobs_from=}"
@@ -179,12 +215,7 @@ def sample(
         else:
             scaled = logits / temp_B.clamp_min(GREEDY_BELOW).unsqueeze(1)
         probs = scaled.softmax(dim=1)
-        # one uniform a row: seeded rows from their own generator (their draw then depends
-        # on their probabilities and seed only), the others from the global RNG
-        u_B = torch.rand(probs.shape[0], dtype=torch.float64)
-        for row, gen in batch.generators.items():
-            u_B[row] = torch.rand((), generator=gen, dtype=torch.float64)
-        tokens_B = inverse_cdf(probs, u_B.to(probs.device))
+        tokens_B = inverse_cdf(probs, _uniforms(batch, probs.shape[0], probs.device))
         if not batch.filtered and not batch.greedy and (unit or logprobs_from == "scaled"):
             # the logprob asked for is log_softmax(scaled) at the drawn token: the log of its
             # probability (within 1e-6 of float32's log_softmax), not a log_softmax pass over
@@ -199,6 +230,19 @@ def sample(
         logits = logits / torch.where(batch.greedy_B, 1.0, temp_B).unsqueeze(1)
     logprobs_B = logits.log_softmax(dim=1).gather(1, tokens_B.unsqueeze(1)).squeeze(1)
     return tokens_B, logprobs_B
+
+
+def _uniforms(batch: BatchSampling, rows: int, device: torch.device) -> torch.Tensor:
+    """One uniform a row: seeded rows' from their seed and draw count (their draw then depends
+    on their probabilities, seed and place in the output only), the others' from the global
+    RNG (drawn on the host, as before)."""
+    if not batch.seeded:
+        return torch.rand(rows, dtype=torch.float64).to(device)
+    seeded_B = seeded_uniforms(batch.seed_B, batch.draw_B)
+    if not batch.unseeded:
+        return seeded_B
+    global_B = torch.rand(rows, dtype=torch.float64).to(device)
+    return torch.where(batch.seeded_B, seeded_B, global_B)
 
 
 def unit_temperature(logits_B_V: torch.Tensor, temp_B: torch.Tensor) -> bool:

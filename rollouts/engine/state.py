@@ -9,7 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 import trio
 
 from rollouts.engine.core import EngineCore, PromptLogprob, Sequence
@@ -21,7 +20,7 @@ from rollouts.wire.generation import PAUSE_MODES, FinishReason, PauseMode
 
 log = logging.getLogger(__name__)
 COMMAND_TIMEOUT_S = 600.0
-SEED_MODULUS = 2**64  # sample i of a seeded request uses (seed + i) mod 2**64, as torch does
+SEED_MODULUS = 2**64  # sample i of a seeded request uses (seed + i) mod 2**64
 
 
 class ServiceUnavailable(RuntimeError):
@@ -169,7 +168,7 @@ class ServerState:
                         context_len=self.info.context_len,
                     ),
                     notify=self._notifier(event),
-                    generator=None if seed is None else torch.Generator().manual_seed(seed),
+                    seed=seed,
                     request=rid,
                 )
             )

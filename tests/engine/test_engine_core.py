@@ -56,9 +56,8 @@ def greedy_no_eos(model: torch.nn.Module, prompt: list[int], max_new: int) -> li
 
 
 def make_seq(i: int, prompt: list[int], max_new: int, spec: SamplingSpec, seed=None) -> Sequence:
-    gen = None if seed is None else torch.Generator().manual_seed(seed)
     return Sequence(
-        rid=f"r{i}", prompt_ids=prompt, spec=spec, max_new=max_new, notify=print, generator=gen
+        rid=f"r{i}", prompt_ids=prompt, spec=spec, max_new=max_new, notify=print, seed=seed
     )
 
 

@@ -13,6 +13,7 @@ from rollouts.engine.sampling import (
     filter_logits,
     needs_filter,
     sample,
+    seed_as_int64,
 )
 from rollouts.engine.scheduler import (
     admit_count,
@@ -33,13 +34,14 @@ from rollouts.wire.generation import FinishReason, SamplingParams
 def choose_tokens(
     logits_B_V: torch.Tensor,
     specs: list[SamplingSpec],
-    generators: list[torch.Generator | None],
+    seeds: list[int | None],
     logprobs_from: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample` for rows given as specs (the server builds the same batch from its slots,
-    `rows.Rows.sampling`); returns (tokens_B, logprobs_B)."""
-    assert len(specs) == len(generators) == logits_B_V.shape[0], f"{logits_B_V.shape=}"
+    """`sample` of each row's first token for rows given as specs and seeds (the server builds
+    the same batch from its slots, `rows.SlotTable.sampling`); returns (tokens_B, logprobs_B)."""
+    assert len(specs) == len(seeds) == logits_B_V.shape[0], f"{logits_B_V.shape=}"
     greedy = [s.greedy for s in specs]
+    seeded = [seed is not None for seed in seeds]
     batch = BatchSampling(
         temp_B=torch.tensor([s.temperature for s in specs]),
         top_k_B=torch.tensor([s.top_k for s in specs]),
@@ -49,7 +51,11 @@ def choose_tokens(
         filtered=any(needs_filter(s) for s in specs),
         greedy=any(greedy),
         sampled=not all(greedy),
-        generators={i: g for i, g in enumerate(generators) if g is not None},
+        seed_B=torch.tensor([seed_as_int64(seed or 0) for seed in seeds]),
+        draw_B=torch.zeros(len(seeds), dtype=torch.long),
+        seeded_B=torch.tensor(seeded),
+        seeded=any(seeded),
+        unseeded=not all(seeded),
     )
     return sample(logits_B_V, batch, logprobs_from)
 
@@ -152,9 +158,7 @@ def test_seeded_rows_do_not_depend_on_the_batch() -> None:
     spec = SamplingSpec(temperature=1.0, seed=7)
 
     def draw(rows: int) -> list[int]:
-        gens = [torch.Generator().manual_seed(7) for _ in range(rows)]
-        out = [choose_tokens(logits[:rows], [spec] * rows, gens, "raw")[0] for _ in range(1)]
-        return out[0].tolist()
+        return choose_tokens(logits[:rows], [spec] * rows, [7] * rows, "raw")[0].tolist()
 
     assert draw(3)[0] == draw(1)[0]
 

@@ -147,7 +147,10 @@ async def test_trained_tokens_are_the_sampled_ones_under_smollm2s_template(
     engine: RecordingEngine, smol_tok: Any
 ) -> None:
     tok = smol_tok
-    sampling = SamplingParams(max_new_tokens=8, stop_token_ids=_stops(tok), seed=1)
+    # 9 turns that must each end in a stop token: with a quarter of the vocabulary stopping a
+    # turn, one still running after 8 tokens is ~10% a turn (0.75 ** 8) and the test rode on
+    # its seeds' draws; with 24 tokens allowed, ~0.1%
+    sampling = SamplingParams(max_new_tokens=24, stop_token_ids=_stops(tok), seed=1)
     done: list[Sample] = []
     for i in range(3):
         sample = Sample(index=i, group_index=i, prompt=f"What do {i + 3} units of lamp cost?")

@@ -12,9 +12,14 @@ import torch
 from rollouts.engine.launch import EngineProcess
 from rollouts.engine.sampling import (
     CDF_BLOCK,
+    GOLDEN,
+    MIX_1,
+    MIX_2,
     BatchSampling,
     inverse_cdf,
     sample,
+    seed_as_int64,
+    seeded_uniforms,
 )
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.inference.sglang_wire import sampling_body
@@ -83,8 +88,11 @@ async def test_the_samples_of_a_group_get_seeds_of_their_own(engine, tok) -> Non
     assert len(set(tokens)) == 4, tokens
 
 
-def sampling_of(rows: int, generators: dict[int, torch.Generator]) -> BatchSampling:
-    """`rows` rows at temperature 1, no top-k/top-p/min-p; `generators`: the seeded rows."""
+def sampling_of(seeds: list[int | None], draws: list[int] | None = None) -> BatchSampling:
+    """A row per seed (None: the global RNG) at temperature 1, no top-k/top-p/min-p, each at
+    its `draws`-th token (default: its first)."""
+    rows = len(seeds)
+    seeded = [seed is not None for seed in seeds]
     return BatchSampling(
         temp_B=torch.ones(rows),
         top_k_B=torch.full((rows,), -1),
@@ -94,25 +102,54 @@ def sampling_of(rows: int, generators: dict[int, torch.Generator]) -> BatchSampl
         filtered=False,
         greedy=False,
         sampled=True,
-        generators=generators,
+        seed_B=torch.tensor([seed_as_int64(seed or 0) for seed in seeds]),
+        draw_B=torch.tensor(draws or [0] * rows),
+        seeded_B=torch.tensor(seeded),
+        seeded=any(seeded),
+        unseeded=not all(seeded),
     )
 
 
+def splitmix64(seed: int, draw: int) -> int:
+    """The `draw`-th output (from 0) of splitmix64 seeded with `seed`, in Python's integers."""
+    mask = 2**64 - 1
+    z = (seed + (draw + 1) * GOLDEN) & mask
+    z = ((z ^ (z >> 30)) * MIX_1) & mask
+    z = ((z ^ (z >> 27)) * MIX_2) & mask
+    return z ^ (z >> 31)
+
+
+def test_seeded_uniforms_are_splitmix64s_outputs_bit_for_bit() -> None:
+    """The int64 tensor arithmetic (wrapping products, logical shifts) gives the generator's
+    uint64 outputs for seeds across the whole range SGLang's and torch's seeds take."""
+    g = torch.Generator().manual_seed(0)
+    seeds = [0, 1, 2**63 - 1, 2**63, 2**64 - 1, -1, -(2**63), 123456789]
+    seeds += torch.randint(-(2**63), 2**63 - 1, (200,), generator=g).tolist()
+    draws = [0, 1, 2, 1000, 2**40, *torch.randint(0, 10**6, (203,), generator=g).tolist()]
+    u = seeded_uniforms(
+        torch.tensor([seed_as_int64(s) for s in seeds]), torch.tensor(draws[: len(seeds)])
+    )
+    expected = [(splitmix64(s, d) >> 11) * 2.0**-53 for s, d in zip(seeds, draws, strict=False)]
+    assert u.dtype == torch.float64 and u.tolist() == expected
+    assert splitmix64(0, 0) == 0xE220A8397B1DCDAF  # splitmix64's first output from seed 0
+
+
 def test_the_built_in_engines_seeded_draws_follow_the_probabilities() -> None:
-    """Its seeded rows sample by inverse CDF from one uniform of their own generator."""
+    """Its seeded rows sample by inverse CDF from one uniform of their seed and draw count."""
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
     logits = probs.log().repeat(20000, 1)
-
-    def gens(n: int) -> dict[int, torch.Generator]:
-        return {i: torch.Generator().manual_seed(i) for i in range(n)}
-
-    tokens, _ = sample(logits, sampling_of(len(logits), gens(len(logits))), "raw")
+    tokens, _ = sample(logits, sampling_of(list(range(len(logits)))), "raw")
     freq = torch.bincount(tokens, minlength=4).double() / len(tokens)
     assert torch.allclose(freq, probs.double(), atol=0.015), freq
     assert int((tokens == 1).sum()) == 0  # a token without mass never comes
+    # one seed's successive draws follow them too
+    later, _ = sample(logits, sampling_of([5] * len(logits), list(range(len(logits)))), "raw")
+    freq = torch.bincount(later, minlength=4).double() / len(later)
+    assert torch.allclose(freq, probs.double(), atol=0.015), freq
     torch.manual_seed(123)  # the global RNG moved: seeded rows do not see it
-    again, _ = sample(logits[:5], sampling_of(5, gens(5)), "raw")
-    assert again.tolist() == tokens[:5].tolist()  # a row's draw: its probabilities and seed only
+    mixed = [0, None, 2, None, 4]  # beside unseeded rows
+    again, _ = sample(logits[:5], sampling_of(mixed), "raw")
+    assert again[::2].tolist() == tokens[:5:2].tolist()  # a row's draw: its probabilities and seed
 
 
 def test_the_two_level_inverse_cdf_draws_what_one_float64_cumsum_draws() -> None:
@@ -140,7 +177,7 @@ def test_unseeded_rows_draw_from_the_global_rng_by_the_same_inverse_cdf() -> Non
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
     logits = probs.log().repeat(20000, 1)
     rows = len(logits)
-    batch = sampling_of(rows, {})
+    batch = sampling_of([None] * rows)
     torch.manual_seed(3)
     tokens, logprobs = sample(logits, batch, "raw")
     freq = torch.bincount(tokens, minlength=4).double() / rows
