@@ -1,7 +1,8 @@
 """Benchmark: the built-in engine server vs in-process padded `model.generate`, same process.
 
 The RL-shaped workload of issue 11: 16 prompts x 8 samples = 128 sequences, temperature 1,
-top-k/top-p off, EOS ignored so lengths are exact, the logprob of every sampled token returned.
+top-k/top-p off, EOS ignored so lengths are exact, the logprob of every sampled token returned,
+each request seeded as a run seeds it (`--unseeded`: none).
 Two cases: every sequence 64 new tokens ("equal"), and each sequence its own length, uniform in
 4..64 ("varying"). The baseline is what TRL does: one left-padded `generate` call over the 128
 rows (each prompt repeated 8 times), run to the longest length, with the logprobs gathered from
@@ -105,24 +106,32 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-async def through(client, prompts: list[list[int]], lengths: list[int]) -> tuple[float, float]:
+def sampling_of(length: int, row: int, seeded: bool) -> SamplingParams:
+    """Row `row`'s request: `length` new tokens at temperature 1, seeded with its row (as a
+    run seeds every request, `rollout/seeds.py`) unless `seeded` is off."""
+    seed = row if seeded else None
+    return SamplingParams(max_new_tokens=length, temperature=1.0, ignore_eos=True, seed=seed)
+
+
+async def through(
+    client, prompts: list[list[int]], lengths: list[int], seeded: bool
+) -> tuple[float, float]:
     """All requests sent at once through `client` (logprobs come back): (start, end) on the
     machine's monotonic clock."""
     done: list[int] = []
 
-    async def one(p: list[int], n: int) -> None:
-        sampling = SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True)
-        c = await client.generate(p, sampling)
+    async def one(p: list[int], n: int, row: int) -> None:
+        c = await client.generate(p, sampling_of(n, row, seeded))
         assert len(c.logprobs) == n, f"{len(c.logprobs)=} != {n=}"
         done.append(c.completion_tokens)
 
     start = time.monotonic()
     if isinstance(client, GroupClient):
-        done.append(await client.run(prompts, lengths))
+        done.append(await client.run(prompts, lengths, seeded))
     else:
         async with trio.open_nursery() as nursery:
-            for p, n in zip(prompts, lengths, strict=True):
-                nursery.start_soon(one, p, n)
+            for row, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+                nursery.start_soon(one, p, n, row)
     end = time.monotonic()
     assert sum(done) == sum(lengths), f"{sum(done)=} != {sum(lengths)=}"
     return start, end
@@ -135,7 +144,7 @@ class GroupClient:
     def __init__(self, engine: SGLangEngine, group: int) -> None:
         self.engine, self.group = engine, group
 
-    async def run(self, prompts: list[list[int]], lengths: list[int]) -> int:
+    async def run(self, prompts: list[list[int]], lengths: list[int], seeded: bool) -> int:
         """All groups at once; the number of tokens that came back (logprobs checked)."""
         got: list[int] = []
 
@@ -144,9 +153,7 @@ class GroupClient:
             requests = [
                 GenerateRequest(
                     input_ids=tuple(prompts[i]),
-                    sampling=SamplingParams(
-                        max_new_tokens=lengths[i], temperature=1.0, ignore_eos=True
-                    ),
+                    sampling=sampling_of(lengths[i], i, seeded),
                     rid=f"g{first}-s{i}",
                 )
                 for i in rows
@@ -195,11 +202,13 @@ class Run:
     prefills: float = 0.0
 
 
-async def server_run(client, proc, prompts: list[list[int]], lengths: list[int]) -> Run:
+async def server_run(
+    client, proc, prompts: list[list[int]], lengths: list[int], seeded: bool
+) -> Run:
     """Time one run through `client`, with the server's busy periods from its log."""
     pid, seen = proc.process.pid, len(drained(proc.log_path))
     cpu0, client_cpu0 = cpu_s(pid), time.process_time()
-    start, end = await through(client, prompts, lengths)
+    start, end = await through(client, prompts, lengths, seeded)
     cpu, client_cpu = cpu_s(pid) - cpu0, time.process_time() - client_cpu0
     with trio.move_on_after(5):  # the worker logs the drain just after the last answer
         while len(drained(proc.log_path)) == seen:
@@ -250,7 +259,7 @@ async def run_all(model, model_dir: str, cases: dict, args: argparse.Namespace) 
 
 async def timed_runs(model, proc, clients: dict, cases: dict, args, out: dict) -> None:
     for client in clients.values():  # warm-up (and the connections opened)
-        await through(client, *cases["varying"])
+        await through(client, *cases["varying"], not args.unseeded)
     baseline(model, *cases["equal"], 0)
     for _ in range(args.reps):
         for name, (prompts, lengths) in cases.items():
@@ -259,7 +268,7 @@ async def timed_runs(model, proc, clients: dict, cases: dict, args, out: dict) -
             run = Run(wall_s=wall, cpu_s=time.process_time() - cpu0)
             out.setdefault((name, "generate"), []).append(run)
             for side, client in clients.items():
-                run = await server_run(client, proc, prompts, lengths)
+                run = await server_run(client, proc, prompts, lengths, not args.unseeded)
                 out.setdefault((name, side), []).append(run)
 
 
@@ -280,6 +289,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="both sides' device (cpu, cuda)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--clients", default="SGLang,vLLM,groups", help="which server clients")
+    parser.add_argument(
+        "--unseeded", action="store_true", help="requests without a seed (runs seed every one)"
+    )
     return parser.parse_args()
 
 
