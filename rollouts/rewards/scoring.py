@@ -10,6 +10,14 @@ cannot hang the loop); async ones are awaited under the same bound. Sync reward 
 their own pool of worker threads (per trio run, `REWARD_THREADS` at most), so abandoned hung
 verifiers can never use up trio's default threads, which checkpoints and the backend need.
 Records are never mutated: `dataclasses.replace` only.
+
+A sync function's calls are timed (`CallTimes`): once its last FAST_WINDOW calls each took under
+FAST_CALL_S (an exact-match verifier takes microseconds, and a thread hop costs about 120-150 us
+of the driver's CPU a sample), a group is scored in one hop, its calls one after another
+(`_score_in_one_hop`). That hop starts no call after HOP_BUDGET_S and waits HOP_BUDGET_S +
+timeout for the last one, so a call that hangs there still runs at least its timeout before its
+sample fails; the samples after it are scored one hop each, and the function is slow again until
+FAST_WINDOW fast calls are seen.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ import dataclasses
 import functools
 import math
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -104,12 +114,55 @@ def as_reward(value: Any) -> Reward:
     return out
 
 
+FAST_CALL_S = 0.001  # a sync reward call this quick is not worth a thread hop of its own
+FAST_WINDOW = 32  # ... once this many calls in a row were
+HOP_BUDGET_S = 0.1  # a group's hop starts no call after this
+
+
+class CallTimes:
+    """How many of a sync reward function's calls in a row took under FAST_CALL_S (counted from
+    worker threads: a lost update under a race only delays or ends a fast streak)."""
+
+    def __init__(self) -> None:
+        self.streak = 0
+
+    def record(self, seconds: float) -> None:
+        self.streak = self.streak + 1 if seconds < FAST_CALL_S else 0
+
+    @property
+    def fast(self) -> bool:
+        return self.streak >= FAST_WINDOW
+
+
+_CALL_TIMES: dict[Any, CallTimes] = {}
+
+
+def call_times(reward_fn: Callable[[Sample], Any]) -> CallTimes:
+    """The call times of `reward_fn` (a fresh record for one that cannot be a dict key)."""
+    try:
+        times = _CALL_TIMES.get(reward_fn)
+    except TypeError:  # unhashable: never fast
+        return CallTimes()
+    if times is None:
+        if len(_CALL_TIMES) > 256:  # reward functions made per call: keep the dict small
+            _CALL_TIMES.clear()
+        times = _CALL_TIMES[reward_fn] = CallTimes()
+    return times
+
+
+def _timed(reward_fn: Callable[[Sample], Any], times: CallTimes, sample: Sample) -> Any:
+    start = time.perf_counter()
+    try:
+        return reward_fn(sample)
+    finally:  # a call that raises took its time too
+        times.record(time.perf_counter() - start)
+
+
 async def _call(reward_fn: Callable[[Sample], Any], sample: Sample) -> Any:
     if is_async_callable(reward_fn):
         return await reward_fn(sample)
-    return await trio.to_thread.run_sync(
-        functools.partial(reward_fn, sample), abandon_on_cancel=True, limiter=reward_limiter()
-    )
+    call = functools.partial(_timed, reward_fn, call_times(reward_fn), sample)
+    return await trio.to_thread.run_sync(call, abandon_on_cancel=True, limiter=reward_limiter())
 
 
 async def score_sample(
@@ -126,15 +179,32 @@ async def score_sample(
         with trio.fail_after(timeout_s):
             value = await _call(reward_fn, sample)
     except trio.TooSlowError:
-        name = _name(reward_fn)
-        return mark_failed(sample, f"{name} timed out after {timeout_s} s", "reward/timed_out")
-    except RewardServiceUnavailable:
-        raise  # the judge's engines are gone: the batch is lost, not this sample
-    except RewardUnparsed as e:
-        return mark_failed(sample, f"{_name(reward_fn)}: {e}", "reward/unparsed")
+        return _timed_out(sample, reward_fn, timeout_s)
     except Exception as e:  # a user function: any error is that sample's error
+        return _judged(sample, reward_fn, None, e)
+    return _judged(sample, reward_fn, value, None)
+
+
+def _timed_out(sample: Sample, reward_fn: Callable[[Sample], Any], timeout_s: float) -> Sample:
+    name = _name(reward_fn)
+    return mark_failed(sample, f"{name} timed out after {timeout_s} s", "reward/timed_out")
+
+
+def _judged(
+    sample: Sample, reward_fn: Callable[[Sample], Any], value: Any, error: Exception | None
+) -> Sample:
+    """The sample with the reward `value`, or FAILED by `error` or by a value that is no
+    reward; `RewardServiceUnavailable` is raised (the judge's engines are gone: the batch is
+    lost, not this sample)."""
+    if isinstance(error, RewardServiceUnavailable):
+        raise error
+    if isinstance(error, RewardUnparsed):
+        return mark_failed(sample, f"{_name(reward_fn)}: {error}", "reward/unparsed")
+    if error is not None:
         name = _name(reward_fn)
-        return mark_failed(sample, f"{name} raised {type(e).__name__}: {e}", "reward/raised")
+        return mark_failed(
+            sample, f"{name} raised {type(error).__name__}: {error}", "reward/raised"
+        )
     try:
         return dataclasses.replace(sample, reward=as_reward(value))
     except TypeError as e:
@@ -155,8 +225,11 @@ async def score_group(
     timeout_s: float,
     limiter: trio.CapacityLimiter | None = None,
 ) -> tuple[Sample, ...]:
-    """Score every sample of a group concurrently (at most `limiter` at once), in order;
+    """Score every sample of a group concurrently (at most `limiter` at once), in order, or,
+    for a sync function whose calls are fast, one after another in one worker-thread hop;
     `RewardServiceUnavailable` (a judge with no engine left) stops the group and is raised."""
+    if limiter is None and not is_async_callable(reward_fn) and call_times(reward_fn).fast:
+        return await _score_in_one_hop(group, reward_fn, timeout_s)
     out: list[Sample | None] = [None] * len(group)
     lost: list[RewardServiceUnavailable] = []
 
@@ -183,3 +256,50 @@ async def score_group(
 def count_failed(samples: Sequence[Sample]) -> int:
     """How many samples are FAILED (report it every step)."""
     return sum(1 for s in samples if s.status is Status.FAILED)
+
+
+async def _score_in_one_hop(
+    group: Sequence[Sample], reward_fn: Callable[[Sample], Any], timeout_s: float
+) -> tuple[Sample, ...]:
+    """`score_group` of a fast sync function: its calls one after another in one worker thread
+    (see the module doc); what that hop did not score goes through `score_group` again."""
+    todo = [i for i, s in enumerate(group) if s.status in SCORABLE]
+    times, lock = call_times(reward_fn), threading.Lock()
+    done: dict[int, tuple[Any, Exception | None]] = {}
+    state = {"stop": False, "current": -1}
+
+    def run() -> None:
+        start = time.perf_counter()
+        for i in todo:
+            with lock:
+                if state["stop"] or time.perf_counter() - start > HOP_BUDGET_S:
+                    return
+                state["current"] = i
+            began = time.perf_counter()
+            try:
+                result: tuple[Any, Exception | None] = (reward_fn(group[i]), None)
+            except Exception as e:  # judged on the trio side, as `score_sample` does
+                result = (None, e)
+            times.record(time.perf_counter() - began)
+            with lock:
+                done[i] = result
+
+    with trio.move_on_after(HOP_BUDGET_S + timeout_s) as scope:
+        await trio.to_thread.run_sync(run, abandon_on_cancel=True, limiter=reward_limiter())
+    with lock:  # from here the hop starts no call, and what it finishes later is not read
+        state["stop"] = True
+        scored, current = dict(done), state["current"]
+    out = list(group)
+    # a call in progress when the hop's time ran out (none if its thread never got to run)
+    hung = current if scope.cancelled_caught and current >= 0 and current not in scored else None
+    if hung is not None:  # it started by HOP_BUDGET_S, so it ran at least its timeout
+        times.record(timeout_s)
+        out[hung] = _timed_out(group[hung], reward_fn, timeout_s)
+    for i, (value, error) in scored.items():
+        out[i] = _judged(group[i], reward_fn, value, error)
+    rest = [i for i in todo if i not in scored and i != hung]
+    if rest:  # the hop's budget ran out, or a call hung: one hop a sample again
+        again = await score_group([group[i] for i in rest], reward_fn, timeout_s)
+        for i, sample in zip(rest, again, strict=True):
+            out[i] = sample
+    return tuple(out)
