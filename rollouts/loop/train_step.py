@@ -19,6 +19,7 @@ from rollouts.algorithms.loss_fn import make_loss_fn
 from rollouts.algorithms.pairwise import groups_of
 from rollouts.algorithms.tensors import row_sums
 from rollouts.config import AlgorithmConfig, Config
+from rollouts.gcpolicy import gc_paused
 from rollouts.loop.batch import (
     advantage_metrics,
     epoch_metrics,
@@ -138,7 +139,8 @@ async def _batch_with_logprobs(
         applied = algorithm.with_kl_in_reward_applied()
         return _Prepared(batch=batch, algorithm=applied, extra=extra, times=times, reward_kl=kl)
     max_new = config.rollout.sampling.max_new_tokens
-    batch = train_batch_of(groups, algorithm.config, max_new_tokens=max_new, values=values)
+    with gc_paused():  # a view per sample and field: the step's (acyclic) batch
+        batch = train_batch_of(groups, algorithm.config, max_new_tokens=max_new, values=values)
     n_mini = len(mini_batches(groups, algorithm.config.mini_batch_size))
     separate = algorithm.needs_old_logprobs_pass(n_mini)
     batch, seconds = await _logprobs_for(batch, backend, ref, algorithm, separate)
@@ -165,8 +167,9 @@ async def train_step(
     for _ in range(algo.ppo_epochs):
         per_epoch.append({"_n": 0.0})
         for indices in mini_batches(groups, algo.mini_batch_size):
-            mb = batch if len(indices) == len(batch) else _renormalised(batch, indices)
-            mb = algorithm.prepare(mb, groups_of(groups, indices))  # (pairwise: its own pairs)
+            with gc_paused():
+                mb = batch if len(indices) == len(batch) else _renormalised(batch, indices)
+                mb = algorithm.prepare(mb, groups_of(groups, indices))  # (pairwise: its pairs)
             fb = await backend.forward_backward(mb, loss_fn, entropy=True)
             opt = await backend.optim_step()
             for key, value in {**fb, **opt}.items():

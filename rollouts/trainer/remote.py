@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from rollouts.gcpolicy import gc_paused
 from rollouts.trainer.protocol import Metrics
 from rollouts.types import OPTIONAL_SEQUENCE_FIELDS, LossFn, TrainBatch, TrainFuture
 
@@ -70,7 +71,8 @@ class RemoteBackend:
         self.snapshots = snapshots
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> TrainFuture[Any]:
-        return TrainFuture(self.link.call(name, *args, **kwargs))
+        with gc_paused():  # the call's arguments packed and pickled: a batch's buffers
+            return TrainFuture(self.link.call(name, *args, **kwargs))
 
     def forward_backward(
         self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False
