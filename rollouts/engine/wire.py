@@ -134,7 +134,7 @@ GENERATE_UNSUPPORTED = {
     "multi_item_delimiter_indices",
 }
 INT64 = (-(2**63), 2**63 - 1)
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+SEED_RANGE = (-(2**63), 2**64 - 1)  # signed or unsigned 64-bit (`sampling.seed_as_int64`)
 
 
 def unknown_key(name: str, known: set[str]) -> BadRequest:
