@@ -49,16 +49,15 @@ def model_dir_of(name: str) -> Path:
         from rollouts.models.sources import fetch_source
 
         return fetch_source("smollm2-135m-instruct")
-    if name == "tiny":  # the demo config's model: hidden 128, 3 layers, 4 heads
-        from rollouts.models.tiny import TinyModelSpec, make_tiny_model
+    if name == "tiny":  # the demo config's model, with room for the longest prompts here
+        import dataclasses
 
-        spec = TinyModelSpec(
-            hidden_size=128,
-            num_layers=3,
-            num_heads=4,
-            intermediate_size=512,
-            max_position_embeddings=1024,
-        )
+        from rollouts.config import load_config
+        from rollouts.driver.setup import tiny_spec
+        from rollouts.models.tiny import make_tiny_model
+
+        demo = tiny_spec(load_config(Path(__file__).resolve().parents[1] / "configs/demo-cpu.toml"))
+        spec = dataclasses.replace(demo, max_position_embeddings=1024)
         return make_tiny_model(Path(tempfile.mkdtemp(prefix="bench-kv-blocks-")), spec)
     return Path(name)
 
