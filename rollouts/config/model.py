@@ -110,6 +110,10 @@ class ModelConfig(_Section):
     # torch.compile each decoder layer of the trained model (dynamic shapes; the first step
     # compiles: tens of seconds on CPU, cached on disk for the next run)
     compile: bool = False
+    # parameters that keep their loaded values (no gradient, no optimizer state): each entry a
+    # name's dotted part ("embed_tokens": the embeddings, and a head tied to them) or a glob over
+    # the names ("model.layers.[0-3].*"); the trainer prints what each froze
+    freeze: list[str] = dataclasses.field(default_factory=list)
     tiny: TinyModelConfig = dataclasses.field(default_factory=TinyModelConfig)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
@@ -120,4 +124,11 @@ class ModelConfig(_Section):
             not (self.source and self.tiny.enabled),
             "model.source and model.tiny.enabled are both set: keep one of them",
         )
+        _check(
+            p,
+            not (self.freeze and self.lora.enabled),
+            f"model.freeze = {self.freeze!r} with model.lora.enabled: LoRA already trains only "
+            "its adapters; remove model.freeze",
+        )
+        _check(p, all(self.freeze), "model.freeze: an empty name; name parameters or remove it")
         return p

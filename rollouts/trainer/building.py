@@ -9,6 +9,7 @@ value head on the policy's last hidden state (`model.make_value_head`), in the s
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import shutil
 import typing
@@ -65,11 +66,53 @@ def load_hf_model(
             lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if model.freeze:
+        freeze_parameters(lm, model.freeze)
     if device is not None:
         lm.to(device)
     if model.compile:
         compile_decoder_layers(lm)
     return lm
+
+
+def freeze_parameters(lm: torch.nn.Module, patterns: list[str]) -> list[str]:
+    """Each parameter that a `model.freeze` entry names stops training (requires_grad off);
+    the names frozen, also printed with their share of the model. A tied parameter matches
+    under either of its names. An entry that names nothing, or freezing every parameter, raises
+    with the names there are."""
+    named = list(lm.named_parameters(remove_duplicate=False))
+    frozen: dict[int, str] = {}
+    for pattern in patterns:
+        hits = [(n, p) for n, p in named if _names(n, pattern)]
+        if not hits:
+            some = ", ".join(n for n, _ in named[:6])
+            raise ValueError(
+                f"model.freeze: {pattern!r} names no parameter of the model; give a dotted part "
+                f"of a name (e.g. 'embed_tokens', 'layers.0') or a glob over names like {some}"
+            )
+        for name, p in hits:
+            p.requires_grad_(False)
+            frozen.setdefault(id(p), name)
+    unique = {id(p): p for _, p in named}
+    if all(not p.requires_grad for p in unique.values()):
+        raise ValueError(f"model.freeze = {patterns!r} freezes every parameter: nothing to train")
+    count = sum(unique[i].numel() for i in frozen)
+    total = sum(p.numel() for p in unique.values())
+    names = sorted(frozen.values())
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    print(
+        f"[model] freeze: {count / 1e6:.1f} M of {total / 1e6:.1f} M parameters stay as loaded "
+        f"({shown})",
+        flush=True,
+    )
+    return names
+
+
+def _names(name: str, pattern: str) -> bool:
+    """Whether `pattern` (a glob, or a run of whole dotted parts) names parameter `name`."""
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(name, pattern)
+    return f".{pattern}." in f".{name}."
 
 
 def decoder_layers(lm: torch.nn.Module) -> torch.nn.ModuleList:

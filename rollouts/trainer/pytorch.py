@@ -91,6 +91,33 @@ def load_value_head(path: Path, device: torch.device) -> dict[str, torch.Tensor]
     return torch.load(file, map_location=device, weights_only=True)
 
 
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, path: Path) -> None:
+    """`optimizer.pt`'s state into `optimizer`, refused (naming the settings that decide what
+    trains) when its parameters are not the ones this run trains: torch checks only the counts,
+    and state of another shape would meet the gradients at the first step, or never."""
+    saved = [len(g["params"]) for g in state.get("param_groups", [])]
+    wanted = [len(g["params"]) for g in optimizer.param_groups]
+    problem = f"it holds {saved} parameter tensors a group, this run trains {wanted}"
+    if saved == wanted:
+        optimizer.load_state_dict(state)
+        shapes = [
+            (tuple(v.shape), tuple(p.shape))
+            for g in optimizer.param_groups
+            for p in g["params"]
+            for k, v in optimizer.state.get(p, {}).items()
+            if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0
+        ]
+        bad = [(a, b) for a, b in shapes if a != b]
+        if not bad:
+            return
+        problem = f"its state has shape {bad[0][0]} for a parameter of shape {bad[0][1]}"
+    raise ValueError(
+        f"{path}/optimizer.pt does not fit this run's trained parameters: {problem}. The "
+        "checkpoint was written with other model.freeze, model.lora or critic settings; resume "
+        "with the settings it was written with"
+    )
+
+
 def load_dcp_optimizer(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path
 ) -> None:
@@ -258,7 +285,7 @@ class PyTorchBackend:
         parameter names are the same, so one process takes the whole state)."""
         if (path / "optimizer.pt").is_file():
             optim = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
-            self.core.optimizer.load_state_dict(optim)
+            load_optimizer_state(self.core.optimizer, optim, path)
             return
         if not (path / "optimizer").is_dir():
             raise FileNotFoundError(

@@ -51,6 +51,16 @@ def tiny_config(model_dir: Path, **training: Any) -> Config:
     )
 
 
+FSDP_FROZEN = ["layers.0.mlp"]  # layer 0's MLP: a unit of frozen and trained parameters
+
+
+def fsdp_config(model_dir: Path) -> Config:
+    """The FSDP tests' config (both backends): `tiny_config`, 16-token micro-batches, and
+    layer 0's MLP frozen (`model.freeze`)."""
+    config = tiny_config(model_dir, micro_batch_tokens=16)
+    return dataclasses.replace(config, model=ModelConfig(path=str(model_dir), freeze=FSDP_FROZEN))
+
+
 def lora_config(model_dir: Path, **lora: Any) -> Config:
     """`tiny_config` with rank-4 LoRA adapters on every linear layer."""
     config = tiny_config(model_dir)

@@ -1,4 +1,5 @@
-"""Run under `torchrun --nproc_per_node 2`: 3 FSDP steps on the tiny model, then a checkpoint.
+"""Run under `torchrun --nproc_per_node 2`: 3 FSDP steps on the tiny model (layer 0's MLP frozen),
+then a checkpoint.
 
 Writes (rank 0) a torch file with the losses, final weights, logprobs, the HF export, and the
 weights after a 4th step taken twice: straight on, and again after reloading the step-3 checkpoint.
@@ -16,12 +17,12 @@ import torch
 from rollouts.trainer.checkpoint import load_checkpoint, save_checkpoint
 from rollouts.trainer.fsdp import create_fsdp_backend
 from rollouts.trainer.pytorch import load_hf_weights
-from tests.training.backend_helpers import LENGTHS, make_batch, nll_loss, tiny_config
+from tests.training.backend_helpers import LENGTHS, fsdp_config, make_batch, nll_loss
 
 
 def main(model_dir: str, out: str, ckpt_dir: str) -> None:
     torch.manual_seed(0)
-    backend = create_fsdp_backend(tiny_config(Path(model_dir), micro_batch_tokens=16))
+    backend = create_fsdp_backend(fsdp_config(Path(model_dir)))
     losses, metrics = [], {}
     for step in range(3):
         metrics = backend.forward_backward(make_batch(LENGTHS, seed=step), nll_loss).result()

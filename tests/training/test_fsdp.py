@@ -16,11 +16,12 @@ from rollouts.trainer.checkpoint import load_checkpoint
 from rollouts.trainer.checkpoint_verify import verify_checkpoint
 from rollouts.trainer.factories import create_pytorch_backend
 from tests.training.backend_helpers import (
+    FSDP_FROZEN,
     LENGTHS,
+    fsdp_config,
     make_batch,
     nll_loss,
     one_torch_thread,  # noqa: F401 (autouse)
-    tiny_config,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,7 +61,7 @@ def test_fsdp_matches_single_process_after_three_steps(
     fsdp_result: dict, tiny_model_dir: Path
 ) -> None:
     assert fsdp_result["world_size"] == 2
-    backend = create_pytorch_backend(tiny_config(tiny_model_dir, micro_batch_tokens=16))
+    backend = create_pytorch_backend(fsdp_config(tiny_model_dir))
     losses = []
     for step in range(3):
         metrics = backend.forward_backward(make_batch(LENGTHS, seed=step), nll_loss).result()
@@ -76,6 +77,23 @@ def test_fsdp_matches_single_process_after_three_steps(
         torch.testing.assert_close(fsdp_result["weights"][key], value, atol=1e-5, rtol=1e-4)
     for a, b in zip(fsdp_result["logprobs"], logprobs, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_fsdp_keeps_frozen_parameters_as_loaded(fsdp_result: dict, tiny_model_dir: Path) -> None:
+    """`model.freeze` under FSDP2: layer 0's MLP shares its unit with trained attention weights,
+    and after 4 steps (one of them after a resume) it is the loaded model's, bit for bit."""
+    from rollouts.trainer.pytorch import load_hf_weights
+
+    loaded = load_hf_weights(tiny_model_dir)
+    frozen = [k for k in loaded if f".{FSDP_FROZEN[0]}." in f".{k}"]
+    assert len(frozen) == 3, frozen
+    for weights in (fsdp_result["weights"], fsdp_result["step4_resumed"]):
+        for key in frozen:
+            torch.testing.assert_close(weights[key], loaded[key], rtol=0, atol=0)
+        assert not torch.equal(
+            weights["model.layers.0.self_attn.q_proj.weight"],
+            loaded["model.layers.0.self_attn.q_proj.weight"],
+        )
 
 
 def test_fsdp_exports_hf_weights_and_resumes_from_its_checkpoint(fsdp_result: dict) -> None:
@@ -102,7 +120,7 @@ def test_an_fsdp_checkpoint_resumes_on_the_one_process_backend(
     fsdp_result: dict, tiny_model_dir: Path
 ) -> None:
     """The DCP optimizer of 2 ranks loads into one process: its 4th step is FSDP's 4th step."""
-    backend = create_pytorch_backend(tiny_config(tiny_model_dir, micro_batch_tokens=16))
+    backend = create_pytorch_backend(fsdp_config(tiny_model_dir))
     load_checkpoint(backend, fsdp_result["checkpoint"])
     backend.forward_backward(make_batch(LENGTHS, seed=3), nll_loss).result()
     backend.optim_step().result()
