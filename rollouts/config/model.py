@@ -112,7 +112,7 @@ class ModelConfig(_Section):
     compile: bool = False
     # parameters that keep their loaded values (no gradient, no optimizer state): each entry a
     # name's dotted part ("embed_tokens": the embeddings, and a head tied to them) or a glob over
-    # the names ("model.layers.[0-3].*"); the trainer prints what each froze
+    # the names ("*.layers.[0-3].*"); the trainer prints what each froze
     freeze: list[str] = dataclasses.field(default_factory=list)
     tiny: TinyModelConfig = dataclasses.field(default_factory=TinyModelConfig)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
