@@ -77,11 +77,11 @@ def load_hf_model(
 
 def freeze_parameters(lm: torch.nn.Module, patterns: list[str]) -> list[str]:
     """Each parameter that a `model.freeze` entry names stops training (requires_grad off);
-    the names frozen, also printed with their share of the model. A tied parameter matches
-    under either of its names. An entry that names nothing, or freezing every parameter, raises
-    with the names there are."""
+    the names frozen (a tied weight's joined by " = "), also printed with their share of the
+    model. A tied parameter matches under either of its names. An entry that names nothing, or
+    freezing every parameter, raises with the names there are."""
     named = list(lm.named_parameters(remove_duplicate=False))
-    frozen: dict[int, str] = {}
+    frozen: dict[int, list[str]] = {}
     for pattern in patterns:
         hits = [(n, p) for n, p in named if _names(n, pattern)]
         if not hits:
@@ -90,15 +90,15 @@ def freeze_parameters(lm: torch.nn.Module, patterns: list[str]) -> list[str]:
                 f"model.freeze: {pattern!r} names no parameter of the model; give a dotted part "
                 f"of a name (e.g. 'embed_tokens', 'layers.0') or a glob over names like {some}"
             )
-        for name, p in hits:
+        for _, p in hits:
             p.requires_grad_(False)
-            frozen.setdefault(id(p), name)
+            frozen[id(p)] = [n for n, q in named if q is p]  # every name of a tied weight
     unique = {id(p): p for _, p in named}
     if all(not p.requires_grad for p in unique.values()):
         raise ValueError(f"model.freeze = {patterns!r} freezes every parameter: nothing to train")
     count = sum(unique[i].numel() for i in frozen)
     total = sum(p.numel() for p in unique.values())
-    names = sorted(frozen.values())
+    names = sorted(" = ".join(tied) for tied in frozen.values())
     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     print(
         f"[model] freeze: {count / 1e6:.1f} M of {total / 1e6:.1f} M parameters stay as loaded "

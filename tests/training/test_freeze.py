@@ -79,7 +79,9 @@ def test_a_frozen_run_resumes_exactly(tiny_model_dir: Path, tmp_path: Path) -> N
         torch.testing.assert_close(resumed[name], expected[name], rtol=0, atol=0)
 
 
-def test_a_tied_head_is_frozen_under_either_name(tmp_path: Path) -> None:
+def test_a_tied_head_is_frozen_under_either_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     spec = TinyModelSpec(
         hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, tie_embeddings=True
     )
@@ -89,6 +91,7 @@ def test_a_tied_head_is_frozen_under_either_name(tmp_path: Path) -> None:
         assert backend.lm.lm_head.weight is backend.lm.get_input_embeddings().weight
         assert not backend.lm.lm_head.weight.requires_grad
         assert sum(p.requires_grad for p in backend.lm.parameters()) > 0
+        assert "(model.embed_tokens.weight = lm_head.weight)" in capsys.readouterr().out
         backend.close()
 
 
