@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,44 @@ def tiny_config(model_dir: Path, **training: Any) -> Config:
         optim=OptimConfig(lr=1e-2, warmup_steps=1, min_lr_ratio=0.5, max_grad_norm=1.0),
         training=TrainingConfig(device="cpu", rl_steps=10, **training),
     )
+
+
+STEP_BATCHES = [make_batch([6, 9, 4], seed=s) for s in range(4)]
+
+
+def train_steps(backend: Any, steps: range) -> None:
+    """One optimizer step on `STEP_BATCHES[s]` for each s in `steps` (the NLL loss)."""
+    for s in steps:
+        backend.forward_backward(STEP_BATCHES[s], nll_loss).result()
+        backend.optim_step().result()
+
+
+def straight_and_resumed(
+    config: Config, root: Path, read: Callable[[Any], dict[str, torch.Tensor]]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Path]:
+    """`read` of a backend after 4 steps straight on, and after 2 steps, a checkpoint in `root`
+    and 2 more steps in a fresh backend resumed from it; and the checkpoint's path."""
+    from rollouts.trainer.checkpoint import (
+        find_latest_checkpoint,
+        load_checkpoint,
+        save_checkpoint,
+    )
+    from rollouts.trainer.factories import create_pytorch_backend
+
+    straight = create_pytorch_backend(config)
+    train_steps(straight, range(4))
+    expected = read(straight)
+    straight.close()
+    first = create_pytorch_backend(config)
+    train_steps(first, range(2))
+    path = save_checkpoint(first, root, step=2, weight_version="2")
+    first.close()
+    second = create_pytorch_backend(config)
+    load_checkpoint(second, find_latest_checkpoint(root))
+    train_steps(second, range(2, 4))
+    resumed = read(second)
+    second.close()
+    return expected, resumed, path
 
 
 FSDP_FROZEN = ["layers.0.mlp"]  # layer 0's MLP: a unit of frozen and trained parameters

@@ -12,27 +12,19 @@ import torch
 
 from rollouts.config import ConfigError, LoraConfig, ModelConfig, load_config
 from rollouts.models.tiny import TinyModelSpec, make_tiny_model
-from rollouts.trainer.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+from rollouts.trainer.checkpoint import load_checkpoint, save_checkpoint
 from rollouts.trainer.factories import create_pytorch_backend
 from tests.training.backend_helpers import (
-    make_batch,
-    nll_loss,
     one_torch_thread,  # noqa: F401 (autouse)
+    straight_and_resumed,
     tiny_config,
+    train_steps,
 )
-
-BATCHES = [make_batch([6, 9, 4], seed=s) for s in range(4)]
 
 
 def _frozen(model_dir: Path, *freeze: str):
     config = tiny_config(model_dir)
     return dataclasses.replace(config, model=ModelConfig(path=str(model_dir), freeze=list(freeze)))
-
-
-def _train(backend, steps: range) -> None:
-    for s in steps:
-        backend.forward_backward(BATCHES[s], nll_loss).result()
-        backend.optim_step().result()
 
 
 def _weights(backend) -> dict[str, torch.Tensor]:
@@ -48,7 +40,7 @@ def test_frozen_parameters_keep_their_values_and_hold_no_optimizer_state(
     frozen = {n for n in before if "embed_tokens" in n or ".layers.0.mlp." in n}
     assert len(frozen) == 4  # the embeddings and layer 0's gate, up and down projections
     assert "[model] freeze:" in said and "model.embed_tokens.weight" in said
-    _train(backend, range(2))
+    train_steps(backend, range(2))
     after = _weights(backend)
     for name in before:
         assert torch.equal(after[name], before[name]) == (name in frozen), name
@@ -62,19 +54,7 @@ def test_frozen_parameters_keep_their_values_and_hold_no_optimizer_state(
 
 def test_a_frozen_run_resumes_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = _frozen(tiny_model_dir, "embed_tokens")
-    straight = create_pytorch_backend(config)
-    _train(straight, range(4))
-    expected = _weights(straight)
-    straight.close()
-    first = create_pytorch_backend(config)
-    _train(first, range(2))
-    save_checkpoint(first, tmp_path, step=2, weight_version="2")
-    first.close()
-    second = create_pytorch_backend(config)
-    load_checkpoint(second, find_latest_checkpoint(tmp_path))
-    _train(second, range(2, 4))
-    resumed = _weights(second)
-    second.close()
+    expected, resumed, _ = straight_and_resumed(config, tmp_path, _weights)
     for name in expected:
         torch.testing.assert_close(resumed[name], expected[name], rtol=0, atol=0)
 
@@ -121,7 +101,7 @@ def test_a_checkpoint_of_other_frozen_parameters_is_refused_by_name(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     first = create_pytorch_backend(_frozen(tiny_model_dir, "embed_tokens"))
-    _train(first, range(1))
+    train_steps(first, range(1))
     path = save_checkpoint(first, tmp_path, step=1, weight_version="1")
     first.close()
     for other in (tiny_config(tiny_model_dir), _frozen(tiny_model_dir, "lm_head")):

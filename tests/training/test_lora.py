@@ -15,24 +15,17 @@ from transformers import AutoModelForCausalLM
 
 from rollouts.config import AlgorithmConfig, KLConfig
 from rollouts.driver.reference_setup import build_reference
-from rollouts.trainer.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+from rollouts.trainer.checkpoint import save_checkpoint
 from rollouts.trainer.factories import create_pytorch_backend
 from rollouts.trainer.lora import ADAPTER_DIR
 from tests.training.backend_helpers import (
+    STEP_BATCHES,
     lora_config,
-    make_batch,
-    nll_loss,
     one_torch_thread,  # noqa: F401 (autouse)
+    straight_and_resumed,
     tiny_config,
+    train_steps,
 )
-
-BATCHES = [make_batch([6, 9, 4], seed=s) for s in range(4)]
-
-
-def _train(backend, steps: range) -> None:
-    for s in steps:
-        backend.forward_backward(BATCHES[s], nll_loss).result()
-        backend.optim_step().result()
 
 
 def _adapter(backend) -> dict[str, torch.Tensor]:
@@ -47,7 +40,7 @@ def test_only_the_adapters_train_and_hold_optimizer_state(tiny_model_dir: Path) 
     # all-linear: every projection of every decoder layer, never the LM head
     layers = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trainable}
     assert layers == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    _train(backend, range(2))
+    train_steps(backend, range(2))
     optimizer = backend.core.optimizer
     held = [p for group in optimizer.param_groups for p in group["params"]]
     assert len(held) == len(trainable)
@@ -59,23 +52,9 @@ def test_only_the_adapters_train_and_hold_optimizer_state(tiny_model_dir: Path) 
 
 
 def test_resume_of_a_lora_run_is_exact(tiny_model_dir: Path, tmp_path: Path) -> None:
-    config = lora_config(tiny_model_dir)
-    straight = create_pytorch_backend(config)
-    _train(straight, range(4))
-    expected = _adapter(straight)
-    straight.close()
-
-    first = create_pytorch_backend(config)
-    _train(first, range(2))
-    path = save_checkpoint(first, tmp_path, step=2, weight_version="2")
-    first.close()
+    expected, resumed, path = straight_and_resumed(lora_config(tiny_model_dir), tmp_path, _adapter)
     assert (path / ADAPTER_DIR / "adapter_model.safetensors").is_file()
     assert not (path / "model").exists()  # no full model unless model.lora.save_merged
-    second = create_pytorch_backend(config)
-    load_checkpoint(second, find_latest_checkpoint(tmp_path))
-    _train(second, range(2, 4))
-    resumed = _adapter(second)
-    second.close()
     assert resumed.keys() == expected.keys()
     for key in expected:
         torch.testing.assert_close(resumed[key], expected[key], rtol=0, atol=0)
@@ -85,9 +64,9 @@ def test_merged_model_loads_with_transformers_and_computes_the_adapted_model(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     backend = create_pytorch_backend(lora_config(tiny_model_dir, save_merged=True))
-    _train(backend, range(2))
+    train_steps(backend, range(2))
     path = save_checkpoint(backend, tmp_path, step=2, weight_version="2")
-    (trained,) = backend.compute_logprobs(BATCHES[0].select([0])).result()
+    (trained,) = backend.compute_logprobs(STEP_BATCHES[0].select([0])).result()
     merged = backend.get_weights()
     backend.close()
     adapter_config = json.loads((path / ADAPTER_DIR / "adapter_config.json").read_text())
@@ -95,7 +74,7 @@ def test_merged_model_loads_with_transformers_and_computes_the_adapted_model(
     assert not any("lora" in k for k in merged)
     lm = AutoModelForCausalLM.from_pretrained(path / "model")
     assert lm.state_dict().keys() == merged.keys()
-    ids = BATCHES[0].input_ids[0]
+    ids = STEP_BATCHES[0].input_ids[0]
     logits = lm(input_ids=ids[None]).logits[0, :-1].float()
     plain = torch.log_softmax(logits, -1).gather(1, ids[1:, None]).squeeze(1)
     torch.testing.assert_close(plain, trained[1:], rtol=0, atol=1e-5)
@@ -122,11 +101,11 @@ def test_the_reference_is_the_base_model_with_the_adapters_off(tiny_model_dir: P
     config = lora_config(tiny_model_dir)
     config = dataclasses.replace(config, algorithm=AlgorithmConfig(kl=KLConfig(coef=0.1)))
     policy = create_pytorch_backend(config)
-    _train(policy, range(3))  # the adapters moved: the policy is not the base any more
+    train_steps(policy, range(3))  # the adapters moved: the policy is not the base any more
     ref = build_reference(config, tiny_model_dir, policy=policy)
     assert ref is not None and ref.backend is None  # no second model was built
     plain = create_pytorch_backend(tiny_config(tiny_model_dir))
-    batch = BATCHES[1]
+    batch = STEP_BATCHES[1]
     from_ref = trio.run(ref.logprobs, batch)
     from_base = plain.compute_logprobs(batch).result()
     from_policy = policy.compute_logprobs(batch).result()
@@ -148,7 +127,7 @@ def test_load_weights_of_a_lora_backend_is_refused(tiny_model_dir: Path) -> None
 def test_base_weights_for_engines_are_the_frozen_base(tiny_model_dir: Path, tmp_path: Path) -> None:
     """What a server already up reloads before its first adapter: the base, not the merged."""
     backend = create_pytorch_backend(lora_config(tiny_model_dir))
-    _train(backend, range(2))
+    train_steps(backend, range(2))
     backend.lora_adapters().save_base_weights(tmp_path / "base").result()
     backend.close()
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "base").state_dict()
@@ -169,14 +148,14 @@ def test_lora_in_the_trainer_process_gives_the_same_numbers(
     try:
         there = host.create(config)
         for backend in (here, there):
-            _train(backend, range(2))
+            train_steps(backend, range(2))
         adapters = there.lora_adapters()
         assert adapters is not None
         size = adapters.save_adapter(tmp_path / "a").result()
-        base_there = adapters.compute_base_logprobs(BATCHES[3]).result()
-        base_here = here.compute_base_logprobs(BATCHES[3]).result()
-        policy_there = there.compute_logprobs(BATCHES[3]).result()
-        policy_here = here.compute_logprobs(BATCHES[3]).result()
+        base_there = adapters.compute_base_logprobs(STEP_BATCHES[3]).result()
+        base_here = here.compute_base_logprobs(STEP_BATCHES[3]).result()
+        policy_there = there.compute_logprobs(STEP_BATCHES[3]).result()
+        policy_here = here.compute_logprobs(STEP_BATCHES[3]).result()
         there.close()
     finally:
         host.close()
