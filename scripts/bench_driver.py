@@ -183,6 +183,10 @@ def own_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def own_sys_s() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime
+
+
 async def raw_baseline(urls: list[str], bodies: list[bytes], in_flight: int) -> float:
     """Seconds to post `bodies` round-robin to `urls` (at most `in_flight` at once), each answer
     read as bytes: the servers and the transport, without the driver."""
@@ -256,6 +260,8 @@ async def driver_steps(args: argparse.Namespace, urls: list[str], server_pids: l
     from rollouts.data.buffer import DataBuffer
     from rollouts.driver.setup import with_response_text
     from rollouts.gcpolicy import freeze_startup_objects
+    from rollouts.heap import keep_freed_memory
+    from rollouts.inference.http import HttpOptions
     from rollouts.inference.pool import EnginePool
     from rollouts.inference.sglang import SGLangEngine
     from rollouts.loop.batch import prepare_groups, rollout_metrics
@@ -273,7 +279,8 @@ async def driver_steps(args: argparse.Namespace, urls: list[str], server_pids: l
     base_s = await raw_baseline(urls, bodies, max(args.concurrency // args.n, 1))
     base_servers = cpu_s(server_pids) - servers0
     del bodies
-    pool = EnginePool([SGLangEngine(u) for u in urls], health_interval_s=5.0)
+    options = HttpOptions(client_processes=args.client_processes)
+    pool = EnginePool([SGLangEngine(u, options=options) for u in urls], health_interval_s=5.0)
     engines = Arrivals(pool)
     buffer = DataBuffer(items[:-groups], seed=args.seed)
     reward = with_response_text(last_number_reward, tok)
@@ -281,6 +288,8 @@ async def driver_steps(args: argparse.Namespace, urls: list[str], server_pids: l
     source = BatchSource(manager, reward, buffer, lambda number: ("0", 1))
     link = StubLink()
     freeze_startup_objects()  # as the RL phase does once it is set up
+    if args.malloc == "kept":
+        keep_freed_memory()  # as the driver's entry points do (`rollouts/heap.py`)
     gc_clock = GcClock()
     backend = RemoteBackend(link, adapters=False, snapshots=False)
     out: dict[str, Any] = {}
@@ -288,6 +297,7 @@ async def driver_steps(args: argparse.Namespace, urls: list[str], server_pids: l
         await nursery.start(pool.run_health_checks)
         for number in range(1, args.steps + 1):
             cpu0, servers0, start = own_cpu_s(), cpu_s(server_pids), time.perf_counter()
+            sys0 = own_sys_s()
             gc0 = gc_clock.total_s
             with RssPeak() as rss:
                 rss_start = rss.peak
@@ -313,6 +323,7 @@ async def driver_steps(args: argparse.Namespace, urls: list[str], server_pids: l
                 "kept_tokens": sum(s.response_length for g in prep.groups for s in g),
                 "gen_s_at_100k": tokens / GEN_TOKENS_PER_S,
                 "driver_cpu_s": own_cpu_s() - cpu0,
+                "driver_sys_s": own_sys_s() - sys0,
                 "gc_s": gc_clock.total_s - gc0,
                 "servers_cpu_s": cpu_s(server_pids) - servers0,
                 "rss_start_mb": rss_start / 2**20,
@@ -362,6 +373,7 @@ def run_child(args: argparse.Namespace, size: int, urls: list[str], pids: list[i
     cmd += ["--pids", ",".join(map(str, pids)), "--steps", str(args.steps), "--n", str(args.n)]
     cmd += ["--concurrency", str(args.concurrency), "--model", str(args.model)]
     cmd += ["--mini-batches", str(args.mini_batches), "--seed", str(args.seed)]
+    cmd += ["--client-processes", str(args.client_processes), "--malloc", args.malloc]
     cmd += ["--profile", f"{args.profile}.{size}"] if args.profile else []
     done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -404,6 +416,15 @@ def main() -> None:
     parser.add_argument("--mini-batches", type=int, default=4, help="optimizer steps per step")
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="its tokenizer is used")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--malloc",
+        choices=("kept", "system"),
+        default="kept",
+        help="kept: glibc keeps freed memory, as the driver sets it; system: glibc's defaults",
+    )
+    parser.add_argument(
+        "--client-processes", type=int, default=0, help="engines.client_processes of the driver"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--size", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--urls", default="", help=argparse.SUPPRESS)

@@ -145,11 +145,21 @@ class EnginesConfig(_Section):
     # which logits the SGLang / vLLM servers' sampled-token logprobs come from; "auto": each
     # server's default (`engine_logprobs`). The built-in engines': builtin.logprobs_from
     served_logprobs: ServedLogprobs = "auto"
+    # generation requests and the decode of their answers in this many worker processes
+    # (`rollouts/inference/client_procs.py`), off the driver's thread: for cluster batch sizes,
+    # where that thread is the limit (`scripts/bench_driver.py`). 0: in the driver's process
+    client_processes: int = 0
     builtin: EngineOptions = dataclasses.field(default_factory=EngineOptions)
 
     def problems(self) -> list[str]:
         p: list[str] = []
         _check(p, self.max_retries >= 0, "engines.max_retries: must be >= 0")
+        _check(
+            p,
+            0 <= self.client_processes <= 64,
+            f"engines.client_processes = {self.client_processes}: must be 0 (in the driver's "
+            "process) to 64",
+        )
         _check(
             p,
             self.request_timeout_s > 0,

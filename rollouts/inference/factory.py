@@ -15,7 +15,11 @@ from rollouts.plugins import import_object
 
 def http_options(config: EnginesConfig) -> HttpOptions:
     """Timeouts and retries of every client, from the config."""
-    return HttpOptions(timeout_s=config.request_timeout_s, max_retries=config.max_retries)
+    return HttpOptions(
+        timeout_s=config.request_timeout_s,
+        max_retries=config.max_retries,
+        client_processes=config.client_processes,
+    )
 
 
 def make_engine(config: EnginesConfig, url: str) -> InferenceEngine:

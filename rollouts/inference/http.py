@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import pickle
 from collections.abc import Callable
 from typing import Any, TypedDict
 
@@ -22,6 +23,7 @@ import orjson
 import trio
 
 from rollouts.gcpolicy import gc_paused
+from rollouts.inference.client_procs import Call, client_processes
 from rollouts.wire.tls import tls_context
 
 
@@ -33,8 +35,11 @@ class EngineRequestError(EngineError):
     """The engine refused the request (4xx, or another non-retryable status): not retried."""
 
     def __init__(self, status: int, message: str, url: str) -> None:
-        self.status, self.message = status, message
+        self.status, self.message, self.url = status, message, url
         super().__init__(f"{url}: HTTP {status}: {message}")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # from an engine client process (`client_procs`)
+        return (type(self), (self.status, self.message, self.url))
 
 
 class EngineUnavailable(EngineError):
@@ -52,12 +57,16 @@ class HttpOptions:
     max_backoff_s: float = 2.0
     max_connections: int = 256  # generation requests in flight (rollout.max_concurrency bounds)
     max_control_connections: int = 4  # pause / resume / reload / abort / health / loads
+    # generation calls (request and decode) in this many worker processes (`client_procs.py`);
+    # 0: in this process
+    client_processes: int = 0
 
     def __post_init__(self) -> None:
         assert self.timeout_s > 0, f"{self.timeout_s=}"
         assert self.max_retries >= 0, f"{self.max_retries=}"
         assert 1 <= self.max_connections <= 1024, f"{self.max_connections=}"
         assert 1 <= self.max_control_connections <= 64, f"{self.max_control_connections=}"
+        assert 0 <= self.client_processes <= 64, f"{self.client_processes=}"
 
 
 GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
@@ -145,6 +154,13 @@ class EngineHttp:
     ) -> None:
         self.url = url.rstrip("/")
         self.options = options or HttpOptions()
+        self._api_key = api_key
+        # a custom transport (tests' fault injection) is in this process: its calls stay here
+        self._workers = (
+            client_processes(self.options.client_processes)
+            if self.options.client_processes and transport is None
+            else None
+        )
         o = self.options
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -181,13 +197,16 @@ class EngineHttp:
         path: str,
         *,
         json_body: Any = None,
+        content: bytes | None = None,
         params: dict[str, str] | None = None,
         timeout_s: float | None = None,
     ) -> httpx.Response:
-        """One request with retries; returns the 2xx response or raises an EngineError."""
+        """One request with retries; returns the 2xx response or raises an EngineError.
+        `content`: a JSON body already encoded (`json_body` encoded once, not per retry)."""
         timeout_s = timeout_s or self.options.timeout_s
-        content = None if json_body is None else dumps(json_body)  # once, not per retry
-        headers = None if json_body is None else JSON_HEADERS
+        if json_body is not None:
+            content = dumps(json_body)
+        headers = None if content is None else JSON_HEADERS
         delays = [*backoff_delays(self.options), None]
         last = ""
         for delay in delays:
@@ -230,7 +249,12 @@ class EngineHttp:
     ) -> Any:
         """`call`, then the body as JSON by `decode` (an EngineError if it is not JSON), and
         `read` of it when given: both with the cyclic collector paused (`gcpolicy.gc_paused`),
-        so a large answer's temporaries are gone before it runs again."""
+        so a large answer's temporaries are gone before it runs again. A generation call with no
+        `read` and a picklable `decode` runs in a worker process when `client_processes` is set."""
+        if self._workers is not None and read is None and path in GENERATION_PATHS:
+            call = self._worker_call(method, path, decode, kwargs)
+            if call is not None:
+                return await self._workers.call(call)
         response = await self.call(method, path, **kwargs)
         with gc_paused():
             try:
@@ -244,6 +268,20 @@ class EngineHttp:
             out = read(body)
             del body  # freed before the collector is back on: never counted toward a collection
         return out
+
+    def _worker_call(
+        self, method: str, path: str, decode: Callable[[bytes], Any], kwargs: dict[str, Any]
+    ) -> Call | None:
+        """The call a worker makes, or None when its decode is not picklable (a closure: then
+        it runs here, as without workers)."""
+        try:
+            pickle.dumps(decode)
+        except (pickle.PicklingError, AttributeError, TypeError):
+            return None
+        options = dataclasses.replace(self.options, client_processes=0)
+        if kwargs.get("json_body") is not None:  # encoded here: orjson, not a pickle of it
+            kwargs = {**kwargs, "content": dumps(kwargs["json_body"]), "json_body": None}
+        return Call(self.url, self._api_key, options, method, path, kwargs, decode)
 
     async def ok(self, path: str, timeout_s: float) -> bool:
         """True when GET `path` answers 200 within `timeout_s` (no retries)."""

@@ -9,6 +9,8 @@ its name in each request's `lora_path`.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any, Unpack
@@ -24,19 +26,18 @@ from rollouts.inference.protocol import (
     adapter_name,
 )
 from rollouts.inference.sglang_wire import (
+    ReadAnswer,
     TopLogprobs,
     batch_generate_body,
     distributed_update_body,
     generate_body,
     init_group_body,
     input_logprobs_body,
-    one_answer,
-    parse_generate,
     parse_input_logprobs,
     parse_input_top_logprobs,
-    read_generate,
+    read_answers,
 )
-from rollouts.inference.versions import SyncBracket, completion_version, span_versions
+from rollouts.inference.versions import SyncBracket, completion_version
 from rollouts.wire.generation import (
     PAUSE_MODES,
     Completion,
@@ -73,14 +74,10 @@ class SGLangEngine:
         """POST /generate with input_ids; an abort answers 200 with the partial output."""
         submitted = self.bracket.at_submit()
         body = generate_body(input_ids, sampling, rid, self.adapters.current)
-        return await self.http.json(
-            "POST",
-            "/generate",
-            json_body=body,
-            decode=lambda content: read_generate(
-                content, lambda answer: self._completion(answer, submitted)
-            ),
+        (answer,) = await self.http.json(
+            "POST", "/generate", json_body=body, decode=functools.partial(read_answers, count=None)
         )
+        return self._versioned(answer, submitted)
 
     batch_generate = True  # SGLang (and the built-in server) take a list of prompts
 
@@ -89,29 +86,23 @@ class SGLangEngine:
         rid); the answer is a list in the same order."""
         submitted = self.bracket.at_submit()
         body = batch_generate_body(requests, self.adapters.current)
-
-        def read(answers: Any) -> list[Completion]:
-            if not isinstance(answers, list) or len(answers) != len(requests):
-                got = len(answers) if isinstance(answers, list) else type(answers).__name__
-                raise EngineError(f"batch /generate of {len(requests)} prompts answered {got}")
-            return [self._completion(answer, submitted) for answer in answers]
-
-        return await self.http.json(
-            "POST", "/generate", json_body=body, decode=lambda content: read_generate(content, read)
+        answers = await self.http.json(
+            "POST",
+            "/generate",
+            json_body=body,
+            decode=functools.partial(read_answers, count=len(requests)),
         )
+        return [self._versioned(answer, submitted) for answer in answers]
 
-    def _completion(self, answer: Any, submitted: tuple[str | None, int]) -> Completion:
-        """One prompt's answer -> Completion, its version from the server or the bracket."""
-        answer = one_answer(answer)
-        meta = answer["meta_info"]
-        reported = meta.get("weight_version")
+    def _versioned(self, answer: ReadAnswer, submitted: tuple[str | None, int]) -> Completion:
+        """A read answer's Completion, its version from the server or the bracket."""
+        completion, spans, reported = answer
         version = completion_version(
-            spans=span_versions(meta.get("weight_versions")),
-            reported=None if reported is None else str(reported),
-            submitted=submitted,
-            bracket=self.bracket,
+            spans=spans, reported=reported, submitted=submitted, bracket=self.bracket
         )
-        return parse_generate(answer, version)
+        if version == completion.weight_version:
+            return completion
+        return dataclasses.replace(completion, weight_version=version)
 
     async def update_weights_from_disk(self, path: str, version: str) -> None:
         """POST /update_weights_from_disk; raises with the server's message on failure."""

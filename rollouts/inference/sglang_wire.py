@@ -6,6 +6,7 @@ built-in server (`rollouts serve`) reads the same bodies.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Sequence
 from operator import itemgetter
@@ -13,6 +14,7 @@ from typing import Any, TypeVar
 
 from rollouts.inference.http import EngineError, loads
 from rollouts.inference.protocol import TensorSpecLike, WeightGroupSpec
+from rollouts.inference.versions import span_versions
 from rollouts.wire.generation import Completion, FinishReason, GenerateRequest, SamplingParams
 
 T = TypeVar("T")
@@ -320,6 +322,37 @@ def parse_generate(answer: Any, version: str | None = None) -> Completion:
         text=str(answer.get("text", "")),
         matched_stop=matched,
     )
+
+
+# one prompt's answer as read: its Completion (version: the one the server reported, else
+# "default"), the versions of its spans, and the version it reported (None: none)
+ReadAnswer = tuple[Completion, list[str], str | None]
+
+
+def read_answer(answer: Any) -> ReadAnswer:
+    """One prompt's answer object -> its `ReadAnswer`; the client picks the version (its sync
+    bracket, `versions.py`)."""
+    answer = one_answer(answer)
+    meta = answer["meta_info"]
+    reported = meta.get("weight_version")
+    spans = span_versions(meta.get("weight_versions"))
+    return parse_generate(answer), spans, None if reported is None else str(reported)
+
+
+def _read_batch(answers: Any, count: int | None) -> list[ReadAnswer]:
+    if count is None:  # a one-prompt /generate
+        return [read_answer(answers)]
+    if not isinstance(answers, list) or len(answers) != count:
+        got = len(answers) if isinstance(answers, list) else type(answers).__name__
+        raise EngineError(f"batch /generate of {count} prompts answered {got}")
+    return [read_answer(answer) for answer in answers]
+
+
+def read_answers(content: bytes, count: int | None) -> list[ReadAnswer]:
+    """A /generate answer's bytes -> a `ReadAnswer` per prompt: `count` of them from a batch
+    (SGLang's list form), one from a one-prompt request (`count` None). A module-level function:
+    an engine client process runs it (`client_procs.py`)."""
+    return read_generate(content, functools.partial(_read_batch, count=count))
 
 
 def _logprobs(entries: Any, output_ids: tuple[int, ...]) -> tuple[float, ...]:
