@@ -12,6 +12,11 @@ stubbed. The baseline is raw HTTP: the same group requests posted with httpx, an
 bytes, in the same child, before the driver's step.
 
     nice -n 10 python scripts/bench_driver.py [--sizes 1024,8192,32768] [--engines 16]
+        [--client-processes N] [--malloc kept|system]
+
+`--client-processes N`: the driver's generation calls in N worker processes
+(`engines.client_processes`). `--malloc`: glibc keeps freed memory, as the driver's entry points
+set it (`rollouts/heap.py`; the default), or glibc's defaults (`system`).
 
 Per size: kept samples/s of the whole step (the engines answer at once, so the step is the
 driver's work), its ratio to the raw baseline, the tail (the last answer's arrival to the batch

@@ -161,6 +161,7 @@ class EngineHttp:
             if self.options.client_processes and transport is None
             else None
         )
+        self._worker_options = dataclasses.replace(self.options, client_processes=0)  # theirs
         o = self.options
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -278,10 +279,9 @@ class EngineHttp:
             pickle.dumps(decode)
         except (pickle.PicklingError, AttributeError, TypeError):
             return None
-        options = dataclasses.replace(self.options, client_processes=0)
         if kwargs.get("json_body") is not None:  # encoded here: orjson, not a pickle of it
             kwargs = {**kwargs, "content": dumps(kwargs["json_body"]), "json_body": None}
-        return Call(self.url, self._api_key, options, method, path, kwargs, decode)
+        return Call(self.url, self._api_key, self._worker_options, method, path, kwargs, decode)
 
     async def ok(self, path: str, timeout_s: float) -> bool:
         """True when GET `path` answers 200 within `timeout_s` (no retries)."""
