@@ -12,6 +12,7 @@ The built-in server answers the same routes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Unpack
@@ -20,14 +21,14 @@ from rollouts.inference.adapters import AdapterSlots
 from rollouts.inference.http import EngineError, EngineHttp, EngineHttpArgs, EngineRequestError
 from rollouts.inference.protocol import EngineLoad, TensorSpecLike, WeightGroupSpec, adapter_name
 from rollouts.inference.sglang_wire import TopLogprobs
-from rollouts.inference.versions import SyncBracket, completion_version, span_versions
+from rollouts.inference.versions import SyncBracket, completion_version
 from rollouts.inference.vllm_wire import (
     completion_body,
     completion_request_id,
-    parse_completion,
     parse_prompt_logprobs,
     parse_prompt_top_logprobs,
     prompt_logprobs_body,
+    read_completion,
     reports_weight_versions,
     transfer_init_info,
     transfer_update_info,
@@ -70,21 +71,20 @@ class VLLMEngine:
         if rid is not None:
             self._live_rids[rid] = self._live_rids.get(rid, 0) + 1
         try:
-            answer = await self.http.json("POST", "/v1/completions", json_body=body)
+            completion, spans, reports = await self.http.json(
+                "POST", "/v1/completions", json_body=body, decode=read_completion
+            )
         finally:
             self._in_flight -= 1
             if rid is not None:
                 self._live_rids[rid] -= 1
                 if not self._live_rids[rid]:
                     del self._live_rids[rid]
-        choices = answer.get("choices") if isinstance(answer, dict) else None
-        choice = choices[0] if isinstance(choices, list) and choices else {}
-        self._note_reporting("weight_versions" in choice)
-        spans = span_versions(choice.get("weight_versions"))
+        self._note_reporting(reports)
         version = completion_version(
             spans=spans, reported=None, submitted=submitted, bracket=self.bracket
         )
-        return parse_completion(answer, version)
+        return dataclasses.replace(completion, weight_version=version)
 
     def _note_reporting(self, reports: bool) -> None:
         """Say once when the server does not report weight versions (vLLM < 0.33)."""

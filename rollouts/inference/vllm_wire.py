@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rollouts.inference.http import EngineError
+from rollouts.inference.http import EngineError, loads
 from rollouts.inference.protocol import TensorSpecLike, WeightGroupSpec
 from rollouts.inference.sglang_wire import TopLogprobs, shared_sampling_fields
+from rollouts.inference.versions import span_versions
 from rollouts.wire.generation import Completion, FinishReason, SamplingParams
 
 FINISH = {
@@ -80,6 +81,22 @@ def parse_completion(answer: Any, version: str) -> Completion:
         text=str(choice.get("text", "")),
         matched_stop=choice.get("stop_reason"),
     )
+
+
+# a /v1/completions answer as read: its Completion (version "", until the client's bracket
+# picks it), the versions of its spans, and whether the server reported them at all
+ReadCompletion = tuple[Completion, list[str], bool]
+
+
+def read_completion(content: bytes) -> ReadCompletion:
+    """A /v1/completions answer's bytes -> its `ReadCompletion`. A module-level function: an
+    engine client process runs it (`client_procs.py`)."""
+    answer = loads(content)
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices else {}
+    reports = isinstance(choice, dict) and "weight_versions" in choice
+    spans = span_versions(choice.get("weight_versions")) if reports else []
+    return parse_completion(answer, ""), spans, reports
 
 
 def prompt_logprobs_body(

@@ -20,10 +20,13 @@ from rollouts.inference.client_procs import client_processes
 from rollouts.inference.factory import http_options
 from rollouts.inference.http import EngineRequestError, EngineUnavailable, HttpOptions
 from rollouts.inference.sglang import SGLangEngine
+from rollouts.inference.vllm import VLLMEngine
 from rollouts.wire.generation import FinishReason, GenerateRequest, SamplingParams
 from tests.inference.conftest import API_KEY
 
 IN_WORKERS = HttpOptions(client_processes=2)
+GENERATION_ROUTE = {SGLangEngine: "/generate", VLLMEngine: "/v1/completions"}
+GENERATION_ROUTES = {SGLangEngine: {"/generate"}, VLLMEngine: {"/v1/completions"}}
 LONG = SamplingParams(max_new_tokens=2000, temperature=0.0, ignore_eos=True)
 
 
@@ -54,14 +57,34 @@ async def test_workers_answer_as_the_driver_does(servers) -> None:
             got = await there.generate_many(group(4))
             assert got == expected  # ids, logprobs, finish reasons, texts, versions
             assert {c.finish_reason for c in got} <= {FinishReason.LENGTH, FinishReason.STOP}
-        one = await there.generate([5, 6, 7], SamplingParams(max_new_tokens=5, temperature=0.0))
-        assert one == await here.generate(
-            [5, 6, 7], SamplingParams(max_new_tokens=5, temperature=0.0)
-        )
     finally:
         await here.aclose()
         await there.aclose()
     assert len(worker_pids()) == 2
+
+
+@pytest.mark.parametrize("client", [SGLangEngine, VLLMEngine])
+async def test_each_kind_decodes_in_the_workers(servers, client) -> None:
+    """SGLang's route and vLLM's (the built-in server answers both): the same completion, and
+    its decode is one a worker runs (no quiet fallback to the driver's thread)."""
+    here, there = client(servers["main"].url), client(servers["main"].url, options=IN_WORKERS)
+    calls: list = []
+    real = there.http._workers.call
+
+    async def counted(call):
+        calls.append(call)
+        return await real(call)
+
+    there.http._workers.call = counted
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.0, seed=7)
+    try:
+        got = await there.generate([5, 6, 7], sampling, rid="cp-one")
+        assert got == await here.generate([5, 6, 7], sampling, rid="cp-one-here")
+    finally:
+        await here.aclose()
+        await there.aclose()
+    assert len(got.output_ids) == len(got.logprobs) > 0
+    assert [c.path for c in calls] == [GENERATION_ROUTE[client]]
 
 
 async def test_a_refusal_crosses_as_itself(servers) -> None:
@@ -138,6 +161,8 @@ import sys, trio
 from rollouts.inference.client_procs import client_processes
 from rollouts.inference.http import HttpOptions
 from rollouts.inference.sglang import SGLangEngine
+from rollouts.inference.vllm import VLLMEngine
+from rollouts.inference.vllm import VLLMEngine
 from rollouts.wire.generation import SamplingParams
 
 async def main():
