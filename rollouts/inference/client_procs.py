@@ -226,6 +226,7 @@ def client_processes(count: int) -> ClientProcesses:
     group = _GROUPS.get(key)
     if group is None:
         group = _GROUPS[key] = ClientProcesses(count)
+        print(f"[engines] generation calls in {count} client processes", flush=True)
     return group
 
 
