@@ -112,7 +112,6 @@ class ClientProcesses:
     def __init__(self, count: int) -> None:
         assert count >= 1, f"{count=}"
         self.count = count
-        self.pid = os.getpid()
         self._dir = tempfile.mkdtemp(prefix="rollouts-clients-")
         self._procs: list[subprocess.Popen | None] = [None] * count
         # idle connections as plain sockets: one trio run (a test) must not close another's
@@ -151,11 +150,15 @@ class ClientProcesses:
             except (FileNotFoundError, ConnectionRefusedError):
                 sock.close()
             code = proc.poll()
-            if code is not None:
-                raise RuntimeError(f"engine client process {i} exited with code {code}")
-            if time.monotonic() > deadline:
+            if code is not None or time.monotonic() > deadline:
+                why = (
+                    f"exited with code {code}"
+                    if code is not None
+                    else f"did not listen within {START_TIMEOUT_S:.0f}s"
+                )
                 raise RuntimeError(
-                    f"engine client process {i} did not listen within {START_TIMEOUT_S:.0f}s"
+                    f"engine client process {i} ({' '.join(proc.args)}) {why}; its error is "
+                    "above. Set engines.client_processes = 0 to make the calls in this process"
                 )
             await trio.sleep(0.02)
 

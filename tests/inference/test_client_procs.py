@@ -206,3 +206,17 @@ def test_the_config_key_reaches_the_clients() -> None:
     assert http_options(EnginesConfig()).client_processes == 0
     with pytest.raises(ConfigError, match=r"engines.client_processes = 65: must be 0 \(in"):
         EnginesConfig(client_processes=65)
+
+
+async def test_a_worker_that_cannot_start_says_so(monkeypatch) -> None:
+    from rollouts.inference import client_procs
+    from rollouts.inference.client_procs import Call, ClientProcesses
+
+    monkeypatch.setattr(client_procs.sys, "executable", "/bin/false")
+    group = ClientProcesses(1)
+    call = Call("http://127.0.0.1:9", "", HttpOptions(), "POST", "/generate", {}, len)
+    try:
+        with pytest.raises(RuntimeError, match=r"exited with code 1.*client_processes = 0"):
+            await group.call(call)
+    finally:
+        group.close()
