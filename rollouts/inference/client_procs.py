@@ -229,7 +229,8 @@ def client_processes(count: int) -> ClientProcesses:
     group = _GROUPS.get(key)
     if group is None:
         group = _GROUPS[key] = ClientProcesses(count)
-        print(f"[engines] generation calls in {count} client processes", flush=True)
+        plural = "es" if count > 1 else ""
+        print(f"[engines] generation calls in {count} client process{plural}", flush=True)
     return group
 
 
