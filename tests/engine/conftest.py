@@ -34,3 +34,4 @@ def fault_servers(
     finally:
         for proc in procs.values():
             proc.stop()
+            proc.discard_log()

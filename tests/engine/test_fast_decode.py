@@ -149,3 +149,4 @@ def test_rollouts_serve_decode_hf_takes_the_hf_forward_and_says_so(tiny_model_di
     finally:
         for proc in procs.values():
             proc.stop()
+            proc.discard_log()

@@ -101,6 +101,7 @@ def test_a_forked_engine_serves_what_a_fresh_one_serves(
             proc.stop()
         assert proc.process.returncode == -signal.SIGTERM, how
         assert "rollouts engine server on" in proc.log_tail(), how
+        proc.discard_log()
     assert outputs["forked"] == outputs["fresh"]
     assert outputs["fresh"][0]["ids"] != outputs["fresh"][1]["ids"]  # the two asks differ
 
@@ -121,6 +122,7 @@ def test_a_forked_engine_reports_its_exit_and_takes_signals_by_pid(
     proc.kill()
     assert proc.process.returncode == -signal.SIGKILL
     proc.kill()  # again: a no-op, not a signal to a reused pid
+    proc.discard_log()
 
 
 def test_an_environment_its_imports_would_read_differently_starts_a_fresh_process(
@@ -133,6 +135,7 @@ def test_an_environment_its_imports_would_read_differently_starts_a_fresh_proces
         assert _parent(proc.process.pid) == os.getpid()
     finally:
         proc.kill()
+        proc.discard_log()
     log = (forked / "forkserver.log").read_text()
     assert "refused: the environment differs in ['OMP_NUM_THREADS'], read at import time" in log
 

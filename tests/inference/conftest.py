@@ -31,3 +31,4 @@ def servers(tiny_model_dir: Path) -> Iterator[dict[str, EngineProcess]]:
     finally:
         for proc in procs.values():
             proc.stop()
+            proc.discard_log()

@@ -14,7 +14,7 @@ from tests.real_vllm.test_vllm_training import FP32_MATCH, _config, _steps, _tra
 LORA = {
     "model__lora": {"enabled": True, "rank": 8, "alpha": 16.0},
     "algorithm__kl": {"coef": 0.05},
-    "rollout": {"batch_size": 2, "n_samples_per_prompt": 4},
+    "rollout": {"batch_size": 2, "n_samples_per_prompt": 4, "over_sampling_factor": 1.0},
 }
 
 pytestmark = pytest.mark.smollm2  # on the "smollm2" server (conftest.py)
@@ -24,7 +24,7 @@ def test_lora_rl_on_smollm2_syncs_the_adapter_alone(
     vllm: dict[str, VLLMServer], model_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
     model = model_dirs["smollm2"]
-    config = _config(tmp_path, model, [vllm["smollm2"].url], "sync", **LORA)
+    config = _config(tmp_path, model, [vllm["smollm2"].url], "sync", evaluate=False, **LORA)
     steps = _steps(_train(config, start_line="serve the LoRA adapter of version 0"))
     full_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     assert [r["step"] for r in steps] == [1, 2, 3]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from rollouts.data.arithmetic import write_demo_datasets
 from tests.real_vllm.conftest import VLLMServer
 from tests.toml_config import write_config
 
@@ -23,7 +24,11 @@ TRAIN = ROOT / "integration_training" / "train.py"
 FP32_MATCH = 1e-4
 
 
-def _config(tmp: Path, model: Path, urls: list[str], mode: str, **sections: dict) -> Path:
+def _config(
+    tmp: Path, model: Path, urls: list[str], mode: str, evaluate: bool = True, **sections: dict
+) -> Path:
+    """A run's config; `evaluate=False`: no held-out evaluation (the data written here, and
+    no eval set: SmolLM2's two evaluations cost about 11 s on one core)."""
     base: dict[str, dict] = {
         "run": {"name": f"vllm-{mode}", "output_dir": str(tmp / "run"), "seed": 0},
         "model": {"path": str(model)},
@@ -47,6 +52,9 @@ def _config(tmp: Path, model: Path, urls: list[str], mode: str, **sections: dict
         "checkpoint": {"every": 0, "keep_last": 1},
         "logging": {"plots": False},  # a second of CPU a run (tests/training check the plots)
     }
+    if not evaluate:
+        write_demo_datasets(tmp / "data")
+        base["data"] |= {"prepare": "", "eval_path": ""}
     return write_config(tmp / "config.toml", base, sections)
 
 
@@ -100,8 +108,12 @@ def test_sync_mode_on_a_tied_model_stays_on_policy(
 ) -> None:
     """Before the tied head was written out, the mismatch grew after each sync (2.5e-3, 3.6e-3
     on SmolLM2) while every sync reported success."""
-    small = {"rollout": {"batch_size": 2, "n_samples_per_prompt": 4}}
-    steps = _steps(_train(_config(tmp_path, model_dirs[name], [vllm[name].url], "sync", **small)))
+    small = {
+        "rollout": {"batch_size": 2, "n_samples_per_prompt": 4, "over_sampling_factor": 1.0}
+    }
+    # the syncs are the subject: no held-out evaluation
+    config = _config(tmp_path, model_dirs[name], [vllm[name].url], "sync", False, **small)
+    steps = _steps(_train(config))
     assert [r["step"] for r in steps] == [1, 2, 3]
     for row in steps:
         assert row["train/logprob_mismatch"] < FP32_MATCH, row

@@ -96,6 +96,7 @@ async def test_distributed_sync_into_one_then_two_engines_and_its_failures(
     finally:
         for proc in procs:
             proc.stop()
+            proc.discard_log()
     assert before[0][0] != trained and before[0][1] == "0"
     assert one.ok and two.ok and two.metrics()["load_s_max"] > 0
     assert after_one == [(trained, "1"), before[1]]

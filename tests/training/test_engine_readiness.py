@@ -65,6 +65,7 @@ def test_a_run_pointed_at_a_late_server_waits_then_trains(tmp_path: Path) -> Non
             run.wait()
         if server is not None:
             server.stop()
+            server.discard_log()
     text = log.read_text()
     assert WAITING in text, text[-3000:]
     ready = f"[engines] http://127.0.0.1:{port} ready after"
