@@ -108,9 +108,7 @@ def test_sync_mode_on_a_tied_model_stays_on_policy(
 ) -> None:
     """Before the tied head was written out, the mismatch grew after each sync (2.5e-3, 3.6e-3
     on SmolLM2) while every sync reported success."""
-    small = {
-        "rollout": {"batch_size": 2, "n_samples_per_prompt": 4, "over_sampling_factor": 1.0}
-    }
+    small = {"rollout": {"batch_size": 2, "n_samples_per_prompt": 4, "over_sampling_factor": 1.0}}
     # the syncs are the subject: no held-out evaluation
     config = _config(tmp_path, model_dirs[name], [vllm[name].url], "sync", False, **small)
     steps = _steps(_train(config))
