@@ -130,3 +130,21 @@ async def test_a_slow_reward_keeps_a_hop_a_sample(monkeypatch) -> None:
     out = await score_group(group, slow, timeout_s=5)
     assert len(hops) == len(group) and all(s.reward == 1.0 for s in out)
     assert not call_times(slow).fast
+
+
+def test_a_call_busy_on_the_cpu_counts_as_fast_and_one_that_waits_does_not() -> None:
+    """A verifier that parses a long answer for a few ms on the CPU gains nothing from a thread
+    of its own (the GIL runs one such call at a time); one that waits as long (a socket, a
+    lock) does, and so does a long one."""
+    times = call_times(lambda sample: 1.0)
+    for wall_s, cpu_s, fast in [
+        (0.0005, 0.0, True),  # under FAST_CALL_S, however it spent it
+        (0.004, 0.004, True),  # busy on the CPU all along
+        (0.004, 0.0038, True),
+        (0.004, 0.002, False),  # half of it waiting
+        (0.002, 0.0, False),  # waiting (`time.sleep`): a hop a sample
+        (0.02, 0.02, False),  # busy, but too long to hold a group's other calls back
+    ]:
+        times.streak = FAST_WINDOW - 1
+        times.record(wall_s, cpu_s)
+        assert times.fast is fast, (wall_s, cpu_s)
