@@ -16,10 +16,10 @@ group is scored in one hop, its calls one after another (`_score_in_one_hop`). A
 it took under FAST_CALL_S (an exact-match verifier takes microseconds, and a thread hop costs about
 120-150 us of the driver's CPU a sample), or under BUSY_CALL_S on the CPU all along (a verifier
 that decodes and parses a long answer: threads cannot overlap such calls, the GIL runs one at a
-time; one that waits, on a socket or a lock, is not fast). That hop starts no call after HOP_BUDGET_S and waits HOP_BUDGET_S +
-timeout for the last one, so a call that hangs there still runs at least its timeout before its
-sample fails; the samples after it are scored one hop each, and the function is slow again until
-FAST_WINDOW fast calls are seen.
+time; one that waits, on a socket or a lock, is not fast). That hop starts no call after
+HOP_BUDGET_S and waits HOP_BUDGET_S + timeout for the last one, so a call that hangs there still
+runs at least its timeout before its sample fails; the samples after it are scored one hop
+each, and the function is slow again until FAST_WINDOW fast calls are seen.
 """
 
 from __future__ import annotations
