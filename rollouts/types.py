@@ -55,6 +55,26 @@ def only_0_and_1(values: Sequence[Any]) -> bool:
         return set(values) <= {0, 1}
 
 
+MASKS_KEPT = 4096  # checked loss masks remembered (`_checked_mask`): ~9 KB each at 1k tokens
+_CHECKED_MASKS: dict[int, tuple[int, ...]] = {}
+
+
+def _checked_mask(mask: Sequence[Any]) -> bool:
+    """`only_0_and_1(mask)`, told once per tuple: each stage derives a sample from the last one
+    (`dataclasses.replace`) with the same mask, and a tuple cannot change (the one kept here
+    keeps its id from being reused). 50 ns against 4 us for 1k tokens; the last MASKS_KEPT."""
+    key = id(mask)
+    if _CHECKED_MASKS.get(key) is mask:
+        return True
+    if not only_0_and_1(mask):
+        return False
+    if isinstance(mask, tuple):
+        if len(_CHECKED_MASKS) >= MASKS_KEPT:
+            _CHECKED_MASKS.clear()  # one call: safe beside samples made in worker threads
+        _CHECKED_MASKS[key] = mask
+    return True
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Sample:
     """One trajectory: prompt tokens followed by response tokens, with a per-token loss mask.
@@ -93,7 +113,7 @@ class Sample:
         assert not self.rollout_logprobs or len(self.rollout_logprobs) == self.response_length, (
             f"{len(self.rollout_logprobs)=} != {self.response_length=}"
         )
-        assert only_0_and_1(self.loss_mask), "loss_mask values must be 0 or 1"
+        assert _checked_mask(self.loss_mask), "loss_mask values must be 0 or 1"
         assert not self.teacher_logprobs or len(self.teacher_logprobs) == self.response_length, (
             f"{len(self.teacher_logprobs)=} != {self.response_length=}"
         )

@@ -58,6 +58,29 @@ def test_a_mask_of_0s_and_1s_is_told_as_a_set_tells_it() -> None:
         assert only_0_and_1(mask) == (set(mask) <= {0, 1}), mask
 
 
+def test_a_loss_mask_is_checked_once_per_tuple(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each stage derives a sample from the last one with the same mask tuple: told once; a new
+    tuple, or a list (which can change), is told again, and a bad one is still refused."""
+    import rollouts.types as types
+
+    told: list[int] = []
+    real = types.only_0_and_1
+    monkeypatch.setattr(types, "only_0_and_1", lambda m: told.append(len(m)) or real(m))
+    monkeypatch.setattr(types, "MASKS_KEPT", 2)
+    monkeypatch.setattr(types, "_CHECKED_MASKS", {})
+    s = _sample(loss_mask=(0, 0, 1, 1))
+    for reward in (0.0, 1.0, 0.5):
+        s = dataclasses.replace(s, reward=reward)
+    assert len(told) == 1
+    _sample(loss_mask=(0, 1, 1, 1))
+    _sample(loss_mask=[0, 0, 1, 1])
+    _sample(loss_mask=[0, 0, 1, 1])
+    assert len(told) == 4
+    with pytest.raises(AssertionError, match="loss_mask values must be 0 or 1"):
+        _sample(loss_mask=(0, 0, 1, 2))
+    assert len(types._CHECKED_MASKS) <= 2  # at most MASKS_KEPT kept
+
+
 def test_sample_dict_round_trip() -> None:
     s = _sample(prompt=({"role": "user", "content": "x"},), reward=(1.0, 0.5), label="4")
     assert sample_from_dict(sample_to_dict(s)) == s

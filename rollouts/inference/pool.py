@@ -175,6 +175,8 @@ class EnginePool:
     async def wait_for_up(self) -> bool:
         """Wait up to `wait_for_up_s` for an engine to be up (health checks bring them back);
         not at all once every engine is gone for good."""
+        if any(s.up for s in self._states):  # the usual case, on every call: no scope, no wait
+            return True
         o = self.options
         with trio.move_on_after(o.wait_for_up_s):
             while not any(self.up) and not all(s.gone for s in self._states):

