@@ -55,23 +55,29 @@ def only_0_and_1(values: Sequence[Any]) -> bool:
         return set(values) <= {0, 1}
 
 
-MASKS_KEPT = 4096  # checked loss masks remembered (`_checked_mask`): ~9 KB each at 1k tokens
+MASKS_KEPT = 1024  # checked loss masks remembered (`_checked_mask`)
+MASK_TOKENS_KEPT = 2_000_000  # ... and their tokens at most (8 bytes each: 16 MB)
 _CHECKED_MASKS: dict[int, tuple[int, ...]] = {}
+_checked_tokens = [0]
 
 
 def _checked_mask(mask: Sequence[Any]) -> bool:
     """`only_0_and_1(mask)`, told once per tuple: each stage derives a sample from the last one
     (`dataclasses.replace`) with the same mask, and a tuple cannot change (the one kept here
-    keeps its id from being reused). 50 ns against 4 us for 1k tokens; the last MASKS_KEPT."""
+    keeps its id from being reused). 50 ns against 3 us for 1k tokens; the last MASKS_KEPT
+    (a sample's stages in its group's task: generated, scored, timed, follow each other)."""
     key = id(mask)
     if _CHECKED_MASKS.get(key) is mask:
         return True
     if not only_0_and_1(mask):
         return False
     if isinstance(mask, tuple):
-        if len(_CHECKED_MASKS) >= MASKS_KEPT:
-            _CHECKED_MASKS.clear()  # one call: safe beside samples made in worker threads
+        full = len(_CHECKED_MASKS) >= MASKS_KEPT or _checked_tokens[0] >= MASK_TOKENS_KEPT
+        if full:  # one call each: safe beside samples made in worker threads
+            _CHECKED_MASKS.clear()
+            _checked_tokens[0] = 0
         _CHECKED_MASKS[key] = mask
+        _checked_tokens[0] += len(mask)
     return True
 
 

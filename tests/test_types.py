@@ -79,6 +79,10 @@ def test_a_loss_mask_is_checked_once_per_tuple(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(AssertionError, match="loss_mask values must be 0 or 1"):
         _sample(loss_mask=(0, 0, 1, 2))
     assert len(types._CHECKED_MASKS) <= 2  # at most MASKS_KEPT kept
+    monkeypatch.setattr(types, "MASK_TOKENS_KEPT", 6)  # and at most about this many tokens
+    for ones in range(1, 5):
+        _sample(loss_mask=(0,) * (4 - ones) + (1,) * ones)
+    assert sum(map(len, types._CHECKED_MASKS.values())) <= 6 + 4
 
 
 def test_sample_dict_round_trip() -> None:
