@@ -28,12 +28,15 @@ class FinishReason(enum.Enum):
 
     def to_status(self) -> Status:
         """The Sample status this finish reason gives (slime's mapping)."""
-        return {
-            FinishReason.STOP: Status.COMPLETED,
-            FinishReason.LENGTH: Status.TRUNCATED,
-            FinishReason.ABORT: Status.ABORTED,
-            FinishReason.ERROR: Status.FAILED,
-        }[self]
+        return _STATUS[self]
+
+
+_STATUS = {
+    FinishReason.STOP: Status.COMPLETED,
+    FinishReason.LENGTH: Status.TRUNCATED,
+    FinishReason.ABORT: Status.ABORTED,
+    FinishReason.ERROR: Status.FAILED,
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
