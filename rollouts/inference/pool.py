@@ -33,12 +33,7 @@ from rollouts import tracing
 from rollouts.inference.http import EngineError, EngineUnavailable
 from rollouts.inference.hung import CallWatch, WatchedEngine
 from rollouts.inference.pool_state import EngineState, PoolOptions, pick_engine
-from rollouts.inference.protocol import (
-    EngineLoad,
-    InferenceEngine,
-    Sleeper,
-    batches_requests,
-)
+from rollouts.inference.protocol import EngineLoad, InferenceEngine, Sleeper, batches_requests
 from rollouts.inference.sync import Delivery, SyncReport, Weights, WeightSyncError, serves
 from rollouts.wire.generation import Completion, GenerateRequest, PauseMode, SamplingParams
 
