@@ -42,16 +42,6 @@ from rollouts.gcpolicy import gc_paused
 
 HEADER = struct.Struct("<Q")
 START_TIMEOUT_S = 60.0
-# each side's socket buffers: a group's answer (hundreds of KB) in one or two reads, not one
-# wake-up of the driver's loop per 200 KB (Linux's default); the kernel caps it at its maximum
-SOCKET_BUFFER = 4 << 20
-
-
-def widened(sock: Any) -> Any:
-    """`sock` (a stdlib or trio socket) with SOCKET_BUFFER-byte send and receive buffers."""
-    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
-    return sock
 
 
 class WorkerGone(Exception):
@@ -152,7 +142,7 @@ class ClientProcesses:
             proc = self._start(i)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
-            raw = widened(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock = trio.socket.from_stdlib_socket(raw)
             try:
                 await sock.connect(self._socket_path(i))
@@ -334,7 +324,7 @@ async def serve(path: str) -> None:
         nursery.start_soon(watch_parent)
         while True:
             sock, _ = await listener.accept()
-            nursery.start_soon(worker.serve_connection, widened(sock))
+            nursery.start_soon(worker.serve_connection, sock)
 
 
 def main() -> None:
