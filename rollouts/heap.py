@@ -18,8 +18,13 @@ and turns automatic trimming off, so a step reuses the last one's pages. The bac
 SmolLM2 (8 x 256 tokens, bf16 autocast, 10 steps a run, runs in turn): page faults 8.0M ->
 1.8M, kernel time 19.6-27.7 s -> 7.6-8.7 s, a step's median 7.7-8.9 s -> 6.4-6.8 s. The process
 keeps its peak memory for reuse. The driver (`rollouts train`, `integration_training/train.py`:
-it hosts the trainer in sync mode and under torchrun) and the trainer process call it; engine
-servers do not. `ROLLOUTS_MALLOC=system` leaves glibc's defaults.
+it hosts the trainer in sync mode and under torchrun), the trainer process and the built-in
+engine's server (`rollouts serve`) call it. An engine's decode step allocates its sampling
+temporaries over the vocabulary (SmolLM2 in bf16 at 128 rows: the logits in float32 and their
+softmax, 25 MB each) and frees them; under glibc's defaults each step faulted about 12k fresh
+pages, and its sampling took 28 ms instead of 8 (one thread; `scripts/bench_engine_malloc.py`).
+A sleeping engine still gives its pages back (`give_back_heap` trims whatever the settings).
+`ROLLOUTS_MALLOC=system` leaves glibc's defaults; `heap_mode()` says which a process runs.
 """
 
 from __future__ import annotations
@@ -52,10 +57,14 @@ M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's <malloc.h>
 SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1))  # -1: never trim
 
 
+_kept = False  # keep_freed_memory took in this process
+
+
 def keep_freed_memory() -> bool:
     """Set glibc's malloc to keep freed memory in one heap (see the module's doc); True when
     it took. A no-op (False) off Linux, without glibc's `mallopt`, or with
     `ROLLOUTS_MALLOC=system`."""
+    global _kept
     if os.environ.get("ROLLOUTS_MALLOC", "") == "system" or not sys.platform.startswith("linux"):
         return False
     try:
@@ -63,4 +72,11 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return all(mallopt(param, value) == 1 for param, value in SETTINGS)
+    _kept = all(mallopt(param, value) == 1 for param, value in SETTINGS)
+    return _kept
+
+
+def heap_mode() -> str:
+    """ "keep" where `keep_freed_memory` took in this process, else "system" (glibc's defaults
+    or another malloc)."""
+    return "keep" if _kept else "system"

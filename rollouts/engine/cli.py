@@ -28,6 +28,7 @@ from rollouts.config.engine_options import (
     flag_of,
     option_of,
 )
+from rollouts.heap import keep_freed_memory
 
 
 class UsageError(ValueError):
@@ -139,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if options.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, options.cpus)  # before torch starts any thread: all inherit it
+    keep_freed_memory()  # a decode step's [rows, vocab] temporaries reuse the last step's pages
     import torch
     import trio
 

@@ -38,6 +38,7 @@ from rollouts.engine.scheduler import (
 from rollouts.engine.sleep import SleepState, gpu_change, gpu_gib
 from rollouts.engine.threads import ThreadGovernor
 from rollouts.engine.weights import load_weights
+from rollouts.heap import give_back_heap
 from rollouts.wire.generation import FinishReason
 
 __all__ = ["CoreOptions", "EngineCore", "PromptLogprob", "Sequence"]
@@ -369,6 +370,8 @@ class EngineCore:
         self.sleep.tags |= tags
         if self.model_device().type == "cuda":
             torch.cuda.empty_cache()
+        else:  # the freed weights and cache back to the OS (this server keeps freed pages)
+            give_back_heap()
         names, gib = ",".join(sorted(tags)), freed / 2**30
         log.info(
             "released %s (KV cache %.2f GiB freed)%s",

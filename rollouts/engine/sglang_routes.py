@@ -15,6 +15,7 @@ from rollouts.engine.sampling import BadRequest, as_type
 from rollouts.engine.scheduler import trim_text
 from rollouts.engine.state import ServerState, WeightPathForbidden
 from rollouts.engine.wire import check_generate_keys, sglang_spec, token_ids_or_none
+from rollouts.heap import heap_mode
 from rollouts.wire.generation import FinishReason
 
 PAUSE_MODES = {"abort": "abort", "retract": "keep", "in_place": "keep"}
@@ -292,6 +293,7 @@ async def server_info(request: Request) -> Response:
             "max_running_requests": info.max_batch,
             "max_queued_requests": info.max_queue,
             "logprobs_from": info.logprobs_from,
+            "malloc": heap_mode(),  # "keep": freed memory reused (rollouts/heap.py)
             "engine": "rollouts",
             "version": "rollouts-builtin",
         }

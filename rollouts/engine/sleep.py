@@ -20,8 +20,6 @@ import dataclasses
 
 import torch
 
-from rollouts.heap import give_back_heap
-
 TAGS = ("weights", "kv_cache", "scheduling")
 
 
@@ -72,9 +70,7 @@ class SleepState:
         for name, param in model.named_parameters():
             self.shapes[name] = (param.shape, param.dtype)
             param.data = torch.empty(0, dtype=param.dtype, device=device)
-        self.weights_lost = True
-        if device.type == "cpu":
-            give_back_heap()
+        self.weights_lost = True  # the caller gives a CPU's freed pages back (`release`)
 
     @torch.no_grad()
     def restore(self, model: torch.nn.Module, device: torch.device) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -99,6 +100,15 @@ async def test_seeds_at_the_ends_of_their_range_work(fault_servers) -> None:
             sp = {"max_new_tokens": 3, "n": 2, "sampling_seed": seed}
             r = await http.post("/generate", json={"input_ids": [1, 2], "sampling_params": sp})
             assert r.status_code == 200 and len(r.json()) == 2, r.text
+
+
+async def test_a_server_keeps_freed_memory_for_its_next_step(fault_servers) -> None:
+    """`rollouts serve` has glibc reuse freed pages (`rollouts/heap.py`): under its defaults a
+    decode step's temporaries over the vocabulary were fresh pages, faulted every step."""
+    async with httpx.AsyncClient(base_url=fault_servers["short"].url, timeout=60) as http:
+        info = (await http.get("/server_info")).json()
+    linux = sys.platform.startswith("linux") and os.environ.get("ROLLOUTS_MALLOC") != "system"
+    assert info["malloc"] == ("keep" if linux else "system"), info
 
 
 async def test_what_real_clients_send_to_generate_is_accepted(fault_servers) -> None:
