@@ -35,10 +35,9 @@ from rollouts.engine.scheduler import (
     can_enqueue,
     keep_gathering,
 )
-from rollouts.engine.sleep import SleepState, gpu_change, gpu_gib
+from rollouts.engine.sleep import SleepState, give_back_freed, gpu_change, gpu_gib
 from rollouts.engine.threads import ThreadGovernor
 from rollouts.engine.weights import load_weights
-from rollouts.heap import give_back_heap
 from rollouts.wire.generation import FinishReason
 
 __all__ = ["CoreOptions", "EngineCore", "PromptLogprob", "Sequence"]
@@ -368,10 +367,7 @@ class EngineCore:
                 self.sleep.discard(self.model)
         freed = self._batch.drop_cache() if "kv_cache" in tags else 0
         self.sleep.tags |= tags
-        if self.model_device().type == "cuda":
-            torch.cuda.empty_cache()
-        else:  # the freed weights and cache back to the OS (this server keeps freed pages)
-            give_back_heap()
+        give_back_freed(self.model_device())
         names, gib = ",".join(sorted(tags)), freed / 2**30
         log.info(
             "released %s (KV cache %.2f GiB freed)%s",

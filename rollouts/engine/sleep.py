@@ -20,6 +20,8 @@ import dataclasses
 
 import torch
 
+from rollouts.heap import give_back_heap
+
 TAGS = ("weights", "kv_cache", "scheduling")
 
 
@@ -83,6 +85,15 @@ class SleepState:
         if next(model.parameters()).device != device:
             model.to(device)
         self.device = None
+
+
+def give_back_freed(device: torch.device) -> None:
+    """What a release freed (weights, KV cache) back: torch's cached GPU blocks, or on CPU the
+    heap's free pages (the server keeps freed pages for reuse, `rollouts/heap.py`)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    else:
+        give_back_heap()
 
 
 def gpu_gib(device: torch.device) -> float | None:
