@@ -11,6 +11,7 @@ import httpx
 import pytest
 import trio
 
+from rollouts.driver.memory import rss_mb
 from rollouts.engine.launch import engine_process, engine_server
 from rollouts.inference.http import EngineError
 from rollouts.inference.pool import EnginePool
@@ -80,12 +81,6 @@ async def _append(out: list, call) -> None:
     out.append(await call)
 
 
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        kb = next(line for line in status if line.startswith("VmRSS:")).split()[1]
-    return int(kb) / 1024
-
-
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
 async def test_a_sleep_gives_the_freed_kv_cache_back_to_the_os(tiny_model_dir: Path) -> None:
     """The server keeps freed pages for its next step (`rollouts/heap.py`), so a sleep must
@@ -96,9 +91,10 @@ async def test_a_sleep_gives_the_freed_kv_cache_back_to_the_os(tiny_model_dir: P
         async with trio.open_nursery() as nursery:
             for _ in range(256):
                 nursery.start_soon(engine.generate, PROMPT, long)
-        awake = _rss_mb(proc.process.pid)
+        awake = rss_mb(proc.process.pid)
         await engine.sleep(1)
-        asleep = _rss_mb(proc.process.pid)
+        asleep = rss_mb(proc.process.pid)
+        assert awake is not None and asleep is not None
         assert asleep < awake - 20, f"RSS {awake:.0f} MB awake, {asleep:.0f} MB asleep"
         await engine.aclose()
 
