@@ -138,3 +138,54 @@ def test_the_run_says_what_each_auto_key_became(bf16_cpu: None) -> None:
         training={"device": "cpu"}, model={"tiny": {"enabled": True, "hidden_size": 128}}
     )
     assert "training.micro_batch_tokens = 8192" in auto.chosen(tiny)  # its hidden size, 128
+
+
+def _numerics(config: Config) -> tuple:
+    """What each part of a run computes in: the trainer (RL, SFT) and each engine it starts."""
+    import dataclasses
+
+    sft = dataclasses.replace(config, training=config.training.for_sft())
+    parts = [auto.trainer_autocasts(config, "cpu"), auto.trainer_autocasts(sft, "cpu")]
+    for section in (config, config.teacher, config.judge):
+        if section is config or section.enabled:
+            served = dataclasses.replace(config, engines=section.engines)
+            parts.append(auto.engine_numerics(served, section.engines.builtin))
+    return tuple(parts)
+
+
+CPU_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*-cpu.toml"))
+
+
+@pytest.mark.parametrize("path", CPU_CONFIGS, ids=lambda p: p.name)
+def test_a_shipped_cpu_config_runs_bf16_only_where_the_cpu_has_bf16_units(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The configs are tuned on a CPU with AVX-512 BF16, and there they compute in bf16; on one
+    without (a Zen 3 EPYC: bf16 matmuls at 10 GFLOP/s a core against fp32's 85) in fp32."""
+    from rollouts.config import load_config
+
+    config = load_config(path)
+    monkeypatch.setattr(auto, "cpu_has_bf16", lambda: False)
+    plain = _numerics(config)
+    assert set(plain) <= {False, "float32"}, plain
+    assert auto.emulated_bf16(config) == ""
+    monkeypatch.setattr(auto, "cpu_has_bf16", lambda: True)
+    bf16 = _numerics(config)
+    assert bf16[0] is True and set(bf16[2:]) == {"bfloat16"}, bf16
+
+
+def test_an_explicit_bf16_on_a_cpu_without_bf16_units_is_named(plain_cpu: None) -> None:
+    config = _config(training={"device": "cpu", "autocast": "bfloat16"})
+    assert auto.trainer_autocasts(config, "cpu")  # an explicit setting still wins
+    slow = auto.emulated_bf16(config)
+    assert 'training.autocast = "bfloat16"' in slow
+    assert "engines.builtin (auto: as training.autocast)" in slow  # the engines follow it
+    assert "ROLLOUTS_CPU_BF16=1" in slow and 'Set them to "auto"' in slow
+    engine = _config(training={"device": "cpu"}, engines={"builtin": {"dtype": "bfloat16"}})
+    assert auto.emulated_bf16(engine).count("bfloat16") == 1
+    assert 'engines.builtin.dtype = "bfloat16"' in auto.emulated_bf16(engine)
+    assert auto.emulated_bf16(_config(training={"device": "cpu"})) == ""
+
+
+def test_an_explicit_bf16_on_a_cpu_with_bf16_units_is_not_named(bf16_cpu: None) -> None:
+    assert auto.emulated_bf16(_config(training={"device": "cpu", "autocast": "bfloat16"})) == ""

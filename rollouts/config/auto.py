@@ -20,10 +20,15 @@ A key set explicitly always wins; these rules only decide "auto" (and micro_batc
   (the demo's model, hidden 128: 8192, whose RL steps ran 1.17x faster than at 2048 in a run;
   SmolLM2, hidden 576: 2048, 1.11x against 4096); 4096 on CUDA.
 No torch here: the callers pass the device type they resolved.
+
+`emulated_bf16` names the keys that put bf16 on a CPU without bf16 units: an explicit setting
+wins, but a run says that its matmuls are emulated there (a demo RL step 4.40 s against 0.38 s
+in fp32 on a Zen 3 EPYC, whose bf16 matmul ran at 10 GFLOP/s a core against fp32's 85).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -184,3 +189,42 @@ def chosen(config: Config) -> str:
         if b.autocast == "auto":
             out.append(f"engines.builtin.autocast = {engine_autocast(config, b)}")
     return "; ".join(out)
+
+
+def emulated_bf16(config: Config) -> str:
+    """The keys that make this run compute in bf16 on a CPU without bf16 matmul units, and the
+    fix ("" where none does, or the CPU has the units)."""
+    if cpu_has_bf16():
+        return ""
+    from rollouts.engine_kinds import engine_kind
+
+    keys = []
+    t = config.training
+    if training_device_type(t) == "cpu":
+        if config.model.dtype == "bfloat16":
+            keys.append('model.dtype = "bfloat16"')
+        for name, value in (("autocast", t.autocast), ("sft_autocast", t.sft_autocast)):
+            if value == "bfloat16":
+                keys.append(f'training.{name} = "bfloat16"')
+    sections = [("engines", config.engines)]
+    served = [s for s in (config.teacher, config.judge) if s.enabled]
+    sections += [(f"{s.KEY}.engines", s.engines) for s in served]
+    for name, engines in sections:
+        b = engines.builtin
+        if not engine_kind(engines.kind).started_here or b.device != "cpu":
+            continue
+        if engine_numerics(dataclasses.replace(config, engines=engines), b) != "bfloat16":
+            continue
+        explicit = [k for k in ("autocast", "dtype") if getattr(b, k) == "bfloat16"]
+        if explicit:
+            keys.append(f'{name}.builtin.{explicit[0]} = "bfloat16"')
+        else:  # "auto": the trainer's bf16 autocast, named above
+            keys.append(f"{name}.builtin (auto: as training.autocast)")
+    if not keys:
+        return ""
+    return (
+        f"this CPU has no bf16 matmul units (neither {' nor '.join(BF16_CPU_FLAGS)} in "
+        f"/proc/cpuinfo), so bf16 is emulated here, several times slower than float32: "
+        f'{", ".join(keys)}. Set them to "auto" (float32 here, bf16 where the CPU has the '
+        f"units), or {CPU_BF16_ENV}=1 where a container hides the flags"
+    )

@@ -25,7 +25,7 @@ import trio
 
 from rollouts import tracing
 from rollouts.config import Config, RLHalves, RunMode
-from rollouts.config.auto import chosen
+from rollouts.config.auto import chosen, emulated_bf16
 from rollouts.driver.engines import cpu_beside_engines, cpu_share
 from rollouts.driver.halves import replay_phase, rollout_only_phase
 from rollouts.driver.launch import shares_node_with_driver
@@ -70,6 +70,8 @@ async def _main(
     run_dir = prepare_run_dir(config, config_path, resume)
     if auto := chosen(config):
         print(f"[train] auto: {auto}", flush=True)
+    if slow := emulated_bf16(config):
+        print(f"[train] warning: {slow}", flush=True)
     make_backend = await _mirrored_factory(hub, config, run_dir)
     if mode in ("rl", "sft+rl") and halves == "both":  # first: can engines reach the weights?
         sync_root = run_sync_root(config.weight_sync.dir, config.run.name, run_dir)
