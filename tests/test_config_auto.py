@@ -189,3 +189,17 @@ def test_an_explicit_bf16_on_a_cpu_without_bf16_units_is_named(plain_cpu: None) 
 
 def test_an_explicit_bf16_on_a_cpu_with_bf16_units_is_not_named(bf16_cpu: None) -> None:
     assert auto.emulated_bf16(_config(training={"device": "cpu", "autocast": "bfloat16"})) == ""
+
+
+def test_rollouts_serve_says_when_bf16_is_emulated(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollouts.config import EngineOptions
+    from rollouts.engine import cli
+
+    monkeypatch.setattr(cli, "cpu_has_bf16", lambda: False)
+    slow = cli.emulated_bf16(EngineOptions(dtype="bfloat16"))
+    assert "--dtype bfloat16 on a CPU without bf16 matmul units" in slow
+    assert "--autocast bfloat16" in cli.emulated_bf16(EngineOptions(autocast="bfloat16"))
+    assert cli.emulated_bf16(EngineOptions()) == ""  # "auto": float32 standalone
+    assert cli.emulated_bf16(EngineOptions(dtype="bfloat16", device="cuda")) == ""
+    monkeypatch.setattr(cli, "cpu_has_bf16", lambda: True)
+    assert cli.emulated_bf16(EngineOptions(dtype="bfloat16")) == ""

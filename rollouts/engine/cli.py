@@ -20,6 +20,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from rollouts.config.auto import CPU_BF16_ENV, cpu_has_bf16
 from rollouts.config.engine_options import (
     EngineOptions,
     bound_problems,
@@ -138,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
     except UsageError as e:
         print(f"rollouts serve: {e}", file=sys.stderr)
         return 2
+    if slow := emulated_bf16(options):
+        logging.getLogger("rollouts.serve").warning(slow)
     if options.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, options.cpus)  # before torch starts any thread: all inherit it
     keep_freed_memory()  # a decode step's [rows, vocab] temporaries reuse the last step's pages
@@ -153,3 +156,16 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     return 0
+
+
+def emulated_bf16(options: EngineOptions) -> str:
+    """A warning where bf16 is asked of a CPU without bf16 matmul units ("" elsewhere)."""
+    asked = [k for k in ("dtype", "autocast") if getattr(options, k) == "bfloat16"]
+    if options.device != "cpu" or not asked or cpu_has_bf16():
+        return ""
+    return (
+        f"--{asked[0]} bfloat16 on a CPU without bf16 matmul units (neither avx512_bf16 nor "
+        "amx_bf16 in /proc/cpuinfo): bf16 is emulated here, several times slower than float32; "
+        f"leave --{asked[0]} at auto (float32) or set {CPU_BF16_ENV}=1 where a container hides "
+        "the flags"
+    )
