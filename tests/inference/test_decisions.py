@@ -140,8 +140,13 @@ def test_sampled_logprobs_are_log_softmax_at_the_drawn_token() -> None:
         tokens, lps = choose_tokens(logits, specs, [None] * 64, logprobs_from)
         ref = logits if logprobs_from == "raw" else logits / temperature
         exact = ref.double().log_softmax(1)[rows, tokens]
-        # float32's log_softmax and the log of softmax are within 7.4e-6 of float64's here
-        assert torch.allclose(lps.double(), exact, atol=1e-5, rtol=0), (temperature, top_k)
+        # no further from float64's than torch's own float32 log_softmax: 7.4e-6 of it on a CPU
+        # with AVX-512, 1.6e-5 with AVX2 alone (a Zen 3), whose kernels sum the vocabulary in
+        # another order
+        f32 = ref.log_softmax(1)[rows, tokens].double()
+        bound = (f32 - exact).abs().max().item() + 2e-6
+        assert bound < 5e-5, bound
+        assert (lps.double() - exact).abs().max().item() <= bound, (temperature, top_k)
     assert tokens[0].item() == 7
     # the draws follow the distribution: 4000 draws of one row of 3 tokens
     probs = torch.tensor([0.6, 0.3, 0.1])
