@@ -21,6 +21,8 @@ The head is `value_head` on the wrapper, outside `lm`, so HF exports of `lm` nev
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -145,7 +147,7 @@ class TokenLogprobModel(nn.Module):
             hidden_T_H = out.last_hidden_state.flatten(0, 1)
         else:
             hidden_T_H = self._shared_prefix_states(decoder, mb, mb.prefix)
-        hidden_N_H = hidden_T_H[mb.pred_idx]
+        hidden_N_H = rows_of(hidden_T_H, mb.pred_idx)
         targets_N = mb.targets
         lp_N, ent_N, top_N_K = self._head_stats(
             mb, hidden_N_H, targets_N, (want_entropy, entropy_grad, argmax_match)
@@ -171,7 +173,7 @@ class TokenLogprobModel(nn.Module):
         cache = DynamicCache()
         kwarg = _cache_kwarg(decoder)
         first = decoder(input_ids=prefix.ids_G_P, use_cache=True, **{kwarg: cache})
-        cache.batch_select_indices(prefix.row_prefix_R)
+        select_cache_rows(cache, prefix.row_prefix_R)
         assert cache.get_seq_length() == prefix.ids_G_P.shape[1], f"{cache.get_seq_length()=}"
         rest = decoder(
             input_ids=mb.input_ids_R_L,
@@ -200,7 +202,7 @@ class TokenLogprobModel(nn.Module):
             return token_stats(head, hidden_N_H, targets_N, self.chunk_size, *wants, top)
         top_M = None if top is None else top[idx]
         lp_M, ent_M, top_M_K = token_stats(
-            head, hidden_N_H[idx], targets_N[idx], self.chunk_size, *wants, top_M
+            head, rows_of(hidden_N_H, idx), targets_N[idx], self.chunk_size, *wants, top_M
         )
         n = hidden_N_H.shape[0]
         lp_N = lp_M.new_zeros(n).index_copy(0, idx, lp_M)
@@ -230,6 +232,28 @@ def shared_prefix_problem(lm: nn.Module) -> str | None:
     if window and getattr(config, "use_sliding_window", True):
         return f"it attends in a sliding window ({window} tokens); the layout needs full attention"
     return None
+
+
+def rows_of(x_T_H: torch.Tensor, idx_N: torch.Tensor) -> torch.Tensor:
+    """`x_T_H[idx_N]`, with a gradient summed in the same order on every run: a shared prefix's
+    last state predicts many rows, so `idx_N` repeats it. On CPU the backward of `x[idx]`
+    (`index_put_`, accumulate) adds repeated rows with atomics across threads, in arrival order:
+    same-seed float32 steps differed by an ulp. `index_select`'s (`index_add_`) adds them in
+    order there, twice as fast; on a GPU it is the one with atomics, and `x[idx]` sorts."""
+    if x_T_H.device.type == "cpu":
+        return x_T_H.index_select(0, idx_N)
+    return x_T_H[idx_N]
+
+
+def select_cache_rows(cache: Any, idx_R: torch.Tensor) -> None:
+    """`cache.batch_select_indices(idx_R)` (each row gets its prefix's keys and values), with
+    `rows_of`'s ordered gradient: every row of a group repeats its prefix's index."""
+    if not hasattr(cache, "layers"):  # transformers < 4.56 (lists of tensors): its own
+        cache.batch_select_indices(idx_R)
+        return
+    for layer in cache.layers:
+        layer.keys = rows_of(layer.keys, idx_R)
+        layer.values = rows_of(layer.values, idx_R)
 
 
 def split_per_sequence(flat_N: torch.Tensor, split_sizes: tuple[int, ...]) -> list[torch.Tensor]:

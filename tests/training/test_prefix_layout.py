@@ -250,3 +250,32 @@ def test_conversations_of_their_own_prompts_share_their_system_message(
     assert len(groups) == 1 and groups[0][1] == [0, 1, 2, 3, 4]
     assert groups[0][0] == 20  # the system message
     _assert_same_step(tiny_config(tiny_model_dir), batch, 1000, "trained")
+
+
+def test_a_shared_prefix_trains_bit_equal_on_two_threads(tiny_model_dir: Path) -> None:
+    """Every row of a group reads its prefix's keys and values, and the prefix's last state
+    predicts each row's first response token: their gradients sum over the rows. torch's CPU
+    `index_put_(accumulate=True)` (the backward of `x[idx]`, and of the cache's
+    `batch_select_indices`) adds repeated rows with atomics across threads, in arrival order,
+    so on two threads the same float32 step gave gradients an ulp apart from run to run (each
+    of the two failed this alone). Same batch: the same gradients, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 200, (96,), generator=g)
+    responses = [torch.randint(3, 200, (60 + k,), generator=g) for k in range(24)]
+    ids = tuple(torch.cat([prompt, r]) for r in responses)
+    masks = tuple(torch.cat([torch.zeros(96), torch.ones(len(x) - 96)]) for x in ids)
+    batch = TrainBatch(
+        input_ids=ids,
+        loss_mask=masks,
+        num_global_tokens=float(sum(m.sum() for m in masks)),
+        num_global_seqs=float(len(ids)),
+    )
+    config = _with(
+        tiny_config(tiny_model_dir), micro_batch_tokens=4096, micro_batch_layout="prefix"
+    )
+    torch.set_num_threads(2)  # the module's fixture gives one; it puts its value back
+    runs = [_step(config, batch)[1] for _ in range(3)]
+    assert runs[0]
+    for other in runs[1:]:
+        differ = [n for n, grad in runs[0].items() if not torch.equal(other[n], grad)]
+        assert not differ, f"gradients differ between identical steps: {differ}"
