@@ -22,6 +22,7 @@ ratios rollouts / TRL in samples/s; with --rounds > 1 the medians over rounds fo
 (issue 29): sync >= 1.2x TRL, async >= 1.5x TRL. Timings mean something only on a quiet machine.
 
     python scripts/bench_trl.py --case A|B [--steps 6] [--warmup 2] [--rounds 3]
+                                [--trl-precision default|fp32]
                                 [--systems trl,sync,async] [--model DIR] [--work DIR]
                                 [--set KEY=VALUE ...]   # the rollouts runs' config
 """
@@ -201,6 +202,7 @@ def run_trl(case: Case, args: argparse.Namespace, run_dir: Path) -> list[dict]:
         "steps": args.warmup + args.steps,
         "seed": config.run.seed,
         "dtype": config.model.dtype if config.model.dtype != "auto" else "float32",
+        "bf16": None if args.trl_precision == "default" else False,
     }
     (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
@@ -208,7 +210,7 @@ def run_trl(case: Case, args: argparse.Namespace, run_dir: Path) -> list[dict]:
     command = [str(TRL_PYTHON), "scripts/trl_worker.py", str(run_dir / "spec.json")]
     run_logged([*command, str(run_dir / "result.json")], run_dir.with_suffix(".log"), env)
     result = json.loads((run_dir / "result.json").read_text())
-    args.trl_info = {k: result[k] for k in ("torch_threads", "versions", "dtype")}
+    args.trl_info = {k: result[k] for k in ("torch_threads", "versions", "dtype", "bf16_autocast")}
     return [
         {
             "samples": result["samples_per_step"],
@@ -278,6 +280,12 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="a subset of trl,sync,async")
     parser.add_argument("--model", default="", help="an HF model directory for the case's own")
     parser.add_argument("--work", default="", help="keep runs and logs here (default: a tmp dir)")
+    parser.add_argument(
+        "--trl-precision",
+        choices=["default", "fp32"],
+        default="default",
+        help="TRL at its own default (bf16 autocast on CPU) or in fp32 (bf16=False)",
+    )
     parser.add_argument(
         "--set",
         action="append",

@@ -117,6 +117,7 @@ def grpo_config(spec: dict[str, Any], out_dir: Path) -> trl.GRPOConfig:
         seed=spec["seed"],
         model_init_kwargs={"dtype": spec["dtype"]},
         use_cpu=True,
+        **({} if spec.get("bf16") is None else {"bf16": spec["bf16"]}),
         logging_steps=1,
         save_strategy="no",
         report_to="none",
@@ -175,6 +176,7 @@ def main(spec_path: Path, result_path: Path) -> None:
             "torch": torch.__version__,
         },
         "dtype": str(next(trainer.model.parameters()).dtype),
+        "bf16_autocast": bool(trainer.args.bf16),
     }
     result_path.write_text(json.dumps(result, indent=1))
 
