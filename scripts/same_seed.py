@@ -9,12 +9,12 @@ writes OUT_DIR/comparable.json: every line of sft_metrics.jsonl and metrics.json
 timings (seconds, rates, engine load). `diff` compares two of them and prints every key that
 differs, with the largest absolute difference. The one figure that is not bit-equal between runs is
 `train/logprob_mismatch`: the built-in engine batches requests as they arrive, and a row's floats
-depend on its batch (the demo's RL engine runs bf16: two runs of one commit differ by up to 1.1e-5
-in it); `diff` reports it apart, within BATCH_FLOATS, and exits 1 only on other differences:
-every other key (losses, rewards, eval, KL) must be equal. `--forkserver` runs it as the test suite
-does: its engines and trainer process forked by two forkservers (`rollouts/forkserver/`; one
-torch thread a process, `OMP_NUM_THREADS=1`, which the servers need: compare with a run that has
-it too).
+depend on its batch (on a CPU with bf16 units the demo's RL engine runs bf16: two runs of one commit
+differed by up to 1.1e-5 in it; in fp32 they were equal); `diff` reports it apart, within
+BATCH_FLOATS, and exits 1 only on other differences: every other key (losses, rewards, eval, KL)
+must be equal. `--forkserver` runs it as the test suite does: its engines and trainer process forked
+by two forkservers (`rollouts/forkserver/`; one torch thread a process, `OMP_NUM_THREADS=1`, which
+the servers need: compare with a run that has it too).
 """
 
 from __future__ import annotations
