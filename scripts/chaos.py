@@ -74,6 +74,8 @@ from chaos_runs import (
     wait_for_clean,
 )
 
+from rollouts.forkserver import ForkedProcess, popen
+
 STOP_ON_DISK_FULL_S = 180.0  # a run on a full disk must stop (with its error) within this
 GONE_S = 20.0  # a dead driver's children (engines, trainer) must be gone within this
 MAX_FAILED_STARTS = 3  # a run that fails this often in a row, with no fault, ends the chaos run
@@ -88,7 +90,7 @@ class Chaos:
         self.ckpt_root = self.run_dir / "checkpoints" / "rl"
         self.tag = f"chaos-{args.seed}-{uuid.uuid4().hex[:8]}"
         self.rng = random.Random(args.seed + 1)
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | ForkedProcess | None = None
         self.runs: list[dict[str, Any]] = []
         self.injected: list[dict[str, Any]] = []
         self.findings: list[str] = []
@@ -107,10 +109,8 @@ class Chaos:
         log.parent.mkdir(parents=True, exist_ok=True)
         command = train_command(self.args.config, sets) + resume
         env = dict(os.environ, **{TAG_VAR: self.tag})
-        with log.open("w") as out:
-            self.proc = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env
-            )
+        with log.open("w") as out:  # forked where a forkserver runs (the test suite's)
+            self.proc = popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         self.runs.append({"log": str(log), "args": resume, "from_step": self.last_step()})
         self.fallback = []
 

@@ -1,8 +1,9 @@
 """A test's run of a program of this project (`train.py`, `python -m rollouts...`), forked by the
 suite's forkserver where there is one (tests/conftest.py; `rollouts/forkserver/`): `run` is
 `subprocess.run(argv, capture_output=True, text=True, ...)` without the seconds of imports a fresh
-interpreter spends. Where no server forks it (none, or the environment differs in a variable read
-at import time), a fresh process runs it, as before."""
+interpreter spends; `popen` is `subprocess.Popen`'s (`rollouts.forkserver.popen`). Where no
+server forks it (none, or the environment differs in a variable read at import time), a fresh
+process runs it, as before."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from rollouts.forkserver import fork
+from rollouts.forkserver import fork, popen
+
+__all__ = ["popen", "run"]
 
 
 def run(

@@ -8,6 +8,6 @@ Opt-in: `ROLLOUTS_FORKSERVER=<socket path>` in the environment (the test suite s
 none, or when it refuses. `client.py` is the asking side, `server.py` the server.
 """
 
-from rollouts.forkserver.client import ENV_VAR, ForkedProcess, Refused, fork, start_server
+from rollouts.forkserver.client import ENV_VAR, ForkedProcess, Refused, fork, popen, start_server
 
-__all__ = ["ENV_VAR", "ForkedProcess", "Refused", "fork", "start_server"]
+__all__ = ["ENV_VAR", "ForkedProcess", "Refused", "fork", "popen", "start_server"]

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +105,14 @@ def fork(
     fds: Mapping[int, int],
     path: str | None = None,
     cwd: str | None = None,
+    new_session: bool = False,
 ) -> ForkedProcess | None:
-    """`argv` (this interpreter, then `-m MODULE` or a script, then its arguments) forked by a
-    server at `path` (default: `$ROLLOUTS_FORKSERVER`; several, separated by `os.pathsep`, are
-    asked in turn: servers of different environments), with `env`, `cwd` (default: ours), this
-    process's CPU affinity and umask, and `fds` (the program's fd -> ours: 0, 1 and 2 at least;
-    ours stay open here). None when there is no server or every one refuses."""
+    """`argv` (this interpreter, optionally `-u`, then `-m MODULE` or a script, then its
+    arguments) forked by a server at `path` (default: `$ROLLOUTS_FORKSERVER`; several, separated
+    by `os.pathsep`, are asked in turn: servers of different environments), with `env`, `cwd`
+    (default: ours), this process's CPU affinity and umask, `fds` (the program's fd -> ours: 0, 1
+    and 2 at least; ours stay open here), in a session of its own if `new_session`. None when
+    there is no server or every one refuses."""
     paths = [p for p in (path or os.environ.get(ENV_VAR, "")).split(os.pathsep) if p]
     umask = os.umask(0o22)
     os.umask(umask)
@@ -120,6 +123,7 @@ def fork(
         "fds": list(fds),
         "affinity": sorted(os.sched_getaffinity(0)),
         "umask": umask,
+        "new_session": new_session,
     }
     refusals = []
     for server in paths:
@@ -134,6 +138,48 @@ def fork(
     if refusals:
         log.info("forkservers refused (%s); starting a fresh process", "; ".join(refusals))
     return None
+
+
+def popen(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    stdout: Any = None,
+    stderr: Any = None,
+    start_new_session: bool = False,
+) -> ForkedProcess | subprocess.Popen:
+    """`subprocess.Popen(argv, env=, cwd=, stdout=, stderr=, start_new_session=)`, forked by a
+    server where one takes it (`fork`), a fresh process otherwise. stdout and stderr: None (ours),
+    a file object or descriptor, `subprocess.DEVNULL`, or (stderr) `subprocess.STDOUT`; a
+    `subprocess.PIPE` always starts a fresh process (a ForkedProcess has no pipes)."""
+    env = dict(os.environ if env is None else env)
+    fresh = dict(env=env, cwd=cwd, stdout=stdout, stderr=stderr)
+    if subprocess.PIPE in (stdout, stderr) or not os.environ.get(ENV_VAR):
+        return subprocess.Popen(list(argv), start_new_session=start_new_session, **fresh)
+    opened: list[int] = []
+
+    def fd_of(target: Any, default: int) -> int:
+        if target is None:
+            return default
+        if target == subprocess.DEVNULL:
+            opened.append(os.open(os.devnull, os.O_RDWR))
+            return opened[-1]
+        return target if isinstance(target, int) else target.fileno()
+
+    try:
+        out = fd_of(stdout, 1)
+        err = out if stderr == subprocess.STDOUT else fd_of(stderr, 2)
+        cwd_s = None if cwd is None else os.path.abspath(cwd)
+        proc = fork(
+            list(argv), env, {0: 0, 1: out, 2: err}, cwd=cwd_s, new_session=start_new_session
+        )
+    finally:
+        for fd in opened:
+            os.close(fd)
+    if proc is None:
+        return subprocess.Popen(list(argv), start_new_session=start_new_session, **fresh)
+    return proc
 
 
 def _ask(path: str, request: dict, fds: list[int]) -> ForkedProcess:

@@ -11,6 +11,9 @@ makes it the program a fresh `python -m MODULE ...` or `python SCRIPT ...` would
   padding, and a `PYTHONPATH` entry holding a module the server imported from elsewhere. Not
   compared: the variables the server's imports set themselves (torch's inductor cache
   directory), and `HF_HUB_DISABLE_PROGRESS_BARS`, applied again in the program as an import would;
+- `-u` (the one interpreter option taken) and `PYTHONUNBUFFERED` give it unbuffered stdout and
+  stderr, as the interpreter does (torchrun starts its ranks with `-u`); a request may ask for a
+  session of its own (`subprocess.Popen(start_new_session=True)`);
 - `random` and numpy's global generator are reseeded from the OS as a fresh process's are;
   torch's default generator has not been used in the server (its fixed starting seed).
 
@@ -26,6 +29,7 @@ import contextlib
 import ctypes
 import fcntl
 import importlib
+import io
 import json
 import os
 import runpy
@@ -46,6 +50,7 @@ IMPORT_TIME = (
     "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "SAFETENSORS_", "XDG_", "TMPDIR",
 )  # fmt: skip
 PROGRESS_BARS = "HF_HUB_DISABLE_PROGRESS_BARS"  # read at import, set again in each program
+UNBUFFERED = "PYTHONUNBUFFERED"  # read at start-up only: applied in each program (`unbuffered`)
 ENV_ROOM = "ROLLOUTS_FORKSERVER_ENV_ROOM"  # padding in the server's environment (see `become`)
 PATH_VAR = "PYTHONPATH"  # may differ: its entries go on sys.path in the program
 PR_SET_PDEATHSIG = 1
@@ -127,14 +132,16 @@ class Server:
         argv = request["argv"]
         if len(argv) < 2 or argv[0] != sys.executable:
             raise Refused(f"forks this interpreter ({sys.executable}) only, not {argv[:1]}")
-        if argv[1].startswith("-") and (argv[1] != "-m" or len(argv) < 3):
-            raise Refused(f"runs `-m MODULE` or a script, without interpreter options: {argv[1]}")
+        args = program_args(argv)
+        if not args or (args[0].startswith("-") and (args[0] != "-m" or len(args) < 2)):
+            option = args[0] if args else "-u"
+            raise Refused(f"runs `-m MODULE` or a script, without interpreter options: {option}")
         theirs = {
             k: v
             for k, v in import_env(request["env"]).items()
-            if k not in (PROGRESS_BARS, PATH_VAR) and self.by_import.get(k) != v
+            if k not in (PROGRESS_BARS, PATH_VAR, UNBUFFERED) and self.by_import.get(k) != v
         }
-        mine = {k: v for k, v in self.env.items() if k != PATH_VAR}
+        mine = {k: v for k, v in self.env.items() if k not in (PATH_VAR, UNBUFFERED)}
         if theirs != mine:
             changed = sorted(k for k in theirs.keys() | mine.keys() if theirs.get(k) != mine.get(k))
             raise Refused(f"the environment differs in {changed}, read at import time")
@@ -168,12 +175,14 @@ class Server:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
             if os.getppid() != parent:
                 os._exit(1)  # the server died before the signal was set
+            if request.get("new_session"):
+                os.setsid()
             for fd in [conn.fileno(), *(k.fd for k in self.selector.get_map().values())]:
                 os.close(fd)  # the server's sockets and pidfds: the program holds none
             self.selector.close()
             place_fds(request["fds"], fds)
             become(request)
-            code = run_program(request["argv"][1:])
+            code = run_program(program_args(request["argv"]))
         except BaseException:
             traceback.print_exc()
         finally:
@@ -181,6 +190,11 @@ class Server:
                 sys.stdout.flush()
                 sys.stderr.flush()
             os._exit(code)
+
+
+def program_args(argv: Sequence[str]) -> list[str]:
+    """What follows the interpreter in `argv`, without a leading `-u` (`become` applies it)."""
+    return list(argv[2:] if argv[1:2] == ["-u"] else argv[1:])
 
 
 def read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
@@ -274,16 +288,35 @@ def become(request: dict[str, Any]) -> None:
     os.umask(request["umask"])
     os.sched_setaffinity(0, request["affinity"])
     overwrite("arg", request["argv"])
-    argv = request["argv"]
-    first = request["cwd"] if argv[1] == "-m" else os.path.dirname(os.path.realpath(argv[1]))
+    args = program_args(request["argv"])
+    first = request["cwd"] if args[0] == "-m" else os.path.dirname(os.path.realpath(args[0]))
     extra = [p for p in request["env"].get(PATH_VAR, "").split(os.pathsep) if p]
     sys.path[:1] = [first, *(p for p in extra if p not in sys.path)]
-    sys.stdout.reconfigure(line_buffering=os.isatty(1))  # as a fresh one finds its stdout
+    stdio(unbuffered=request["argv"][1] == "-u" or bool(request["env"].get(UNBUFFERED)))
     if "huggingface_hub" in sys.modules:
         progress_bars_as_imported(request["env"].get(PROGRESS_BARS))
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()  # from the OS, as at a fresh import
     atexit._clear()
+
+
+def stdio(unbuffered: bool) -> None:
+    """stdout and stderr as the interpreter makes them at start-up (whatever the server's were):
+    with `-u` or `PYTHONUNBUFFERED`, text written through to the descriptor at each write;
+    otherwise buffered, a line at a time on a terminal (and stderr always)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        stream.flush()
+        raw = io.FileIO(stream.fileno(), "w", closefd=False)
+        lines = not unbuffered and (name == "stderr" or raw.isatty())
+        text = io.TextIOWrapper(
+            raw if unbuffered else io.BufferedWriter(raw),
+            stream.encoding,
+            stream.errors,
+            line_buffering=lines,
+            write_through=unbuffered,
+        )
+        setattr(sys, name, text)
 
 
 def progress_bars_as_imported(value: str | None) -> None:

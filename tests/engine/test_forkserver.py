@@ -31,7 +31,7 @@ from rollouts.engine.launch import (
     spawn,
     start_engine_sync,
 )
-from rollouts.forkserver import ENV_VAR, ForkedProcess, fork, start_server
+from rollouts.forkserver import ENV_VAR, ForkedProcess, fork, popen, start_server
 from rollouts.trainer.process import TrainerProcess
 from tests.training.backend_helpers import LENGTHS, make_batch, nll_loss, tiny_config
 
@@ -273,3 +273,47 @@ def test_a_temp_log_goes_with_an_engine_we_stopped_and_stays_when_it_crashed(
     crashed.discard_log()
     assert "--cpus" in Path(crashed.log_path).read_text()  # why it exited stays
     Path(crashed.log_path).unlink()
+
+
+UNBUFFERED = textwrap.dedent(
+    """
+    import os, sys, time
+    print("before the wait", os.getsid(0) == os.getpid())  # no flush: -u writes through
+    print("to stderr", file=sys.stderr)
+    time.sleep(60)
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["-u", "PYTHONUNBUFFERED", "buffered"])
+def test_a_forked_program_runs_unbuffered_and_in_its_own_session_as_asked(
+    forkserver: tuple[subprocess.Popen, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    how: str,
+) -> None:
+    """torchrun starts its ranks as `python -u`, tests start runs in sessions of their own
+    (`popen(start_new_session=True)`, then `killpg`): each forked as a fresh one would run."""
+    script = tmp_path / "unbuffered.py"
+    script.write_text(UNBUFFERED)
+    argv = [sys.executable, *(["-u"] if how == "-u" else []), str(script)]
+    env = {k: v for k, v in engine_env().items() if k != "PYTHONUNBUFFERED"}
+    env |= {"PYTHONUNBUFFERED": "1"} if how == "PYTHONUNBUFFERED" else {}
+    monkeypatch.setenv(ENV_VAR, str(forkserver[1] / "engines.sock"))
+    out = tmp_path / "out.log"
+    with out.open("w") as log:
+        proc = popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    assert isinstance(proc, ForkedProcess)
+    try:
+        deadline = time.monotonic() + 30
+        while "to stderr" not in out.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if how == "buffered":  # stdout on a file is block-buffered, as in a fresh interpreter
+            assert out.read_text() == "to stderr\n"
+        else:
+            assert out.read_text() == "before the wait True\nto stderr\n"
+        assert os.getsid(proc.pid) == proc.pid
+        os.killpg(proc.pid, signal.SIGKILL)  # its session's group: the program itself
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        proc.kill()

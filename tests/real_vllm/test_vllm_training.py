@@ -9,13 +9,13 @@ servers) and on tied ones (the tiny tied model, SmolLM2-135M).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from rollouts.data.arithmetic import write_demo_datasets
+from tests import programs
 from tests.real_vllm.conftest import VLLMServer
 from tests.toml_config import write_config
 
@@ -64,13 +64,10 @@ def _train(
     start_line: str = "serves the trainer's weights",
     mode: str = "rl",
 ) -> list[dict]:
-    done = subprocess.run(
-        [sys.executable, str(TRAIN), "--mode", mode, "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        cwd=ROOT,
-    )
+    # forked by the suite's forkserver (tests/conftest.py): a fresh driver spends about 7
+    # CPU-seconds importing torch and transformers, on the SmolLM2 stream's critical path
+    argv = [sys.executable, str(TRAIN), "--mode", mode, "--config", str(config)]
+    done = programs.run(argv, timeout=timeout_s, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert start_line in done.stdout  # the start check ran
     rows = (config.parent / "run" / "metrics.jsonl").read_text().splitlines()

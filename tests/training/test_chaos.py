@@ -9,12 +9,12 @@ each time); the full run (`scripts/chaos.py`) also kills the trainer process."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import programs
 from tests.training.test_train_e2e import ROOT, _config
 
 pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
@@ -38,7 +38,7 @@ def test_a_short_chaos_run_ends_as_the_unbroken_one(tmp_path: Path) -> None:
     command += ["--set", 'training.trainer_process="off"']
     command += ["--checkpoint-every", "1", "--tmpfs-mb", "32", "--out", str(tmp_path / "chaos")]
     command += ["--timeout-min", "9"]  # it stops (and cleans up) before the test's bound
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    done = programs.run(command, timeout=600, cwd=ROOT, env=env)  # forked, as its train.py runs
     report = done.stdout[-6000:] + done.stderr[-3000:]
     assert done.returncode == 0, report
     assert "FAIL" not in done.stdout, report

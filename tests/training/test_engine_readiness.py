@@ -16,6 +16,7 @@ from rollouts.inference.http import EngineUnavailable
 from rollouts.inference.readiness import wait_until_ready
 from rollouts.inference.sglang import SGLangEngine
 from rollouts.wire.ports import free_port
+from tests import programs
 
 from .test_train_e2e import ROOT, TRAIN, _config, _steps
 
@@ -44,9 +45,7 @@ def test_a_run_pointed_at_a_late_server_waits_then_trains(tmp_path: Path) -> Non
     log = tmp_path / "train.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1")  # the waiting line reaches the log at once
     with log.open("w") as out:
-        run = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, env=env
-        )
+        run = programs.popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
     server = None
     try:
         base = tmp_path / "base" / "config.json"  # the run builds its tiny base model first

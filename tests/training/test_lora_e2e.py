@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from tests import programs
 from tests.training.test_train_e2e import ROOT, TRAIN, _config, _order, _steps, _train
 
 pytestmark = pytest.mark.slow  # scheduled first: see tests/conftest.py
@@ -41,7 +42,7 @@ def _adapter(run: Path, step: int) -> dict:
 def _kill_after(config: Path, run: Path, lines: int) -> None:
     """train.py started, SIGKILLed (with its engines) once metrics.jsonl has `lines` lines."""
     cmd = [sys.executable, str(TRAIN), "--mode", "rl", "--config", str(config)]
-    proc = subprocess.Popen(
+    proc = programs.popen(
         cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     deadline = time.monotonic() + 180

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import programs
 from tests.training.test_engine_failover import server_pids, wait_gone
 from tests.training.test_train_e2e import ROOT, _config, _expected_order, _order, _steps, _train
 
@@ -28,7 +29,7 @@ def _run_until_killed(config: Path, run: Path, marker: str, log: Path) -> tuple[
     """train.py until step 2 is logged, then SIGKILL its only engine; its exit code and the
     seconds from the kill to its exit."""
     with log.open("w") as out:
-        train = subprocess.Popen(
+        train = programs.popen(
             [sys.executable, str(TRAIN), "--mode", "rl", "--config", str(config)],
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -154,7 +154,7 @@ def test_sigkill_mid_run_then_resume_continues_exactly(tmp_path: Path) -> None:
     sources = _mixture(tmp_path, config)
     run = tmp_path / "run"
     cmd = [sys.executable, str(TRAIN), "--mode", "sft+rl", "--config", str(config)]
-    proc = subprocess.Popen(
+    proc = programs.popen(
         cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     deadline = time.monotonic() + 120

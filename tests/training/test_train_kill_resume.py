@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from rollouts.weights.copies import run_sync_root
+from tests import programs
 from tests.training.test_engine_failover import server_pids, wait_gone
 from tests.training.test_train_e2e import ROOT, _config, _steps, _train
 
@@ -108,7 +109,7 @@ def test_an_engine_killed_mid_run_costs_no_step(tmp_path: Path) -> None:
     log = tmp_path / "train.log"
     cmd = [sys.executable, str(ROOT / "integration_training" / "train.py"), "--mode", "rl"]
     with log.open("w") as out:
-        train = subprocess.Popen(
+        train = programs.popen(
             [*cmd, "--config", str(config)],
             stdout=out,
             stderr=subprocess.STDOUT,
