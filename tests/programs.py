@@ -15,7 +15,11 @@ from pathlib import Path
 
 from rollouts.forkserver import fork, popen
 
-__all__ = ["popen", "run"]
+__all__ = ["FORKED_RANK", "popen", "run"]
+
+# before a torchrun command's `-m MODULE`: each rank forked behind `rollouts.forkserver.proxy`
+# (torchrun holds the proxy as the rank's process; without a server it becomes the rank, fresh)
+FORKED_RANK = ("-m", "rollouts.forkserver.proxy")
 
 
 def run(

@@ -20,6 +20,7 @@ LOCAL_WORLD_SIZE shares this node's cores (`local_world_size`).
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import sys
@@ -27,6 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from rollouts.config import Config
+from rollouts.forkserver.client import ENV_VAR as FORKSERVER_VAR
 
 SLURM_GUIDE = "docs/scaling.md"
 
@@ -37,6 +39,8 @@ def torchrun_command(args: argparse.Namespace, config: Config) -> list[str]:
 
     It runs `-m rollouts.cli train`, so train.py and the `rollouts train` console script both
     re-launch the same way; the ranks get the resolved process counts and the FSDP backend.
+    Where a forkserver runs (`$ROLLOUTS_FORKSERVER`, the test suite's), each rank is forked by it
+    behind `rollouts.forkserver.proxy`, which torchrun holds as the rank's process.
     """
     t = config.training
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
@@ -48,6 +52,8 @@ def torchrun_command(args: argparse.Namespace, config: Config) -> list[str]:
         cmd.append(f"--rdzv-id={config.run.name}")
         if args.node_rank >= 0:
             cmd.append(f"--node-rank={args.node_rank}")
+    if os.environ.get(FORKSERVER_VAR):  # each rank forked by the forkserver (the test suite's)
+        cmd += ["-m", "rollouts.forkserver.proxy"]
     cmd += ["-m", "rollouts.cli", "train", "--mode", args.mode, "--config", args.config]
     for override in args.overrides:
         cmd += ["--set", override]

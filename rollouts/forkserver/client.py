@@ -64,6 +64,12 @@ class ForkedProcess:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self._pidfd, sig)
 
+    def forward(self, sig: int) -> None:
+        """`send_signal` without waiting for the exit report's lock: safe in a signal handler
+        that interrupted `wait` (a program that ended meanwhile is not signalled)."""
+        with contextlib.suppress(ProcessLookupError, OSError):
+            signal.pidfd_send_signal(self._pidfd, sig)
+
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
 

@@ -50,6 +50,8 @@ IMPORT_TIME = (
     "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "SAFETENSORS_", "XDG_", "TMPDIR",
 )  # fmt: skip
 PROGRESS_BARS = "HF_HUB_DISABLE_PROGRESS_BARS"  # read at import, set again in each program
+# set by torchrun for each rank and read only when torch.distributed runs, never at import
+RUNTIME_ONLY = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 UNBUFFERED = "PYTHONUNBUFFERED"  # read at start-up only: applied in each program (`unbuffered`)
 ENV_ROOM = "ROLLOUTS_FORKSERVER_ENV_ROOM"  # padding in the server's environment (see `become`)
 PATH_VAR = "PYTHONPATH"  # may differ: its entries go on sys.path in the program
@@ -58,7 +60,9 @@ PR_SET_PDEATHSIG = 1
 
 def import_env(env: Mapping[str, str]) -> dict[str, str]:
     """The variables of `env` that modules read when they are imported."""
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME)}
+    return {
+        k: v for k, v in env.items() if k.startswith(IMPORT_TIME) and not k.startswith(RUNTIME_ONLY)
+    }
 
 
 class Server:

@@ -317,3 +317,49 @@ def test_a_forked_program_runs_unbuffered_and_in_its_own_session_as_asked(
         assert proc.wait(timeout=30) == -signal.SIGKILL
     finally:
         proc.kill()
+
+
+RANK = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
+    print(os.getpid(), os.getppid(), flush=True)
+    time.sleep(60)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "ending", ["SIGTERM to the proxy", "SIGKILL to the program", "SIGKILL to the proxy"]
+)
+def test_a_program_behind_the_proxy_takes_its_signals_and_gives_its_exit(
+    forkserver: tuple[subprocess.Popen, Path], tmp_path: Path, ending: str
+) -> None:
+    """How torchrun holds a forked rank (`rollouts.forkserver.proxy`): the proxy passes SIGTERM
+    on and exits as the program did; a program's death by a signal is the proxy's; a SIGKILLed
+    proxy takes its program with it."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    env = engine_env() | {ENV_VAR: str(forkserver[1] / "engines.sock")}
+    argv = [sys.executable, "-u", "-m", "rollouts.forkserver.proxy", str(script)]
+    proxy = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proxy.stdout is not None
+        pid, parent = map(int, proxy.stdout.readline().split())
+        assert pid != proxy.pid and parent == forkserver[0].pid  # forked by the server
+        if ending == "SIGTERM to the proxy":
+            proxy.send_signal(signal.SIGTERM)
+            assert proxy.wait(timeout=30) == 7
+        elif ending == "SIGKILL to the program":
+            os.kill(pid, signal.SIGKILL)
+            assert proxy.wait(timeout=30) == -signal.SIGKILL
+        else:
+            proxy.kill()
+            proxy.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{pid}").exists(), "the program outlived its proxy"
+    finally:
+        proxy.kill()
+        proxy.wait()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from rollouts.trainer.checkpoint import load_checkpoint, save_checkpoint
 from rollouts.trainer.factories import create_backend
 from rollouts.trainer.pytorch import load_hf_weights
 from rollouts.types import TrainBatch
+from tests import programs
 from tests.training.backend_helpers import LENGTHS, make_batch, one_torch_thread, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,11 +86,12 @@ def test_critic_under_fsdp_matches_one_process(tiny_model_dir: Path, tmp_path: P
     out = tmp_path / "result.pt"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_port", str(_free_port()), "-m", "tests.training.test_critic_fsdp",
+        "--master_port", str(_free_port()),
+        *programs.FORKED_RANK, "-m", "tests.training.test_critic_fsdp",
         str(tiny_model_dir), str(out), str(tmp_path / "ckpt"),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    proc = programs.run(cmd, cwd=REPO, env=env, timeout=180)  # forked, and each rank
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     fsdp = torch.load(out, weights_only=False)
     config = critic_config(tiny_model_dir)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 from rollouts.trainer.checkpoint import load_checkpoint
 from rollouts.trainer.checkpoint_verify import verify_checkpoint
 from rollouts.trainer.factories import create_pytorch_backend
+from tests import programs
 from tests.training.backend_helpers import (
     FSDP_FROZEN,
     LENGTHS,
@@ -45,6 +45,7 @@ def fsdp_result(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         "2",
         "--master_port",
         str(_free_port()),
+        *programs.FORKED_RANK,
         "-m",
         "tests.training.fsdp_worker",
         str(tiny_model_dir),
@@ -52,7 +53,7 @@ def fsdp_result(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         str(tmp / "ckpt"),
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    proc = programs.run(cmd, cwd=REPO, env=env, timeout=180)  # forked, and each rank
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return torch.load(out, weights_only=False) | {"checkpoint": tmp / "ckpt" / "step_000003"}
 

@@ -20,6 +20,7 @@ from rollouts.driver.launch import (
     tasks_per_node,
     torchrun_command,
 )
+from rollouts.forkserver import ENV_VAR
 from rollouts.trainer.mirror import unshared_problem
 
 
@@ -33,12 +34,29 @@ def _training(**training: object) -> object:
     return config_from_dict({"run": {"name": "demo"}, "training": training})
 
 
+@pytest.fixture(autouse=True)
+def _no_forkserver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commands as a user's run makes them (the suite's forkserver puts a proxy first)."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+
+
 def test_one_node_stays_standalone() -> None:
     cmd = torchrun_command(_args("--nproc", "2"), _training(nproc=2))
     assert cmd[1:3] == ["--standalone", "--nproc_per_node=2"]
     assert not any(c.startswith("--nnodes") or c.startswith("--rdzv") for c in cmd)
     assert cmd[cmd.index("-m") + 1 :][:2] == ["rollouts.cli", "train"]
     assert "training.backend=fsdp" in cmd
+
+
+def test_under_a_forkserver_each_rank_is_forked_behind_a_proxy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plain = torchrun_command(_args("--nproc", "2"), _training(nproc=2))
+    monkeypatch.setenv(ENV_VAR, "/tmp/some.sock")
+    cmd = torchrun_command(_args("--nproc", "2"), _training(nproc=2))
+    at = cmd.index("-m")
+    assert cmd[at : at + 4] == ["-m", "rollouts.forkserver.proxy", "-m", "rollouts.cli"]
+    assert cmd[:at] + cmd[at + 2 :] == plain
 
 
 def test_several_nodes_meet_at_the_rendezvous() -> None:

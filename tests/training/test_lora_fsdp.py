@@ -6,7 +6,6 @@ One torchrun run (`fsdp_lora_worker.py`) gives every check its data."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from rollouts.trainer.checkpoint import load_checkpoint
 from rollouts.trainer.factories import create_pytorch_backend
 from rollouts.trainer.lora import ADAPTER_DIR
+from tests import programs
 from tests.training.backend_helpers import (
     lora_config,
     nll_loss,
@@ -40,13 +40,14 @@ def fsdp(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         "2",
         "--master_port",
         str(_free_port()),
+        *programs.FORKED_RANK,
         "-m",
         "tests.training.fsdp_lora_worker",
         str(tiny_model_dir),
         str(out),
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    proc = programs.run(cmd, cwd=REPO, env=env, timeout=180)  # forked, and each rank
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return torch.load(out / "result.pt", weights_only=False) | {"out": out}
 
