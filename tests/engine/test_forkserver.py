@@ -363,3 +363,39 @@ def test_a_program_behind_the_proxy_takes_its_signals_and_gives_its_exit(
     finally:
         proxy.kill()
         proxy.wait()
+
+
+EXITS = textwrap.dedent(
+    """
+    import sys
+    print(sys.argv[1:], flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+    raise SystemExit(int(sys.argv[1]))
+    """
+)
+
+
+def test_popen_forks_what_it_can_and_starts_the_rest_fresh(
+    forkserver: tuple[subprocess.Popen, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`popen` is `subprocess.Popen` for the tests and the chaos run: forked where the server
+    takes it (DEVNULL, a file, stderr into stdout), fresh for a pipe or without a server."""
+    script = tmp_path / "exits.py"
+    script.write_text(EXITS)
+    argv = [sys.executable, str(script), "5", "w"]
+    env = engine_env()
+    monkeypatch.setenv(ENV_VAR, str(forkserver[1] / "engines.sock"))
+    quiet = popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert isinstance(quiet, ForkedProcess) and quiet.wait(timeout=60) == 5
+    out = tmp_path / "out.log"
+    with out.open("w") as log:
+        logged = popen(argv, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    assert isinstance(logged, ForkedProcess) and logged.wait(timeout=60) == 5
+    assert out.read_text() == "['5', 'w']\nto stderr\n"
+    piped = popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert isinstance(piped, subprocess.Popen) and piped.communicate(timeout=60)[0]
+    monkeypatch.delenv(ENV_VAR)
+    fresh = popen(
+        argv, env={k: v for k, v in env.items() if k != ENV_VAR}, stdout=subprocess.DEVNULL
+    )
+    assert isinstance(fresh, subprocess.Popen) and fresh.wait(timeout=60) == 5
