@@ -43,10 +43,7 @@ def main() -> NoReturn:
         os.execv(sys.executable, argv)
     for sig in PASSED_ON:
         signal.signal(sig, lambda sig, _frame: proc.forward(sig))
-    while True:
-        with contextlib.suppress(InterruptedError):
-            code = proc.wait()
-            break
+    code = proc.wait()  # a signal handled meanwhile resumes the wait (PEP 475)
     if code < 0:  # died of a signal: so does this process
         with contextlib.suppress(OSError):  # SIGKILL and SIGSTOP have no handler to reset
             signal.signal(-code, signal.SIG_DFL)

@@ -52,7 +52,7 @@ IMPORT_TIME = (
 PROGRESS_BARS = "HF_HUB_DISABLE_PROGRESS_BARS"  # read at import, set again in each program
 # set by torchrun for each rank and read only when torch.distributed runs, never at import
 RUNTIME_ONLY = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
-UNBUFFERED = "PYTHONUNBUFFERED"  # read at start-up only: applied in each program (`unbuffered`)
+UNBUFFERED = "PYTHONUNBUFFERED"  # read at start-up only: applied in each program (`stdio`)
 ENV_ROOM = "ROLLOUTS_FORKSERVER_ENV_ROOM"  # padding in the server's environment (see `become`)
 PATH_VAR = "PYTHONPATH"  # may differ: its entries go on sys.path in the program
 PR_SET_PDEATHSIG = 1
