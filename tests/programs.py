@@ -14,12 +14,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rollouts.forkserver import fork, popen
+from rollouts.forkserver.client import PROXY
 
 __all__ = ["FORKED_RANK", "popen", "run"]
 
 # before a torchrun command's `-m MODULE`: each rank forked behind `rollouts.forkserver.proxy`
 # (torchrun holds the proxy as the rank's process; without a server it becomes the rank, fresh)
-FORKED_RANK = ("-m", "rollouts.forkserver.proxy")
+FORKED_RANK = PROXY
 
 
 def run(

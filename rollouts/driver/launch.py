@@ -29,6 +29,7 @@ from pathlib import Path
 
 from rollouts.config import Config
 from rollouts.forkserver.client import ENV_VAR as FORKSERVER_VAR
+from rollouts.forkserver.client import PROXY
 
 SLURM_GUIDE = "docs/scaling.md"
 
@@ -53,7 +54,7 @@ def torchrun_command(args: argparse.Namespace, config: Config) -> list[str]:
         if args.node_rank >= 0:
             cmd.append(f"--node-rank={args.node_rank}")
     if os.environ.get(FORKSERVER_VAR):  # each rank forked by the forkserver (the test suite's)
-        cmd += ["-m", "rollouts.forkserver.proxy"]
+        cmd += PROXY
     cmd += ["-m", "rollouts.cli", "train", "--mode", args.mode, "--config", args.config]
     for override in args.overrides:
         cmd += ["--set", override]

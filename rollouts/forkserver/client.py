@@ -29,6 +29,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 ENV_VAR = "ROLLOUTS_FORKSERVER"
+# before a program's `-m MODULE`: forked behind `proxy.py`, for a starter that holds its process
+PROXY = ("-m", "rollouts.forkserver.proxy")
 ARGV_ROOM = 16384  # bytes of padding in the server's argv, for the programs' command lines
 ENV_ROOM = 65536  # and in its environment, for theirs (`/proc/PID/environ` shows each its own)
 LISTEN_TIMEOUT_S = 10.0
